@@ -1,0 +1,40 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is pinned here, not in pyproject: 2.13.0 is the CPU wheel on this machine's disk, while a loose
+# range would pull a CUDA build of several GB. The package itself keeps torch>=2.4.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup dev demo test bench lint clean
+
+$(VENV)/.setup: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.setup
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.setup
+
+dev: $(VENV)/.dev
+
+demo: $(VENV)/.setup
+	$(VENV)/bin/dask-train demo
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.setup
+	$(PY) benchmarks/throughput.py
+
+lint: $(VENV)/.dev
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) demo-output build *.egg-info src/*.egg-info

@@ -1,0 +1,80 @@
+"""One exception root for dask-train, with subclasses a user would also catch by built-in type."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class DaskTrainError(Exception):
+    """Root of every error raised by dask-train."""
+
+
+class InvalidInput(DaskTrainError, ValueError):
+    """One or more arguments or data are invalid; every problem is listed in the message.
+
+    Parameters
+    ----------
+    problems : iterable of str
+        One sentence per problem, each naming the parameter, the value and the fix.
+
+    Examples
+    --------
+    >>> err = InvalidInput(["batch_size=0 is invalid: use an integer >= 1."])
+    >>> err.problems
+    ['batch_size=0 is invalid: use an integer >= 1.']
+    """
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"{len(self.problems)} problems with the input:\n{lines}"
+        super().__init__(message)
+
+
+class ClusterUnreachable(DaskTrainError, TimeoutError):
+    """The Dask scheduler could not be reached within the timeout."""
+
+
+class WorkerLost(DaskTrainError, RuntimeError):
+    """A Dask worker holding a training role left the cluster.
+
+    Parameters
+    ----------
+    message : str
+        What happened and what to do.
+    worker : str
+        The address of the lost worker.
+    role : str
+        The role it held, e.g. ``"worker-0"``.
+    """
+
+    def __init__(self, message: str, *, worker: str = "", role: str = "") -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.role = role
+
+
+class ParameterServerLost(WorkerLost):
+    """The Dask worker holding a parameter-server shard left the cluster."""
+
+
+class TrainingTimeout(DaskTrainError, TimeoutError):
+    """A role did not answer within its timeout."""
+
+
+class RoleFailed(DaskTrainError, RuntimeError):
+    """A role raised an exception on its worker; the original is chained as ``__cause__``."""
+
+
+__all__ = [
+    "ClusterUnreachable",
+    "DaskTrainError",
+    "InvalidInput",
+    "ParameterServerLost",
+    "RoleFailed",
+    "TrainingTimeout",
+    "WorkerLost",
+]
