@@ -1,0 +1,34 @@
+"""Shared fixtures: one real LocalCluster (processes) for the whole session, and a fixed seed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    # Processes, not threads: the roles start torch and RPC handlers inside real worker processes, as
+    # they would on a real cluster. Two workers match the 2-core CI machine.
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    with Client(cluster) as client:
+        yield client
