@@ -1,0 +1,56 @@
+"""dask-train: train machine-learning models on a Dask cluster.
+
+Examples
+--------
+>>> import dask_train as dt
+>>> client = dt.connect()                                   # doctest: +SKIP
+>>> X, y = dt.datasets.digits(n_samples=1_100_000)          # doctest: +SKIP
+"""
+
+from dask_train import datasets
+from dask_train.cluster import Roles, connect, start_roles
+from dask_train.control import (
+    Callback,
+    EarlyStopping,
+    FitResult,
+    History,
+    StopAfter,
+    StopAtScore,
+    StopAtStep,
+    StopCondition,
+    Trainer,
+)
+from dask_train.errors import (
+    ClusterUnreachable,
+    DaskTrainError,
+    InvalidInput,
+    ParameterServerLost,
+    RoleFailed,
+    TrainingTimeout,
+    WorkerLost,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "ClusterUnreachable",
+    "DaskTrainError",
+    "EarlyStopping",
+    "FitResult",
+    "History",
+    "InvalidInput",
+    "ParameterServerLost",
+    "RoleFailed",
+    "Roles",
+    "StopAfter",
+    "StopAtScore",
+    "StopAtStep",
+    "StopCondition",
+    "Trainer",
+    "TrainingTimeout",
+    "WorkerLost",
+    "connect",
+    "datasets",
+    "start_roles",
+]

@@ -1,0 +1,7 @@
+"""Cluster layer: connecting, placing roles on Dask workers, per-worker state."""
+
+from dask_train.cluster._connect import connect
+from dask_train.cluster._plugin import DaskTrainPlugin, worker_state
+from dask_train.cluster._roles import Roles, plan_roles, start_roles
+
+__all__ = ["DaskTrainPlugin", "Roles", "connect", "plan_roles", "start_roles", "worker_state"]

@@ -1,0 +1,277 @@
+"""``Trainer``: the user's entry point for training a torch module on a Dask cluster."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from distributed import Client
+
+from dask_train.cluster._roles import Roles, ensure_plugin, plan_roles
+from dask_train.control._job import JobSpec, history, run_job
+from dask_train.control._progress import Progress
+from dask_train.control._result import FitResult
+from dask_train.control._validate import (
+    check_data,
+    check_labels,
+    check_module_output,
+    check_settings,
+    check_validation,
+)
+from dask_train.control.callbacks import Callback, run_callbacks
+from dask_train.control.stop import StopCondition
+from dask_train.data._blocks import as_dask_array, persist_blocks
+from dask_train.errors import InvalidInput
+from dask_train.models import CLASSIFICATION_LOSSES, flatten_parameters
+
+
+class Trainer:
+    """Train a torch module on a Dask cluster with asynchronous parameter servers.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model; it is copied, never modified in place. ``fit`` returns the trained copy.
+    loss : {"cross_entropy", "nll", "mse", "l1"}
+    optimizer : {"adam", "sgd", "adamw", "rmsprop", "adagrad"}
+        Applied on the parameter servers, which hold its state.
+    lr : float
+        Learning rate.
+    optimizer_options : mapping, optional
+        Extra optimizer arguments, e.g. ``{"momentum": 0.9}`` for SGD.
+    strategy : {"async-ps"}
+        Asynchronous parameter-server training.
+    ps : int
+        Parameter servers; the flat parameters are split into this many balanced shards.
+    workers : int
+        Trainers. Each reads the blocks that live on its Dask worker first.
+    scorer : {0, 1}
+        A scorer evaluates ``validation`` every ``score_every`` seconds (needs ``validation``).
+    batch_size : int
+    epochs : int
+        Passes over the data; the job ends after the last unless a stop condition fires first.
+    stop : sequence of StopCondition
+        ``StopAtScore``, ``StopAtStep``, ``StopAfter``, ``EarlyStopping``; the first to fire wins.
+    callbacks : sequence of Callback
+    score_every : float
+        Seconds between scores.
+    shuffle : bool
+        Shuffle block order and rows within blocks, per epoch, seeded by ``seed``.
+    seed : int
+    prefetch : bool
+        Overlap each push/pull with the next batch's computation (one step of extra staleness).
+        ``False`` gives a plain sequential loop.
+    blocks_ahead : int
+        Blocks queued per trainer beyond the one being read: the bound of the feed queue.
+    timeout : float
+        Seconds any single wait may take (a role starting, data arriving, a reply) before the job
+        fails with :class:`~dask_train.errors.TrainingTimeout` instead of hanging.
+    progress : bool
+        Show a progress bar with the live score.
+    client : distributed.Client, optional
+        Defaults to the current client, or an embedded cluster from :func:`dask_train.connect`.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    >>> trainer = Trainer(net, lr=1e-3, ps=1, workers=2, stop=[StopAtScore("accuracy", 0.95)])
+    >>> result = trainer.fit(X, y, validation=(Xv, yv))        # doctest: +SKIP
+    >>> result.history.tail(1)                                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        loss: str = "cross_entropy",
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        optimizer_options: Mapping[str, Any] | None = None,
+        strategy: str = "async-ps",
+        ps: int = 1,
+        workers: int = 2,
+        scorer: int = 1,
+        batch_size: int = 128,
+        epochs: int = 1,
+        stop: Sequence[StopCondition] | StopCondition | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        score_every: float = 1.0,
+        shuffle: bool = True,
+        seed: int = 0,
+        prefetch: bool = True,
+        blocks_ahead: int = 2,
+        timeout: float = 60.0,
+        progress: bool = True,
+        client: Client | None = None,
+    ) -> None:
+        self.module = module
+        self.loss = loss
+        self.optimizer = optimizer
+        self.lr = lr
+        self.optimizer_options = dict(optimizer_options or {})
+        self.strategy = strategy
+        self.ps = ps
+        self.workers = workers
+        self.scorer = scorer
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.stop = [stop] if isinstance(stop, StopCondition) else list(stop or [])
+        self.callbacks = list(callbacks or [])
+        self.score_every = score_every
+        self.shuffle = shuffle
+        self.seed = seed
+        self.prefetch = prefetch
+        self.blocks_ahead = blocks_ahead
+        self.timeout = timeout
+        self.progress = progress
+        self.client = client
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Hyper-parameters by name, as scikit-learn estimators report them."""
+        code = Trainer.__init__.__code__
+        names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        return {name: getattr(self, name) for name in names}
+
+    def set_params(self, **params: Any) -> Trainer:
+        """Set hyper-parameters by name; unknown names raise :class:`InvalidInput`."""
+        known = self.get_params()
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise InvalidInput(
+                [f"{name}= is not a Trainer parameter: use one of {sorted(known)}." for name in unknown]
+            )
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def fit(self, X: Any, y: Any, validation: tuple[Any, Any] | None = None) -> FitResult:
+        """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
+
+        Parameters
+        ----------
+        X : dask.array.Array or dask.dataframe.DataFrame
+            Training inputs, rows are samples. In-memory arrays are wrapped in dask arrays.
+        y : dask.array.Array or dask.dataframe.Series
+            Labels (classification) or targets, one per row of X.
+        validation : (array, array), optional
+            Held-out data the scorer evaluates; required for score-based stop conditions.
+
+        Raises
+        ------
+        InvalidInput
+            Every problem with the arguments and data at once, before any training starts.
+        """
+        X, y = as_dask_array(X), as_dask_array(y)
+        validation = _materialize(validation)
+        self._validate(X, y, validation)
+        client = self._client()
+        spec = self._spec()
+        X = X.astype(np.float32) if X.dtype != np.float32 else X
+        blocks = client.sync(persist_blocks, client, X, y)
+        if self.loss in CLASSIFICATION_LOSSES:
+            low, high = blocks.label_range
+            n_out = int(self.module(torch.zeros((1, *X.shape[1:]))).shape[1])
+            problems = check_labels(int(low), int(high), n_out, self.loss)
+            if problems:
+                raise InvalidInput(problems)
+        roles = self._roles(client, has_validation=validation is not None)
+        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
+        with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
+            started = time.time()
+            ctl, final, trainers, params = client.sync(
+                run_job, client, spec, roles, blocks, validation, progress
+            )
+            progress.close(ctl.stopped_by)
+        result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
+        run_callbacks(self.callbacks, "on_fit_end", result)
+        return result
+
+    def _validate(self, X: Any, y: Any, validation: Any) -> None:
+        settings = self.get_params()
+        settings["stop"], settings["callbacks"] = self.stop, self.callbacks
+        problems = check_settings(settings)
+        problems += check_data(X, y)
+        problems += check_validation(validation, X)
+        needs_scores = [c for c in self.stop if hasattr(c, "metric")]
+        if validation is None and needs_scores:
+            problems.append(
+                f"stop={needs_scores!r} needs scores: pass validation=(X_val, y_val) to fit."
+            )
+        if not problems and isinstance(self.module, torch.nn.Module):
+            problems += check_module_output(self.module, X, y, self.loss)
+        if problems:
+            raise InvalidInput(problems)
+
+    def _client(self) -> Client:
+        if self.client is not None:
+            return self.client
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except ValueError:  # no client yet: the embedded default
+            from dask_train.cluster import connect
+
+            self.client = connect()
+            return self.client
+
+    def _spec(self) -> JobSpec:
+        return JobSpec(
+            module=copy.deepcopy(self.module),
+            n_params=int(flatten_parameters(self.module).numel()),
+            loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
+            optimizer_options=self.optimizer_options, batch_size=self.batch_size,
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=self.prefetch,
+            blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
+            timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
+            progress=self.progress,
+        )
+
+    def _roles(self, client: Client, *, has_validation: bool) -> Roles:
+        ensure_plugin(client)
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        threads = {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+        scorer = self.scorer if has_validation else 0
+        return Roles(plan_roles(threads, ps=self.ps, worker=self.workers, scorer=scorer))
+
+    def _result(
+        self, ctl: Any, final: Any, trainers: list[dict[str, Any]], params: np.ndarray,
+        roles: Roles, *, wall_s: float,
+    ) -> FitResult:
+        from dask_train.models import FlatModel
+
+        model = copy.deepcopy(self.module)
+        flat = FlatModel(model)
+        flat.set_flat(params)
+        # Detach the parameters from the shared flat buffer so the result is an ordinary module.
+        for p in flat.params:
+            p.data = p.data.clone()
+        steps = int(final["step"]) if final else sum(t["steps"] for t in trainers)
+        samples = int(final["samples"]) if final else sum(t["samples"] for t in trainers)
+        return FitResult(
+            model=model, history=history(ctl), stopped_by=ctl.stopped_by, steps=steps,
+            samples=samples, epochs_completed=ctl.ledger.epochs_completed, wall_s=wall_s,
+            ledger=pd.DataFrame(ctl.ledger.records()), roles=roles, trainers=trainers,
+        )
+
+
+def _materialize(validation: Any) -> tuple[np.ndarray, np.ndarray] | Any:
+    """Validation data as numpy (small by nature: the scorer holds it in memory)."""
+    if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
+        return validation
+    out = []
+    for part in validation:
+        compute = getattr(part, "compute", None)
+        part = compute() if callable(compute) else part
+        out.append(np.ascontiguousarray(np.asarray(part)))
+    xv, yv = out
+    if xv.dtype != np.float32 and np.issubdtype(xv.dtype, np.number):
+        xv = xv.astype(np.float32)
+    return xv, yv
+
+

@@ -1,0 +1,125 @@
+"""Callbacks: a base class of no-op ``on_*`` hooks the controller calls during ``fit``.
+
+A hook that returns True asks the job to stop; stopping is that returned decision, never an
+exception. :func:`run_callbacks` calls one hook on every callback and reports whether any asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dask_train.errors import InvalidInput
+
+HOOKS = ("on_fit_start", "on_score", "on_epoch_end", "on_fit_end")
+
+
+class Callback:
+    """Base class for callbacks; every hook is a no-op, override the ones you need.
+
+    Examples
+    --------
+    >>> class StopOnBadLoss(Callback):
+    ...     def on_score(self, record):
+    ...         return record.get("loss", 0.0) > 100.0
+    >>> StopOnBadLoss().on_score({"loss": 1e6})
+    True
+    """
+
+    def on_fit_start(self, info: Mapping[str, Any]) -> None:
+        """Called once before training starts with a description of the job."""
+
+    def on_score(self, record: Mapping[str, Any]) -> bool | None:
+        """Called with each new score record; return True to ask the job to stop."""
+        return None
+
+    def on_epoch_end(self, epoch: int, record: Mapping[str, Any] | None) -> bool | None:
+        """Called when an epoch ends with the latest score record (if any); True asks to stop."""
+        return None
+
+    def on_fit_end(self, result: Any) -> None:
+        """Called once after training ends with the fit result."""
+
+
+def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> bool:
+    """Call ``hook`` on every callback and return True if any of them asked to stop.
+
+    Every callback is called even after one asks to stop, so that each sees the same events
+    (a :class:`History` must not miss the final record).
+
+    Parameters
+    ----------
+    callbacks : sequence of Callback
+        The callbacks, called in order.
+    hook : str
+        One of ``"on_fit_start"``, ``"on_score"``, ``"on_epoch_end"``, ``"on_fit_end"``.
+    *args
+        Passed to the hook.
+
+    Examples
+    --------
+    >>> history = History()
+    >>> run_callbacks([history], "on_score", {"step": 10, "loss": 0.5})
+    False
+    >>> history.records
+    [{'step': 10, 'loss': 0.5}]
+    """
+    if hook not in HOOKS:
+        raise InvalidInput([f"hook={hook!r} is invalid: use one of {', '.join(HOOKS)}."])
+    answers = [getattr(callback, hook)(*args) for callback in callbacks]
+    return any(bool(answer) for answer in answers)
+
+
+class History(Callback):
+    """Keep every score record seen during the latest fit.
+
+    Attributes
+    ----------
+    records : list of dict
+        Copies of the score records, in order; cleared at the start of each fit.
+    epochs : list of int
+        The epochs reported as ended.
+    info : dict
+        The job description given to ``on_fit_start``.
+    result : object
+        The fit result given to ``on_fit_end`` (None until then).
+
+    Examples
+    --------
+    >>> history = History()
+    >>> history.on_fit_start({"strategy": "async-ps"})
+    >>> history.on_score({"step": 1, "loss": 2.0})
+    >>> history.on_score({"step": 2, "loss": 1.5})
+    >>> [r["loss"] for r in history.records]
+    [2.0, 1.5]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.epochs: list[int] = []
+        self.info: dict[str, Any] = {}
+        self.result: Any = None
+
+    def on_fit_start(self, info: Mapping[str, Any]) -> None:
+        """Clear what an earlier fit left and keep the job description."""
+        self.records = []
+        self.epochs = []
+        self.info = dict(info)
+        self.result = None
+
+    def on_score(self, record: Mapping[str, Any]) -> bool | None:
+        """Keep a copy of the record (the caller may reuse its dict); never asks to stop."""
+        self.records.append(dict(record))
+        return None
+
+    def on_epoch_end(self, epoch: int, record: Mapping[str, Any] | None) -> bool | None:
+        """Note the epoch; never asks to stop."""
+        self.epochs.append(epoch)
+        return None
+
+    def on_fit_end(self, result: Any) -> None:
+        """Keep the result."""
+        self.result = result
+
+
+__all__ = ["HOOKS", "Callback", "History", "run_callbacks"]

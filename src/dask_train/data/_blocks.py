@@ -1,0 +1,84 @@
+"""Client side of feeding: turn (X, y) dask collections into persisted blocks and find where they live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, Future, wait
+
+from dask_train.data._ledger import Block
+
+
+@dataclass
+class BlockSet:
+    """Persisted training blocks: one future per block holding the pair ``(X_block, y_block)``.
+
+    ``label_range`` is the smallest and largest label over all blocks, computed where the blocks
+    live, (0, 0) when y is empty.
+    """
+
+    futures: list[Future]
+    blocks: list[Block]
+    label_range: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def rows(self) -> int:
+        """Total rows over all blocks."""
+        return sum(b.rows for b in self.blocks)
+
+
+def as_dask_array(data: Any, *, chunks: int | None = None) -> da.Array:
+    """A dask array from a dask array, a dask DataFrame/Series or an in-memory array."""
+    if isinstance(data, da.Array):
+        return data
+    to_dask_array = getattr(data, "to_dask_array", None)
+    if callable(to_dask_array):
+        # lengths=True computes partition lengths so the rows of each block are known.
+        return to_dask_array(lengths=True)
+    arr = np.asarray(data)
+    return da.from_array(arr, chunks=chunks or max(1, min(len(arr), 100_000)))
+
+
+def _label_range(pair: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
+    y = pair[1]
+    return (float(y.min()), float(y.max())) if y.size else (np.inf, -np.inf)
+
+
+def _pair(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # Contiguous arrays so the trainer's per-batch gathers are cheap and torch.from_numpy works.
+    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+
+
+async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
+    """Persist X and y as co-located ``(X_block, y_block)`` pairs and locate each block.
+
+    One future per block, holding both parts, so a block's features and labels can never end up on
+    different workers, and one feed task per block moves them together when a block must move.
+    """
+    X = X.rechunk({1: -1}) if X.ndim == 2 else X
+    y = y.rechunk({0: X.chunks[0]})
+    x_parts = X.to_delayed().ravel()
+    y_parts = y.to_delayed().ravel()
+    pairs = [dask.delayed(_pair, pure=True)(xp, yp) for xp, yp in zip(x_parts, y_parts)]
+    futures = client.compute(pairs)
+    # Inside the client's event loop distributed.wait returns a coroutine; it waits without
+    # bringing any block to the client.
+    await wait(futures)
+    failed = [f for f in futures if f.status == "error"]
+    if failed:
+        await failed[0]  # re-raises the remote exception with its traceback
+    # Label range from the persisted blocks themselves: one tiny result per block, and the source
+    # graph is never recomputed.
+    ranges = await client.gather(client.map(_label_range, futures, pure=False), asynchronous=True)
+    low = min((r[0] for r in ranges), default=0.0)
+    high = max((r[1] for r in ranges), default=0.0)
+    who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
+    blocks, start = [], 0
+    for i, (fut, rows) in enumerate(zip(futures, X.chunks[0])):
+        blocks.append(Block(i, start, int(rows), tuple(sorted(who_has.get(fut.key, ())))))
+        start += int(rows)
+    return BlockSet(futures, blocks, (low, high))

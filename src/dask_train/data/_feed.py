@@ -1,0 +1,109 @@
+"""Worker side of feeding: blocks arrive in a trainer's queue and leave as shuffled minibatches.
+
+The queue is bounded by credit, not by blocking: the controller hands each trainer at most
+``blocks_ahead`` blocks it has not yet reported consumed, so a feed task never blocks a Dask thread
+(TensorFlowOnSpark's feeder hung on a dead consumer that way) and memory per trainer stays bounded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dask_train.cluster._plugin import worker_state
+from dask_train.errors import TrainingTimeout
+
+
+@dataclass
+class FeedItem:
+    """A block in a trainer's queue; ``x is None`` marks the end of the feed."""
+
+    epoch: int
+    block: int
+    x: np.ndarray | None
+    y: np.ndarray | None
+    seed: int
+    shuffle: bool
+
+    @property
+    def rows(self) -> int:
+        """Rows in the block."""
+        return 0 if self.x is None else len(self.x)
+
+
+def feed_block(
+    pair: tuple[np.ndarray, np.ndarray] | None,
+    *,
+    job: str,
+    trainer: int,
+    epoch: int,
+    block: int,
+    seed: int,
+    shuffle: bool,
+) -> int:
+    """Dask task: put one block (or, with ``pair=None``, the end marker) in a trainer's queue.
+
+    Runs on the trainer's worker; Dask brings the block there first, worker to worker, when it
+    lives elsewhere. Returns the number of rows queued.
+    """
+    x, y = pair if pair is not None else (None, None)
+    item = FeedItem(epoch, block, x, y, seed, shuffle)
+    worker_state().job(job).feed(trainer).put(item)
+    return item.rows
+
+
+def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray:
+    """The row order of one block in one epoch: a seeded permutation, or ``arange`` unshuffled.
+
+    Examples
+    --------
+    >>> block_order(rows=4, seed=0, epoch=0, block=0, shuffle=False)
+    array([0, 1, 2, 3])
+    """
+    if not shuffle:
+        return np.arange(rows)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, block]))
+    return rng.permutation(rows)
+
+
+def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Minibatches of one block in its epoch's order; the last one may be smaller.
+
+    Batches never span two blocks, so a block's consumption is exactly its rows, which keeps the
+    ledger simple and a resumed run's batches identical.
+    """
+    assert item.x is not None and item.y is not None
+    order = block_order(
+        rows=item.rows, seed=item.seed, epoch=item.epoch, block=item.block, shuffle=item.shuffle
+    )
+    for i in range(0, item.rows, batch_size):
+        idx = order[i : i + batch_size]
+        if item.shuffle:
+            xb, yb = item.x[idx], item.y[idx]  # a gather is a copy: a fresh contiguous batch
+        else:
+            xb, yb = item.x[i : i + batch_size], item.y[i : i + batch_size]
+        yield torch.from_numpy(np.ascontiguousarray(xb)), torch.from_numpy(np.ascontiguousarray(yb))
+
+
+def next_item(
+    feed: queue.Queue[FeedItem], stop: threading.Event, *, timeout: float, role: str
+) -> FeedItem | None:
+    """Wait for the next block; None when the job was stopped. Raises after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        try:
+            # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
+            return feed.get(timeout=0.1)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TrainingTimeout(
+                    f"{role} received no data for {timeout:g} s; raise timeout= if blocks are "
+                    "slow to compute, or check the worker logs of the feeding tasks"
+                ) from None
+    return None
