@@ -40,6 +40,7 @@ class JobState:
         self.feeds: dict[int, queue.Queue[Any]] = {}
         self.stop = threading.Event()
         self.scorer_stop = threading.Event()
+        self.scorer_keep: int | None = None
         self._lock = threading.Lock()
 
     def feed(self, trainer: int) -> queue.Queue[Any]:

@@ -92,12 +92,14 @@ class _Controller:
         self.records: list[dict[str, Any]] = []
         self.feeds: list[Future] = []
         self.ended = [False] * len(trainers)
+        self.sequence = [0] * len(trainers)
         self.trainer_futures: list[Future] = []
         self.scorer_future: Future | None = None
         self.t0 = time.time()
         self.stopped_by = ""
         self.epochs_seen = 0
         self.finished_at = 0.0
+        self.stop_step: int | None = None  # the step of the score that stopped the job
         self.progress: Any = None
 
     # -- starting -------------------------------------------------------------------------------
@@ -171,7 +173,8 @@ class _Controller:
         a = self.ledger.next_for(trainer)
         address = self.roles["worker"][trainer]
         common = {"job": self.spec.job_id, "trainer": trainer, "seed": self.spec.seed,
-                  "shuffle": self.spec.shuffle}
+                  "shuffle": self.spec.shuffle, "seq": self.sequence[trainer]}
+        self.sequence[trainer] += 1
         if a is None:
             self.ended[trainer] = True
             fut = self._pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
@@ -218,10 +221,11 @@ class _Controller:
             self.progress.update(record)
         if run_callbacks(self.spec.callbacks, "on_score", record):
             self._stop("callback")
-            return
         fired = check_stop(self.spec.stop, record, elapsed_s=record["time_s"], step=record["step"])
         if fired is not None:
             self._stop(fired.describe())
+        if self.stopped_by and self.stop_step is None:
+            self.stop_step = record["step"]
 
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
         now = time.time() - self.t0
@@ -284,7 +288,7 @@ class _Controller:
 
     # -- stopping ---------------------------------------------------------------------------------
     async def finish(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        """Stop every role (each wait bounded by the timeout) and return the final score."""
+        """Stop every role (each wait bounded by the timeout); return the scorer's final answer."""
         spec, client = self.spec, self.client
         await client.run(async_ps.signal_stop, spec.job_id, workers=self.roles.addresses,
                          asynchronous=True)
@@ -293,12 +297,14 @@ class _Controller:
         final = None
         if self.scorer_future is not None:
             await client.run(async_ps.signal_stop, spec.job_id, scorer=True,
-                             workers=self.roles["scorer"], asynchronous=True)
+                             keep_step=self.stop_step, workers=self.roles["scorer"],
+                             asynchronous=True)
             await self._wait([self.scorer_future], what="the final score")
             final = await self.scorer_future
         return final, trainers
 
-    async def pull_parameters(self) -> np.ndarray:
+    async def pull_parameters(self) -> tuple[np.ndarray, int, int]:
+        """The final flat parameters, with the servers' step and sample counts."""
         futures = [
             self._pinned(async_ps.pull_shard_task, address=ref.address, key=f"dt-pull-{ref.index}",
                          job=self.spec.job_id, index=ref.index)
@@ -306,7 +312,8 @@ class _Controller:
         ]
         await self._wait(futures, what="pulling the final parameters")
         parts = await self.client.gather(futures, asynchronous=True)
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+        params = np.concatenate([p[0] for p in parts])
+        return params, min(p[1] for p in parts), min(p[2] for p in parts)
 
     async def cleanup(self) -> None:
         self.client.unsubscribe_topic(self.spec.topic)
@@ -330,7 +337,7 @@ def _lost(kind: str, index: int, address: str) -> WorkerLost:
 
 async def run_job(
     client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, validation: Any, progress: Any
-) -> tuple[_Controller, dict[str, Any] | None, list[dict[str, Any]], np.ndarray]:
+) -> tuple[_Controller, dict[str, Any] | None, list[dict[str, Any]], tuple[np.ndarray, int, int]]:
     """Run one async-ps job to its end; always stops its roles, also on error."""
     ctl = _Controller(client, spec, roles, blocks, validation)
     ctl.progress = progress
@@ -344,8 +351,8 @@ async def run_job(
             await asyncio.wait_for(ctl.cleanup(), timeout=spec.timeout)
         except Exception:  # cleanup must not hide the job's own error
             logger.exception("cleaning up job %s failed", spec.job_id)
-    if final is not None:
-        ctl._on_score(final)
+    if final is not None and final["params"] is None:
+        ctl._on_score(final["record"])  # the final parameters' score closes the history
     return ctl, final, trainers, params
 
 

@@ -22,6 +22,7 @@ from dask_train.control._validate import (
     check_module_output,
     check_settings,
     check_validation,
+    probe_module,
 )
 from dask_train.control.callbacks import Callback, run_callbacks
 from dask_train.control.stop import StopCondition
@@ -175,7 +176,7 @@ class Trainer:
         blocks = client.sync(persist_blocks, client, X, y)
         if self.loss in CLASSIFICATION_LOSSES:
             low, high = blocks.label_range
-            n_out = int(self.module(torch.zeros((1, *X.shape[1:]))).shape[1])
+            n_out = int(probe_module(self.module, tuple(X.shape[1:])).shape[1])
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)
@@ -240,19 +241,21 @@ class Trainer:
         return Roles(plan_roles(threads, ps=self.ps, worker=self.workers, scorer=scorer))
 
     def _result(
-        self, ctl: Any, final: Any, trainers: list[dict[str, Any]], params: np.ndarray,
-        roles: Roles, *, wall_s: float,
+        self, ctl: Any, final: Any, trainers: list[dict[str, Any]],
+        pulled: tuple[np.ndarray, int, int], roles: Roles, *, wall_s: float,
     ) -> FitResult:
         from dask_train.models import FlatModel
 
         model = copy.deepcopy(self.module)
         flat = FlatModel(model)
+        params, steps, samples = pulled
+        if final is not None and final["params"] is not None:
+            # A score stopped the job: return the parameters that earned it.
+            params = final["params"]
         flat.set_flat(params)
         # Detach the parameters from the shared flat buffer so the result is an ordinary module.
         for p in flat.params:
             p.data = p.data.clone()
-        steps = int(final["step"]) if final else sum(t["steps"] for t in trainers)
-        samples = int(final["samples"]) if final else sum(t["samples"] for t in trainers)
         return FitResult(
             model=model, history=history(ctl), stopped_by=ctl.stopped_by, steps=steps,
             samples=samples, epochs_completed=ctl.ledger.epochs_completed, wall_s=wall_s,

@@ -130,15 +130,24 @@ def check_validation(validation: Any, X: Any) -> list[str]:
     return problems
 
 
+def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...]) -> torch.Tensor:
+    """The module's output on two zero samples, in eval mode and without gradients."""
+    sample = torch.zeros((2, *sample_shape), dtype=torch.float32)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out: torch.Tensor = module(sample)
+    finally:
+        module.train(was_training)
+    return out
+
+
 def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: str) -> list[str]:
     """Run the module on two zero samples and check its output fits the loss and y."""
     sample = torch.zeros((2, *X.shape[1:]), dtype=torch.float32)
     try:
-        with torch.no_grad():
-            was_training = module.training
-            module.eval()
-            out = module(sample)
-            module.train(was_training)
+        out = probe_module(module, tuple(X.shape[1:]))
     except Exception as exc:  # any failure here is the user's module not fitting X
         return [
             f"module failed on a batch shaped like X {tuple(sample.shape)}: "

@@ -24,6 +24,7 @@ from dask_train.errors import TrainingTimeout
 class FeedItem:
     """A block in a trainer's queue; ``x is None`` marks the end of the feed."""
 
+    seq: int
     epoch: int
     block: int
     x: np.ndarray | None
@@ -42,6 +43,7 @@ def feed_block(
     *,
     job: str,
     trainer: int,
+    seq: int,
     epoch: int,
     block: int,
     seed: int,
@@ -53,7 +55,7 @@ def feed_block(
     lives elsewhere. Returns the number of rows queued.
     """
     x, y = pair if pair is not None else (None, None)
-    item = FeedItem(epoch, block, x, y, seed, shuffle)
+    item = FeedItem(seq, epoch, block, x, y, seed, shuffle)
     worker_state().job(job).feed(trainer).put(item)
     return item.rows
 
@@ -91,19 +93,38 @@ def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
         yield torch.from_numpy(np.ascontiguousarray(xb)), torch.from_numpy(np.ascontiguousarray(yb))
 
 
-def next_item(
-    feed: queue.Queue[FeedItem], stop: threading.Event, *, timeout: float, role: str
-) -> FeedItem | None:
-    """Wait for the next block; None when the job was stopped. Raises after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not stop.is_set():
-        try:
-            # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
-            return feed.get(timeout=0.1)
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise TrainingTimeout(
-                    f"{role} received no data for {timeout:g} s; raise timeout= if blocks are "
-                    "slow to compute, or check the worker logs of the feeding tasks"
-                ) from None
-    return None
+class FeedReader:
+    """Reads a trainer's queue in the order the controller assigned the blocks.
+
+    Feed tasks may finish out of order (a local block is ready before a moved one arrives), so
+    items carry a sequence number and early arrivals wait here. Reading in assignment order makes
+    a run's batches a function of the seed alone, which exact resume and the tests rely on.
+    """
+
+    def __init__(self, feed: queue.Queue[FeedItem], stop: threading.Event, *, timeout: float,
+                 role: str) -> None:
+        self.feed = feed
+        self.stop = stop
+        self.timeout = timeout
+        self.role = role
+        self.expected = 0
+        self.early: dict[int, FeedItem] = {}
+
+    def next(self) -> FeedItem | None:
+        """The next block; None when the job was stopped. Raises after ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        while not self.stop.is_set():
+            if self.expected in self.early:
+                self.expected += 1
+                return self.early.pop(self.expected - 1)
+            try:
+                # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
+                item = self.feed.get(timeout=0.1)
+                self.early[item.seq] = item
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TrainingTimeout(
+                        f"{self.role} received no data for {self.timeout:g} s; raise timeout= if "
+                        "blocks are slow to compute, or check the worker logs of the feed tasks"
+                    ) from None
+        return None

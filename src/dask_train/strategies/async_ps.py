@@ -20,7 +20,7 @@ import torch
 from distributed import get_worker, secede
 
 from dask_train.cluster._plugin import worker_state
-from dask_train.data._feed import batches, next_item
+from dask_train.data._feed import FeedReader, batches
 from dask_train.models import LOSSES, FlatModel, build_optimizer, evaluate, flatten_parameters
 from dask_train.strategies._ps_client import PSClient, ShardRef, write_params
 
@@ -106,18 +106,27 @@ def start_shard_task(
     return worker.address
 
 
-def pull_shard_task(*, job: str, index: int) -> np.ndarray:
-    """Dask task: the current parameters of one shard on this worker."""
+def pull_shard_task(*, job: str, index: int) -> tuple[np.ndarray, int, int]:
+    """Dask task: (parameters, version, samples) of one shard on this worker."""
     state = worker_state().jobs.get(job)
     if state is None or index not in state.shards:
         raise KeyError(f"shard {index} of job {job!r} is not on this worker")
-    return state.shards[index].pull()[0]
+    return state.shards[index].pull()
 
 
-def signal_stop(job: str, *, scorer: bool = False, dask_worker: Any = None) -> None:
-    """Run on workers (``client.run``): ask the job's trainers, or its scorer, to stop."""
+def signal_stop(
+    job: str, *, scorer: bool = False, keep_step: int | None = None, dask_worker: Any = None
+) -> None:
+    """Run on workers (``client.run``): ask the job's trainers, or its scorer, to stop.
+
+    ``keep_step`` tells the scorer which scored snapshot to hand back as the result's model.
+    """
     state = worker_state(dask_worker).job(job)
-    (state.scorer_stop if scorer else state.stop).set()
+    if scorer:
+        state.scorer_keep = keep_step
+        state.scorer_stop.set()
+    else:
+        state.stop.set()
 
 
 def drop_job(job: str, dask_worker: Any = None) -> None:
@@ -149,12 +158,12 @@ def run_trainer(
     write_params(model.flat, ps.pull())
     loss_fn = LOSSES[config["loss"]]
     buffers = [torch.empty(model.n_params), torch.empty(model.n_params)]
-    feed = state.feed(index)
+    feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role)
     pending = None
     steps = samples = 0
     stopped = False
     while not stopped:
-        item = next_item(feed, state.stop, timeout=config["timeout"], role=role)
+        item = feed.next()
         if item is None or item.x is None:
             break
         consumed = 0
@@ -202,7 +211,9 @@ def run_scorer(
     """Dask task: every ``score_every`` seconds evaluate the latest parameters and publish the score.
 
     Scores go out with ``worker.log_event`` (5,000 events in 0.12 s here), never through a Queue.
-    After the stop signal it scores once more, so the last record describes the final model.
+    The last few scored parameter snapshots are kept: when a score stopped the job, the model that
+    earned it is returned (``{"record", "params"}``), not the one a few asynchronous steps later.
+    Otherwise it scores the final parameters once more and returns that record alone.
     """
     worker = get_worker()
     state = worker_state(worker).job(job)
@@ -210,15 +221,22 @@ def run_scorer(
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
     model = FlatModel(copy.deepcopy(module))
     x_val, y_val = validation
-    last_version = -1
+    snapshots: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
     while not state.scorer_stop.wait(config["score_every"]):
         record = _score(ps, model, x_val, y_val, loss=config["loss"])
-        if record["step"] != last_version:
-            last_version = record["step"]
+        if record["step"] not in snapshots:
+            snapshots[record["step"]] = (record, model.flat.numpy().copy())
+            for old in sorted(snapshots)[:-_SNAPSHOTS]:
+                del snapshots[old]
             worker.log_event(config["topic"], {"kind": "score", **record})
-    record = _score(ps, model, x_val, y_val, loss=config["loss"])
-    record["final"] = True
-    return record
+    if state.scorer_keep in snapshots:
+        record, params = snapshots[state.scorer_keep]
+        return {"record": record, "params": params}
+    return {"record": _score(ps, model, x_val, y_val, loss=config["loss"]), "params": None}
+
+
+# Scores reach the controller within milliseconds, so the one that stops a job is among the last.
+_SNAPSHOTS = 4
 
 
 def _score(

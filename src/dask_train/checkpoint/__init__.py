@@ -1,0 +1,14 @@
+"""Checkpoints: safetensors files written atomically to a local path or any fsspec URL.
+
+Examples
+--------
+>>> import tempfile, torch
+>>> from dask_train.checkpoint import load_module, save_module
+>>> path = save_module(torch.nn.Linear(4, 2), tempfile.mkdtemp() + "/model.safetensors")
+>>> net = load_module(torch.nn.Linear(4, 2), path)
+"""
+
+from dask_train.checkpoint._io import load_metadata, load_tensors, save_tensors
+from dask_train.checkpoint._module import load_module, save_module
+
+__all__ = ["load_metadata", "load_module", "load_tensors", "save_module", "save_tensors"]

@@ -1,0 +1,267 @@
+"""Atomic safetensors files on a local disk or any fsspec URL; loading never unpickles."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import struct
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from dask_train.errors import InvalidInput
+
+PathLike = str | os.PathLike[str]
+
+# The safetensors format caps its JSON header at 100 MB; a larger length means "not safetensors".
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def _to_tensor(*, name: str, value: object, problems: list[str]) -> torch.Tensor | None:
+    if isinstance(value, np.ndarray):
+        try:
+            # Native byte order: torch cannot wrap big-endian arrays.
+            value = torch.from_numpy(np.ascontiguousarray(value, value.dtype.newbyteorder("=")))
+        except TypeError:
+            problems.append(
+                f"tensors[{name!r}] is a numpy array of dtype {value.dtype}: use a numeric dtype."
+            )
+            return None
+    if not isinstance(value, torch.Tensor):
+        problems.append(
+            f"tensors[{name!r}] is a {type(value).__name__}: use a torch.Tensor or numpy.ndarray."
+        )
+        return None
+    if value.layout != torch.strided or value.is_meta:
+        kind = "a meta tensor" if value.is_meta else f"a tensor with layout {value.layout}"
+        problems.append(
+            f"tensors[{name!r}] is {kind}: safetensors stores dense tensors with data; "
+            "convert it with .to_dense() or materialise it first."
+        )
+        return None
+    return value.detach().contiguous()
+
+
+def _prepare(*, tensors: Mapping[str, object], problems: list[str]) -> dict[str, torch.Tensor]:
+    """Check every entry, then return detached, contiguous tensors that share no storage."""
+    prepared: dict[str, torch.Tensor] = {}
+    seen_storage: set[int] = set()
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            problems.append(f"tensor name {name!r} is a {type(name).__name__}: use a str.")
+            continue
+        tensor = _to_tensor(name=name, value=value, problems=problems)
+        if tensor is None:
+            continue
+        # safetensors refuses tensors that share memory (views of one buffer, tied weights). Clone
+        # only those, so a large model is not copied whole just to be written.
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen_storage:
+            tensor = tensor.clone()
+        seen_storage.add(tensor.untyped_storage().data_ptr())
+        prepared[name] = tensor
+    return prepared
+
+
+def _check_metadata(*, metadata: Mapping[str, str] | None, problems: list[str]) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    problems += [
+        f"metadata[{key!r}] = {value!r}: safetensors metadata holds text only; use str keys and "
+        "values (json.dumps anything structured)."
+        for key, value in metadata.items()
+        if not isinstance(key, str) or not isinstance(value, str)
+    ]
+    return dict(metadata)
+
+
+def _temporary_name(*, path: str) -> str:
+    # Same directory as the target, so the final rename never crosses filesystems.
+    return f"{path}.tmp-{uuid.uuid4().hex}"
+
+
+def _fsync_directory(*, directory: str) -> None:
+    # Makes the rename itself durable; not every platform can open a directory, hence suppress.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: str) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temporary = _temporary_name(path=path)
+    try:
+        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        # Data on disk before the rename: a crash then leaves the old file or the new, never half.
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    _fsync_directory(directory=directory)
+
+
+def _write_remote(
+    *,
+    fs: AbstractFileSystem,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None,
+    path: str,
+) -> None:
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    temporary = _temporary_name(path=path)
+    try:
+        with fs.open(temporary, "wb") as handle:
+            handle.write(data)
+        # Object stores have no atomic rename; mv is copy-then-delete, so readers still never see
+        # a partly written object at `path`.
+        fs.mv(temporary, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if fs.exists(temporary):
+                fs.rm(temporary)
+        raise
+
+
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor | np.ndarray],
+    path: PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> str:
+    """Write tensors to a safetensors file atomically.
+
+    The file is written under a temporary name next to ``path`` and then renamed, so ``path`` holds
+    either its previous content or the complete new file, never a partial one.
+
+    Parameters
+    ----------
+    tensors : mapping of str to torch.Tensor or numpy.ndarray
+        The tensors to store; they are detached and made contiguous, and any that share memory
+        with an earlier one are copied.
+    path : str or os.PathLike
+        A local path or an fsspec URL such as ``"memory://ckpt/model.safetensors"`` or
+        ``"s3://bucket/model.safetensors"``. Parent directories are created.
+    metadata : mapping of str to str, optional
+        Text stored in the file header; read it back with :func:`load_metadata`.
+
+    Returns
+    -------
+    str
+        The final path, as given.
+
+    Raises
+    ------
+    InvalidInput
+        If an entry is not a dense tensor or numeric array, or metadata is not text; all listed.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> path = save_tensors({"w": torch.ones(2)}, tempfile.mkdtemp() + "/t.safetensors")
+    >>> load_tensors(path)["w"]
+    tensor([1., 1.])
+    """
+    problems: list[str] = []
+    prepared = _prepare(tensors=tensors, problems=problems)
+    checked = _check_metadata(metadata=metadata, problems=problems)
+    if problems:
+        raise InvalidInput(problems)
+    fs, fs_path = url_to_fs(os.fspath(path))
+    if isinstance(fs, LocalFileSystem):
+        _write_local(tensors=prepared, metadata=checked, path=fs_path)
+    else:
+        _write_remote(fs=fs, tensors=prepared, metadata=checked, path=fs_path)
+    return os.fspath(path)
+
+
+def load_tensors(path: PathLike) -> dict[str, torch.Tensor]:
+    """Read every tensor of a safetensors file, on the CPU.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local path or an fsspec URL.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Tensors by name; reading never unpickles.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> path = save_tensors({"b": torch.zeros(3)}, tempfile.mkdtemp() + "/t.safetensors")
+    >>> sorted(load_tensors(path))
+    ['b']
+    """
+    fs, fs_path = url_to_fs(os.fspath(path))
+    if isinstance(fs, LocalFileSystem):
+        return safetensors.torch.load_file(fs_path)
+    return safetensors.torch.load(fs.cat_file(fs_path))
+
+
+def _read_header(*, fs: AbstractFileSystem, fs_path: str, shown: str) -> dict[str, Any]:
+    """Read only the JSON header: an 8-byte little-endian length, then that many bytes of JSON."""
+    with fs.open(fs_path, "rb") as handle:
+        prefix = handle.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        raw = handle.read(length) if 0 < length <= _MAX_HEADER_BYTES else b""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        fix = "pass a file written by save_tensors or save_module."
+        raise InvalidInput([f"path={shown!r} is not a safetensors file: {fix}"])
+    return header
+
+
+def load_metadata(path: PathLike) -> dict[str, str]:
+    """Read the text metadata of a safetensors file without reading its tensors.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local path or an fsspec URL.
+
+    Returns
+    -------
+    dict of str to str
+        Empty when the file was written without metadata.
+
+    Raises
+    ------
+    InvalidInput
+        If the file is not a safetensors file.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> path = tempfile.mkdtemp() + "/t.safetensors"
+    >>> _ = save_tensors({"w": torch.ones(1)}, path, metadata={"step": "10"})
+    >>> load_metadata(path)
+    {'step': '10'}
+    """
+    fs, fs_path = url_to_fs(os.fspath(path))
+    header = _read_header(fs=fs, fs_path=fs_path, shown=os.fspath(path))
+    metadata = header.get("__metadata__") or {}
+    return {str(key): str(value) for key, value in metadata.items()}

@@ -1,0 +1,36 @@
+"""Small modules shared by the strategy tests; importable by the worker processes too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def mlp(n_in: int = 64, hidden: int = 32, n_out: int = 10, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(n_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_out)
+    )
+
+
+class Recorder(torch.nn.Module):
+    """A linear classifier that appends the ids (column 0) of every training batch to a file.
+
+    Each worker process writes its own file, so the test can read back exactly which samples the
+    model was trained on, wherever it ran.
+    """
+
+    def __init__(self, directory: str, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.directory = directory
+        self.linear = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            path = Path(self.directory) / f"ids-{os.getpid()}.txt"
+            with path.open("a") as f:
+                np.savetxt(f, x[:, 0].detach().numpy().astype(np.int64), fmt="%d")
+        return self.linear(x)

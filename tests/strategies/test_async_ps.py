@@ -1,0 +1,225 @@
+"""Async parameter-server training end to end on a real LocalCluster with processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from _models import Recorder, mlp
+from distributed import Client
+
+import dask_train as dt
+from dask_train.data import block_order
+
+
+def _data(n: int = 2000, chunks: int = 500, n_in: int = 8, n_out: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, n_in)).astype(np.float32)
+    w = rng.normal(size=(n_in, n_out))
+    y = (x @ w).argmax(axis=1).astype(np.int64)
+    return x, y, da.from_array(x, chunks=(chunks, n_in)), da.from_array(y, chunks=chunks)
+
+
+def _reference(
+    module: torch.nn.Module, x, y, ledger, *, lr: float, batch_size: int, shuffle: bool, seed: int
+):
+    """A plain single-process SGD loop over the blocks in the ledger's order, batches as the trainer makes them."""
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    for row in ledger.itertuples():
+        start, rows = row.block * 500, row.rows
+        order = block_order(rows=rows, seed=seed, epoch=row.epoch, block=row.block, shuffle=shuffle)
+        for i in range(0, rows, batch_size):
+            idx = start + order[i : i + batch_size]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(
+                module(torch.from_numpy(x[idx])), torch.from_numpy(y[idx])
+            )
+            loss.backward()
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+@pytest.mark.parametrize("ps,shuffle", [(1, False), (3, True)])
+def test_one_trainer_equals_a_plain_torch_loop(client: Client, ps: int, shuffle: bool) -> None:
+    x, y, X, Y = _data()
+    net = mlp(8, 16, 3)
+    trainer = dt.Trainer(
+        net,
+        optimizer="sgd",
+        lr=0.05,
+        ps=ps,
+        workers=1,
+        scorer=0,
+        batch_size=64,
+        epochs=2,
+        shuffle=shuffle,
+        seed=7,
+        prefetch=False,
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y)
+    assert result.stopped_by == "epochs=2"
+    assert len(result.ledger) == 8  # 4 blocks x 2 epochs
+    expected = _reference(mlp(8, 16, 3), x, y, result.ledger, lr=0.05, batch_size=64, shuffle=shuffle, seed=7)
+    got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    assert result.steps == 2 * 4 * 8  # ceil(500 / 64) = 8 batches per block
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # The user's module is never modified in place.
+    torch.testing.assert_close(
+        torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+        torch.cat([p.detach().reshape(-1) for p in mlp(8, 16, 3).parameters()]),
+    )
+
+
+def test_each_sample_is_consumed_exactly_once_per_epoch(client: Client, tmp_path: Path) -> None:
+    n = 3000
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    x[:, 0] = np.arange(n)  # the sample id, exact in float32
+    y = rng.integers(0, 2, size=n)
+    X = da.from_array(x, chunks=((700, 300, 1000, 500, 500), (4,)))
+    Y = da.from_array(y, chunks=((700, 300, 1000, 500, 500),))
+    module = Recorder(str(tmp_path), 4, 2)
+    trainer = dt.Trainer(
+        module, lr=1e-3, ps=1, workers=2, scorer=0, batch_size=32, epochs=1, progress=False, client=client
+    )
+    result = trainer.fit(X, Y)
+    ids = np.concatenate([np.loadtxt(p, dtype=np.int64, ndmin=1) for p in tmp_path.glob("ids-*.txt")])
+    assert len(ids) == n
+    assert np.array_equal(np.sort(ids), np.arange(n))
+    assert result.samples == n
+    assert sorted(result.ledger["block"]) == [0, 1, 2, 3, 4]
+    assert (result.ledger["consumed"] == result.ledger["rows"]).all()
+    assert set(result.ledger["trainer"]) == {0, 1}  # both trainers took part
+    assert result.epochs_completed == 1
+
+
+def test_two_trainers_reach_the_target_on_digits(client: Client) -> None:
+    X, y = dt.datasets.digits(n_samples=400_000, seed=0)
+    Xv, yv = dt.datasets.digits_test()
+    net = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    trainer = dt.Trainer(
+        net,
+        lr=1e-3,
+        ps=2,
+        workers=2,
+        scorer=1,
+        batch_size=128,
+        epochs=3,
+        stop=[dt.StopAtScore("accuracy", 0.95), dt.StopAfter(seconds=240)],
+        score_every=0.5,
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, y, validation=(Xv, yv))
+    assert result.stopped_by == "StopAtScore(accuracy>=0.95)"
+    final = result.history.iloc[-1]
+    assert final["accuracy"] >= 0.95
+    # The returned module really is the trained one: score it here, in the test process.
+    with torch.no_grad():
+        acc = (result.model(torch.from_numpy(Xv)).argmax(1).numpy() == yv).mean()
+    assert acc >= 0.95
+    assert list(result.history.columns[:7]) == [
+        "time_s",
+        "step",
+        "epoch",
+        "samples",
+        "accuracy",
+        "loss",
+        "samples_per_s",
+    ]
+    assert result.history["step"].is_monotonic_increasing
+    assert set(result.trainers[0]) >= {"steps", "samples"}
+    assert all(t["steps"] > 0 for t in result.trainers)
+
+
+def test_stop_at_step_is_exact(client: Client) -> None:
+    _, _, X, Y = _data(n=20_000, chunks=2000)
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        lr=1e-3,
+        ps=2,
+        workers=2,
+        scorer=0,
+        batch_size=16,
+        epochs=50,
+        stop=[dt.StopAtStep(150)],
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y)
+    assert result.stopped_by == "StopAtStep(150)"
+    assert result.steps == 150
+    assert sum(t["steps"] for t in result.trainers) >= 150
+
+
+def test_stop_after_a_deadline(client: Client) -> None:
+    _, _, X, Y = _data(n=20_000, chunks=2000)
+    x_val, y_val, _, _ = _data(n=200, seed=1)
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        lr=1e-3,
+        ps=1,
+        workers=2,
+        batch_size=8,
+        epochs=1000,
+        stop=[dt.StopAfter(seconds=3)],
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y, validation=(x_val, y_val))
+    assert result.stopped_by == "StopAfter(3s)"
+    assert result.epochs_completed < 1000
+    assert 3 <= result.history["time_s"].iloc[-1] < 60
+
+
+def test_early_stopping_on_a_plateau(client: Client) -> None:
+    _, _, X, Y = _data(n=20_000, chunks=2000)
+    x_val, y_val, _, _ = _data(n=200, seed=1)
+    # A learning rate this small leaves the loss flat: a plateau by construction.
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        optimizer="sgd",
+        lr=1e-12,
+        ps=1,
+        workers=2,
+        batch_size=8,
+        epochs=1000,
+        score_every=0.2,
+        stop=[dt.EarlyStopping("loss", patience=3, min_delta=1e-4), dt.StopAfter(seconds=120)],
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y, validation=(x_val, y_val))
+    assert result.stopped_by == "EarlyStopping(loss, patience=3, min_delta=0.0001)"
+    assert 4 <= len(result.history) <= 6  # the best, three without improvement, the final score
+
+
+def test_a_callback_can_stop_the_job(client: Client) -> None:
+    class StopOnFirstScore(dt.Callback):
+        def on_score(self, record):
+            return True
+
+    _, _, X, Y = _data(n=20_000, chunks=2000)
+    x_val, y_val, _, _ = _data(n=200, seed=1)
+    history = dt.History()
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        lr=1e-3,
+        ps=1,
+        workers=1,
+        batch_size=8,
+        epochs=1000,
+        score_every=0.2,
+        callbacks=[history, StopOnFirstScore()],
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y, validation=(x_val, y_val))
+    assert result.stopped_by == "callback"
+    assert len(history.records) >= 1
+    assert history.result is result
