@@ -1,0 +1,5 @@
+"""Command line: ``dask-train demo``."""
+
+from dask_train.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,97 @@
+"""``dask-train``: the command line.
+
+``dask-train demo`` trains the digits MLP with asynchronous parameter servers on the embedded
+cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dask-train", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="train an MLP on 1.1M augmented digits with async parameter servers",
+        description="Train MLP 64-100-10 on augmented digits (async-ps, 1 server, 2 trainers, "
+        "1 scorer) until held-out accuracy reaches --target or --seconds pass.",
+    )
+    demo.add_argument("--out", type=Path, default=Path("demo-output"), help="output directory")
+    demo.add_argument("--n-samples", type=int, default=1_100_000, help="training rows to generate")
+    demo.add_argument("--scheduler", default=None, help="Dask scheduler address (default: embedded)")
+    demo.add_argument("--target", type=float, default=0.95, help="held-out accuracy to stop at")
+    demo.add_argument("--seconds", type=float, default=120.0, help="time limit")
+    demo.add_argument("--workers", type=int, default=2, help="trainers")
+    demo.add_argument("--ps", type=int, default=1, help="parameter servers")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Run the digits job and write summary.json, history.csv, scores.png, model.safetensors."""
+    import dask_train as dt
+    from dask_train.report import summary_table, write_run
+
+    problems = []
+    if args.n_samples < 1:
+        problems.append(f"--n-samples={args.n_samples} is invalid: use an integer >= 1.")
+    if not 0 < args.target <= 1:
+        problems.append(f"--target={args.target} is invalid: use an accuracy in (0, 1].")
+    if not args.seconds > 0:
+        problems.append(f"--seconds={args.seconds} is invalid: use a number of seconds > 0.")
+    if problems:
+        raise dt.InvalidInput(problems)
+    started = time.time()
+    client = dt.connect(args.scheduler)
+    try:
+        X, y = dt.datasets.digits(n_samples=args.n_samples, seed=0)
+        Xv, yv = dt.datasets.digits_test()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10)
+        )
+        trainer = dt.Trainer(
+            net, loss="cross_entropy", optimizer="adam", lr=1e-3, strategy="async-ps",
+            ps=args.ps, workers=args.workers, scorer=1, batch_size=128, epochs=5,
+            stop=[dt.StopAtScore("accuracy", args.target), dt.StopAfter(seconds=args.seconds)],
+            progress=not args.no_progress, client=client,
+        )
+        result = trainer.fit(X, y, validation=(Xv, yv))
+    finally:
+        client.close()
+    summary = result.summary()
+    summary["total_s"] = time.time() - started
+    paths = write_run(args.out, history=result.history, summary=summary, module=result.model)
+    print()
+    print(summary_table(summary))
+    print()
+    for name, path in paths.items():
+        print(f"{name:<8} {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dask-train`` console script."""
+    from dask_train.errors import DaskTrainError
+
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return demo(args)
+    except DaskTrainError as exc:
+        print(f"dask-train: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

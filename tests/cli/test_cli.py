@@ -1,0 +1,60 @@
+"""``dask-train demo``: the command ``make demo`` runs, on its own embedded cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from safetensors.torch import load_file
+
+from dask_train.cli.main import main
+
+
+def test_demo_writes_the_four_files(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dask_train.cli.main",
+            "demo",
+            "--n-samples",
+            "100000",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--seconds",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "history.csv",
+        "model.safetensors",
+        "scores.png",
+        "summary.json",
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"accuracy", "steps", "samples", "samples_per_s", "wall_s", "stopped_by"} <= set(summary)
+    assert summary["stopped_by"] in ("StopAtScore(accuracy>=0.95)", "StopAfter(90s)", "epochs=5")
+    assert summary["steps"] > 0 and summary["samples"] > 0
+    history = pd.read_csv(out / "history.csv")
+    assert len(history) >= 1 and history["accuracy"].iloc[-1] == summary["accuracy"]
+    state = load_file(out / "model.safetensors")
+    net = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    net.load_state_dict(state)
+    assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "accuracy" in proc.stdout and "stopped_by" in proc.stdout
+
+
+def test_demo_rejects_bad_arguments(capsys) -> None:
+    assert main(["demo", "--n-samples", "0", "--target", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--n-samples=0 is invalid" in err and "--target=2.0 is invalid" in err
