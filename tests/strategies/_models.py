@@ -11,9 +11,7 @@ import torch
 
 def mlp(n_in: int = 64, hidden: int = 32, n_out: int = 10, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(n_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_out)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_out))
 
 
 class Recorder(torch.nn.Module):

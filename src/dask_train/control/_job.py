@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 from distributed import Client, Future, wait
+from distributed.comm import CommClosedError
 
 from dask_train.cluster._roles import Roles
 from dask_train.control.callbacks import Callback, run_callbacks
@@ -271,20 +272,37 @@ class _Controller:
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
 
     async def _check_roles(self) -> None:
-        for i, fut in enumerate(self.trainer_futures):
-            if fut.status == "error":
-                await self._raise_role_error(fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
+        failed = [
+            (fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
+            for i, fut in enumerate(self.trainer_futures) if fut.status == "error"
+        ]
         if self.scorer_future is not None and self.scorer_future.status == "error":
-            await self._raise_role_error(self.scorer_future, "the scorer")
-        for fut in [f for f in self.feeds if f.status == "error"]:
-            await self._raise_role_error(fut, f"feeding block task {fut.key}")
+            failed.append((self.scorer_future, "the scorer"))
+        failed += [(f, f"feeding block task {f.key}") for f in self.feeds if f.status == "error"]
         self.feeds = [f for f in self.feeds if f.status != "finished"]
-        info = await self.client.scheduler.identity()
-        alive = set(info.get("workers", {}))
-        for kind, addresses in self.roles.placement.items():
-            for i, address in enumerate(addresses):
+        if failed:
+            # A role whose connection broke usually lost it because a worker died: wait briefly
+            # for the scheduler to notice, and report the lost worker, the root cause.
+            exc = await failed[0][0].exception()
+            tries = 20 if isinstance(exc, (OSError, CommClosedError)) else 1
+            for _ in range(tries):
+                lost = await self._lost_role()
+                if lost is not None:
+                    raise lost
+                await asyncio.sleep(0.1)
+            await self._raise_role_error(*failed[0])
+        lost = await self._lost_role()
+        if lost is not None:
+            raise lost
+
+    async def _lost_role(self) -> WorkerLost | None:
+        alive = set((await self.client.scheduler.identity()).get("workers", {}))
+        # Servers first: losing one loses parameters, the more specific error to report.
+        for kind in ("ps", "worker", "scorer"):
+            for i, address in enumerate(self.roles[kind]):
                 if address not in alive:
-                    raise _lost(kind, i, address)
+                    return _lost(kind, i, address)
+        return None
 
     # -- stopping ---------------------------------------------------------------------------------
     async def finish(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
