@@ -22,9 +22,7 @@ def _seed() -> None:
 def cluster() -> Iterator[LocalCluster]:
     # Processes, not threads: the roles start torch and RPC handlers inside real worker processes, as
     # they would on a real cluster. Two workers match the 2-core CI machine.
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-    ) as cluster:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         yield cluster
 
 

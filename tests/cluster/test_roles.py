@@ -74,3 +74,15 @@ def test_connect_by_address_installs_the_plugin(client: Client) -> None:
         assert set(threads.values()) == {1}
     finally:
         other.close()
+
+
+def test_connect_reads_the_scheduler_address_from_the_environment(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", client.scheduler.address)
+    other = dt.connect(quiet=True)
+    try:
+        assert other.scheduler.address == client.scheduler.address
+        assert set(other.scheduler_info()["workers"]) == set(client.scheduler_info()["workers"])
+    finally:
+        other.close()

@@ -348,10 +348,7 @@ def test_early_stopping_describe() -> None:
         == "EarlyStopping(accuracy, patience=2, min_delta=0, mode=min)"
     )
     # An explicit mode equal to the inferred one is not repeated.
-    assert (
-        EarlyStopping("loss", mode="min").describe()
-        == "EarlyStopping(loss, patience=5, min_delta=0)"
-    )
+    assert EarlyStopping("loss", mode="min").describe() == "EarlyStopping(loss, patience=5, min_delta=0)"
     assert EarlyStopping().max_step is None
 
 
@@ -399,9 +396,7 @@ def test_check_stop_asks_every_condition_even_after_one_fires() -> None:
 
 def test_custom_condition_defaults() -> None:
     class EveryOther(StopCondition):
-        def should_stop(
-            self, record: Mapping[str, Any] | None, *, elapsed_s: float, step: int
-        ) -> bool:
+        def should_stop(self, record: Mapping[str, Any] | None, *, elapsed_s: float, step: int) -> bool:
             return step % 2 == 1
 
         def describe(self) -> str:

@@ -223,3 +223,28 @@ def test_a_callback_can_stop_the_job(client: Client) -> None:
     assert result.stopped_by == "callback"
     assert len(history.records) >= 1
     assert history.result is result
+
+
+def test_dask_dataframe_input(client: Client) -> None:
+    import dask.dataframe as dd
+    import pandas as pd
+
+    x, y, _, _ = _data(n=1200)
+    frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(x.shape[1])])
+    X = dd.from_pandas(frame, npartitions=3)
+    Y = dd.from_pandas(pd.Series(y, name="label"), npartitions=3)
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        lr=1e-2,
+        ps=1,
+        workers=2,
+        scorer=0,
+        batch_size=32,
+        epochs=2,
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y)
+    assert result.stopped_by == "epochs=2"
+    assert result.samples == 2 * 1200
+    assert result.ledger.groupby("epoch")["consumed"].sum().tolist() == [1200, 1200]
