@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import dask.array as da
@@ -68,6 +69,9 @@ def test_one_trainer_equals_a_plain_torch_loop(client: Client, ps: int, shuffle:
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     assert result.steps == 2 * 4 * 8  # ceil(500 / 64) = 8 batches per block
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # Nothing of the job stays on the cluster: blocks, roles and feeds are all released.
+    gc.collect()
+    assert not client.futures
     # The user's module is never modified in place.
     torch.testing.assert_close(
         torch.cat([p.detach().reshape(-1) for p in net.parameters()]),

@@ -335,6 +335,10 @@ class _Controller:
 
     async def cleanup(self) -> None:
         self.client.unsubscribe_topic(self.spec.topic)
+        # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with it
+        # this controller, its blocks and role futures, for as long as the client lives.
+        getattr(self.client, "_event_handlers", {}).pop(self.spec.topic, None)
+        self.trainer_futures, self.feeds, self.scorer_future = [], [], None
         alive = set((await self.client.scheduler.identity()).get("workers", {}))
         workers = [a for a in self.roles.addresses if a in alive]
         if workers:

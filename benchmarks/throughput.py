@@ -1,0 +1,433 @@
+"""Training throughput of dask-train's ``Trainer`` against a plain torch loop, on this machine.
+
+Usage::
+
+    python benchmarks/throughput.py [--n-samples N] [--seconds S] [--quick]
+
+What is measured, in samples per second, in one run:
+
+* two models on the digits data: an MLP 64-100-10 at batch 512 (tiny: per-step overhead dominates)
+  and an MLP 64-1024-1024-10 at batch 128 (1.1 M parameters: compute and parameter traffic
+  dominate); both Adam, lr 1e-3, cross entropy;
+* **plain torch**: the same model, optimizer, batch size and shuffled batches in a single-process
+  loop in this process, with ``torch.set_num_threads(1)`` and with 2 threads; a fixed number of
+  samples (sized from a short warm-up to last about ``--seconds``) is timed after the warm-up;
+* **Trainer** ``strategy="async-ps", ps=1, workers=2`` on ``dt.connect(n_workers=2)``:
+
+  - *end-to-end*: ``result.samples / result.wall_s`` of a run without scorer, start-up included;
+  - *steady state*: a run with a scorer every 0.5 s; the rate between the first and the last
+    score rows of ``result.history`` taken while training ran (leaving out the score taken after
+    the stop, the last row, and any score that already counts every sample of the run);
+  - each with the default ``prefetch=True`` and with ``prefetch=False``.
+
+Why: the project aims for a Trainer that, on the same 2 cores, is at least as fast as plain torch
+with 2 threads on the large MLP (>= 1.0x) and close to it on the small one (>= 0.8x). The ratios
+are printed, never asserted: timings on a shared machine are noisy.
+
+To keep the measurements from disturbing each other the plain loops run before the Dask cluster
+exists, and the data is generated and persisted before any timed Trainer run. Each timed interval
+also records the CPU time used by processes that are not ours ("other load", in cores): anything
+well above 0.1 means another program competed for the 2 cores and the row is not trustworthy.
+Before each timed run the script waits for the machine to be quiet (``--max-wait``) and measures
+again when it was disturbed anyway (``--attempts``), keeping the least disturbed attempt.
+
+Trainer runs are sized by a short calibration run per model (which also warms up the workers):
+the number of epochs is chosen so that each run lasts about ``--seconds``. The data is cut into
+``--blocks`` blocks so that both trainers have data until the end of each run.
+
+Results go to ``benchmarks/results/throughput.md`` and ``throughput.json`` (``throughput-quick.*``
+with ``--quick``, so a smoke test never overwrites a full run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import dask
+import dask.array as da
+import torch
+from _common import (
+    build_mlp,
+    cpu_load,
+    environment,
+    markdown_table,
+    wait_for_quiet,
+    write_results,
+)
+from distributed import Client
+
+import dask_train as dt
+
+TORCH_THREADS = (1, 2)
+AIMS = {"small": 0.8, "large": 1.0}  # Trainer steady state / plain torch with 2 threads
+DISTURBED_CORES = 0.15  # CPU use of other programs above which a measurement is repeated
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model to benchmark; ``rows_share`` is its data size as a share of ``--n-samples``."""
+
+    key: str
+    hidden: tuple[int, ...]
+    batch_size: int
+    rows_share: float
+
+    @property
+    def name(self) -> str:
+        return "MLP " + "-".join(str(d) for d in (64, *self.hidden, 10))
+
+
+# The large MLP is ~50x slower per sample: it gets less data so an epoch stays a few seconds.
+CASES = (Case("small", (100,), 512, 1.0), Case("large", (1024, 1024), 128, 1 / 8))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one benchmark run (see ``--help``)."""
+
+    n_samples: int
+    seconds: float
+    warmup_s: float
+    calibrate_s: float
+    blocks: int
+    max_wait_s: float
+    attempts: int
+    quick: bool
+
+    def rows(self, case: Case) -> int:
+        return max(case.batch_size * self.blocks, int(self.n_samples * case.rows_share))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-samples", type=int, default=None,
+                        help="rows of digits data for the small MLP; the large one gets 1/8 "
+                             "(default 200000, 40000 with --quick)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="target length of each timed run (default 15, 3 with --quick)")
+    parser.add_argument("--blocks", type=int, default=16, help="dask blocks per data set")
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="seconds to wait, before each timed run, for other programs to "
+                             "leave the cores idle (default 120, 5 with --quick; 0: never wait)")
+    parser.add_argument("--attempts", type=int, default=None,
+                        help="measurements per row while other programs disturb them; the least "
+                             "disturbed is kept (default 3, 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a ~1 minute smoke test")
+    args = parser.parse_args(argv)
+    quick = bool(args.quick)
+    seconds = args.seconds or (3.0 if quick else 15.0)
+    return Settings(
+        n_samples=args.n_samples or (40_000 if quick else 200_000), seconds=seconds,
+        warmup_s=min(2.0, seconds / 5), calibrate_s=max(2.0, min(5.0, seconds / 3)),
+        blocks=args.blocks, quick=quick,
+        max_wait_s=args.max_wait if args.max_wait is not None else (5.0 if quick else 120.0),
+        attempts=max(1, args.attempts or (1 if quick else 3)),
+    )
+
+
+# -- plain torch ----------------------------------------------------------------------------------
+
+
+def shuffled_batches(
+    X: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless minibatches, reshuffled every epoch; each batch is a gather (a copy), as in Trainer."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(X), generator=gen)
+        for i in range(0, len(X), batch_size):
+            idx = order[i : i + batch_size]
+            yield X[idx], y[idx]
+
+
+def train_steps(
+    net: torch.nn.Module, opt: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]], n_steps: int,
+) -> int:
+    """Run ``n_steps`` optimizer steps; return the samples they used."""
+    samples = 0
+    for _ in range(n_steps):
+        xb, yb = next(batches)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(xb), yb).backward()
+        opt.step()
+        samples += len(xb)
+    return samples
+
+
+def plain_torch(
+    case: Case, X: torch.Tensor, y: torch.Tensor, *, threads: int, settings: Settings
+) -> dict[str, Any]:
+    """Time the plain loop: warm up, size a fixed number of steps from it, time those steps."""
+    waited = quiet(settings)
+    torch.set_num_threads(threads)
+    net = build_mlp(case.hidden)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    batches = shuffled_batches(X, y, case.batch_size)
+    train_steps(net, opt, batches, 3)  # first steps allocate; keep them out of the estimate
+    warm_steps, started = 0, time.perf_counter()
+    while time.perf_counter() - started < settings.warmup_s or warm_steps < 3:
+        train_steps(net, opt, batches, 1)
+        warm_steps += 1
+    step_s = (time.perf_counter() - started) / warm_steps
+    n_steps = max(10, round(settings.seconds / step_s))
+    with cpu_load() as load:
+        samples = train_steps(net, opt, batches, n_steps)
+    return _row(case, f"torch, {threads} thread{'s' if threads > 1 else ''}", samples,
+                load.wall_s, load, threads=threads, steps=n_steps, waited_s=waited)
+
+
+def _row(
+    case: Case, runner: str, samples: int, seconds: float, load: Any, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "model": case.name, "case": case.key, "batch_size": case.batch_size, "runner": runner,
+        "samples": int(samples), "seconds": seconds,
+        "samples_per_s": samples / seconds if seconds > 0 else math.nan,
+        "other_load": load.foreign, "our_load": load.ours, "steal": load.steal, **extra,
+    }
+
+
+# -- Trainer --------------------------------------------------------------------------------------
+
+
+def fit(
+    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int, prefetch: bool = True,
+    scorer: bool = False, stop: list[dt.StopCondition] | None = None,
+) -> dt.FitResult:
+    """One Trainer run as the benchmark specifies it (2 trainers, 1 server, same hyper-parameters)."""
+    trainer = dt.Trainer(
+        build_mlp(case.hidden), loss="cross_entropy", optimizer="adam", lr=1e-3,
+        strategy="async-ps", ps=1, workers=2, scorer=int(scorer), batch_size=case.batch_size,
+        epochs=epochs, stop=stop, score_every=0.5, prefetch=prefetch, progress=False,
+        client=client,
+    )
+    return trainer.fit(X, y, validation=dt.datasets.digits_test() if scorer else None)
+
+
+def steady_state(result: dt.FitResult) -> tuple[int, float]:
+    """Samples and seconds between the first and the last score taken while training ran.
+
+    With a scorer, the controller appends the score taken after the stop as the last row of the
+    history (its time includes the shutdown), so that row is left out; so are scores that already
+    count every sample of the run: training had ended some time before them.
+    """
+    history = result.history
+    if result.roles["scorer"] and len(history):
+        history = history.iloc[:-1]
+    history = history[history["samples"] < result.samples]
+    if len(history) < 2:
+        return 0, math.nan
+    first, last = history.iloc[0], history.iloc[-1]
+    return int(last["samples"] - first["samples"]), float(last["time_s"] - first["time_s"])
+
+
+def calibrate_epochs(
+    case: Case, X: da.Array, y: da.Array, client: Client, settings: Settings
+) -> tuple[int, float]:
+    """Epochs for a run of about ``settings.seconds``, from a short run (that also warms up)."""
+    stop = [dt.StopAfter(settings.calibrate_s)]
+    result = fit(case, X, y, client, epochs=10_000, scorer=True, stop=stop)
+    samples, seconds = steady_state(result)
+    rate = samples / seconds if seconds > 0 else result.samples / result.wall_s
+    return max(1, round(settings.seconds * rate / X.shape[0])), rate
+
+
+def _details(result: dt.FitResult, epochs: int) -> dict[str, Any]:
+    return {
+        "epochs": epochs, "stopped_by": result.stopped_by, "steps": result.steps,
+        "total_samples": result.samples, "wall_s": result.wall_s,
+        "roles": {k: result.roles[k] for k in result.roles.keys()}, "trainers": result.trainers,
+    }
+
+
+def trainer_row(
+    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int, prefetch: bool,
+    scorer: bool, settings: Settings,
+) -> dict[str, Any]:
+    """One timed Trainer run: end-to-end without a scorer, steady state with one."""
+    label = "prefetch" if prefetch else "prefetch=False"
+    waited = quiet(settings)
+    with cpu_load() as load:
+        result = fit(case, X, y, client, epochs=epochs, prefetch=prefetch, scorer=scorer)
+    details = {**_details(result, epochs), "waited_s": waited}
+    if not scorer:
+        return _row(case, f"Trainer end-to-end, {label}", result.samples, result.wall_s, load,
+                    **details)
+    samples, seconds = steady_state(result)
+    details["history"] = result.history.to_dict("records")
+    return _row(case, f"Trainer steady state, {label}", samples, seconds, load, **details)
+
+
+def trainer_rows(
+    case: Case, X: da.Array, y: da.Array, client: Client, settings: Settings
+) -> list[dict[str, Any]]:
+    """End-to-end and steady-state rows, with and without prefetch, for one model."""
+    # Generated once on the workers and kept there: timed runs never include data generation.
+    X, y = client.persist([X, y])
+    epochs, rate = calibrate_epochs(case, X, y, client, settings)
+    _log(f"{case.name}: calibration {rate:,.0f} samples/s -> {epochs} epochs of {X.shape[0]:,} rows")
+    return [
+        least_disturbed(
+            functools.partial(trainer_row, case, X, y, client, epochs=epochs, prefetch=prefetch,
+                              scorer=scorer, settings=settings),
+            settings,
+        )
+        for prefetch in (True, False)
+        for scorer in (False, True)
+    ]
+
+
+def least_disturbed(measure: Callable[[], dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    """Measure again (up to ``--attempts`` times) while other programs disturbed the measurement.
+
+    Returns the attempt during which other programs used the least CPU.
+    """
+    best: dict[str, Any] | None = None
+    for attempt in range(1, settings.attempts + 1):
+        row = {**measure(), "attempt": attempt}
+        _log_row(row)
+        if best is None or row["other_load"] < best["other_load"]:
+            best = row
+        if row["other_load"] <= DISTURBED_CORES:
+            break
+    assert best is not None
+    return best
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Add each Trainer row's ratio to plain torch with 1 and with 2 threads of the same model."""
+    plain = {(r["case"], r["threads"]): r["samples_per_s"] for r in rows if "threads" in r}
+    for row in rows:
+        if "threads" not in row:
+            for threads in TORCH_THREADS:
+                base = plain.get((row["case"], threads), math.nan)
+                row[f"vs_torch_{threads}"] = row["samples_per_s"] / base if base > 0 else math.nan
+
+
+def _cells(row: dict[str, Any]) -> dict[str, str]:
+    def ratio(key: str) -> str:
+        return f"{row[key]:.2f}x" if key in row and math.isfinite(row[key]) else ""
+
+    return {
+        "model": row["model"], "batch": str(row["batch_size"]), "runner": row["runner"],
+        "samples/s": f"{row['samples_per_s']:,.0f}", "vs torch 2 threads": ratio("vs_torch_2"),
+        "vs torch 1 thread": ratio("vs_torch_1"), "samples timed": f"{row['samples']:,}",
+        "seconds": f"{row['seconds']:.1f}", "other load (cores)": f"{row['other_load']:.2f}",
+    }
+
+
+def aim_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row["runner"].startswith("Trainer steady"):
+            aim = AIMS[row["case"]]
+            verdict = "met" if row["vs_torch_2"] >= aim else "NOT met"
+            lines.append(f"- {row['model']}, {row['runner']}: {row['vs_torch_2']:.2f}x plain torch "
+                         f"with 2 threads (aim >= {aim:.1f}x: {verdict})")
+    return lines
+
+
+def render(env: dict[str, Any], settings: Settings, rows: list[dict[str, Any]]) -> str:
+    columns = list(_cells(rows[0]))
+    sizes = {r["model"]: (r["epochs"], r["total_samples"]) for r in rows if "epochs" in r}
+    disturbed = [r for r in rows if r["other_load"] > DISTURBED_CORES]
+    lines = [
+        f"# Training throughput{' (quick smoke test)' if settings.quick else ''}", "",
+        f"Machine: {env['cores']} cores ({env['cpu']}), torch {env['torch']}, "
+        f"dask {env['dask']}, distributed {env['distributed']}, Python {env['python']}; "
+        f"{env['date']}.", "",
+        "Trainer: async-ps, ps=1, workers=2 on `dt.connect(n_workers=2)`; Adam lr 1e-3. "
+        "Steady state: scorer every 0.5 s, rate between the first and last score during training. "
+        "End-to-end: samples / wall_s of a run without scorer, start-up included.", "",
+        "Run sizes: " + "; ".join(f"{m}: {e} epoch(s), {n:,} samples per Trainer run"
+                                  for m, (e, n) in sizes.items()) + ".", "",
+        markdown_table([_cells(r) for r in rows], columns), "",
+        "Aims (Trainer steady state / plain torch with 2 threads):", "", *aim_lines(rows),
+    ]
+    if disturbed:
+        lines += ["", f"Warning: {len(disturbed)} rows ran while other programs used > "
+                  f"{DISTURBED_CORES} cores of this machine (column 'other load') in every "
+                  "attempt; their rates are not trustworthy."]
+    return "\n".join(lines)
+
+
+def quiet(settings: Settings) -> float:
+    """Wait (up to ``--max-wait``) for other programs to leave the cores idle; log a long wait."""
+    waited = wait_for_quiet(max_wait_s=settings.max_wait_s) if settings.max_wait_s > 0 else 0.0
+    if waited > 2:
+        _log(f"waited {waited:.0f} s for other programs to leave the cores idle")
+    return waited
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _log_row(row: dict[str, Any]) -> None:
+    _log(f"{row['model']}, {row['runner']}: {row['samples_per_s']:,.0f} samples/s "
+         f"(attempt {row['attempt']}, other load {row['other_load']:.2f} cores)")
+
+
+Data = dict[str, tuple[da.Array, da.Array]]
+
+
+def make_data(settings: Settings) -> Data:
+    """The digits data of each model, as lazy dask arrays: the same ones feed both runners."""
+    return {
+        case.key: dt.datasets.digits(settings.rows(case), seed=0,
+                                     chunks=math.ceil(settings.rows(case) / settings.blocks))
+        for case in CASES
+    }
+
+
+def plain_rows(data: Data, settings: Settings) -> list[dict[str, Any]]:
+    """Plain torch with 1 and 2 threads; call it before any Dask cluster exists."""
+    rows, default_threads = [], torch.get_num_threads()
+    for case in CASES:
+        X_np, y_np = dask.compute(*data[case.key])  # the local threaded scheduler, once per model
+        X, y = torch.from_numpy(X_np), torch.from_numpy(y_np)
+        for threads in TORCH_THREADS:
+            measure = functools.partial(plain_torch, case, X, y, threads=threads, settings=settings)
+            rows.append(least_disturbed(measure, settings))
+    torch.set_num_threads(default_threads)
+    return rows
+
+
+def cluster_rows(data: Data, settings: Settings) -> list[dict[str, Any]]:
+    """Every Trainer run, on a 2-worker embedded cluster started here and closed at the end."""
+    client = dt.connect(n_workers=2, quiet=True)
+    try:
+        return [row for case in CASES for row in trainer_rows(case, *data[case.key], client, settings)]
+    finally:
+        client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    env = environment()
+    data = make_data(settings)
+    rows = plain_rows(data, settings)  # first: no Dask worker exists yet to disturb them
+    rows += cluster_rows(data, settings)
+    add_ratios(rows)
+    markdown = render(env, settings, rows)
+    print(markdown)
+    raw = {"environment": env, "settings": asdict(settings), "rows": rows}
+    paths = write_results("throughput-quick" if settings.quick else "throughput", markdown, raw)
+    _log("wrote " + ", ".join(os.path.relpath(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
