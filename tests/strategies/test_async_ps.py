@@ -24,21 +24,25 @@ def _data(n: int = 2000, chunks: int = 500, n_in: int = 8, n_out: int = 3, seed:
     return x, y, da.from_array(x, chunks=(chunks, n_in)), da.from_array(y, chunks=chunks)
 
 
-def _reference(
-    module: torch.nn.Module, x, y, ledger, *, lr: float, batch_size: int, shuffle: bool, seed: int
-):
-    """A plain single-process SGD loop over the blocks in the ledger's order, batches as the trainer makes them."""
+def _reference(module, x, y, ledger, *, lr, batch_size, shuffle, seed, accumulate=1):
+    """A plain single-process SGD loop over the blocks in the ledger's order.
+
+    Batches are made as the trainer makes them; with ``accumulate`` k, each update averages the
+    gradients of k consecutive batches of one block.
+    """
     opt = torch.optim.SGD(module.parameters(), lr=lr)
     for row in ledger.itertuples():
         start, rows = row.block * 500, row.rows
         order = block_order(rows=rows, seed=seed, epoch=row.epoch, block=row.block, shuffle=shuffle)
-        for i in range(0, rows, batch_size):
-            idx = start + order[i : i + batch_size]
+        starts = list(range(0, rows, batch_size))
+        for g in range(0, len(starts), accumulate):  # groups of batches, never across blocks
+            group = starts[g : g + accumulate]
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(
-                module(torch.from_numpy(x[idx])), torch.from_numpy(y[idx])
-            )
-            loss.backward()
+            for i in group:
+                idx = start + order[i : i + batch_size]
+                out = module(torch.from_numpy(x[idx]))
+                loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y[idx])) / len(group)
+                loss.backward()
             opt.step()
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
@@ -252,3 +256,51 @@ def test_dask_dataframe_input(client: Client) -> None:
     assert result.stopped_by == "epochs=2"
     assert result.samples == 2 * 1200
     assert result.ledger.groupby("epoch")["consumed"].sum().tolist() == [1200, 1200]
+
+
+def test_grad_accumulation_equals_a_plain_loop_on_batch_groups(client: Client) -> None:
+    x, y, X, Y = _data()
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        optimizer="sgd",
+        lr=0.05,
+        ps=2,
+        workers=1,
+        scorer=0,
+        batch_size=64,
+        epochs=1,
+        grad_accumulation=3,
+        shuffle=True,
+        seed=3,
+        prefetch=False,
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y)
+    # 8 batches per block in groups of 3, 3 and 2: 3 updates per block, 4 blocks.
+    assert result.steps == 12
+    expected = _reference(
+        mlp(8, 16, 3), x, y, result.ledger, lr=0.05, batch_size=64, shuffle=True, seed=3, accumulate=3
+    )
+    got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_deeper_prefetch_still_feeds_each_sample_once(client: Client) -> None:
+    _, _, X, Y = _data(n=4000)
+    trainer = dt.Trainer(
+        mlp(8, 16, 3),
+        lr=1e-3,
+        ps=1,
+        workers=2,
+        scorer=0,
+        batch_size=16,
+        epochs=2,
+        prefetch=3,
+        progress=False,
+        client=client,
+    )
+    result = trainer.fit(X, Y)
+    assert result.samples == 8000
+    assert result.steps == 2 * 8 * 32  # 8 blocks of 500 rows: 32 batches each (the last of 4)
+    assert result.epochs_completed == 2

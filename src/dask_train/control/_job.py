@@ -51,7 +51,8 @@ class JobSpec:
     epochs: int
     shuffle: bool
     seed: int
-    prefetch: bool
+    prefetch: int
+    grad_accumulation: int
     blocks_ahead: int
     score_every: float
     timeout: float
@@ -127,6 +128,7 @@ class _Controller:
         await self._wait(starts, what="starting the parameter servers")
         config = {
             "loss": spec.loss, "batch_size": spec.batch_size, "prefetch": spec.prefetch,
+            "grad_accumulation": spec.grad_accumulation,
             "timeout": spec.timeout, "topic": spec.topic, "score_every": spec.score_every,
         }
         self.client.subscribe_topic(spec.topic, lambda event: self.events.put_nowait(event[1]))

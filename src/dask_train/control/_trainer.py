@@ -64,9 +64,15 @@ class Trainer:
     shuffle : bool
         Shuffle block order and rows within blocks, per epoch, seeded by ``seed``.
     seed : int
-    prefetch : bool
-        Overlap each push/pull with the next batch's computation (one step of extra staleness).
-        ``False`` gives a plain sequential loop.
+    prefetch : int or bool
+        Pushes a trainer keeps in flight while it computes the next gradients: each overlaps
+        communication with computation at one update of extra staleness. ``True`` is 1,
+        ``False`` or 0 a plain sequential loop; 2 helps small models, whose gradient takes less
+        time than a round trip to the servers.
+    grad_accumulation : int
+        Average the gradients of this many batches into one push and one server update: k times
+        fewer messages and optimizer steps, at an effective batch of ``k * batch_size``. Steps
+        (``StopAtStep``, ``result.steps``) count server updates.
     blocks_ahead : int
         Blocks queued per trainer beyond the one being read: the bound of the feed queue.
     timeout : float
@@ -104,7 +110,8 @@ class Trainer:
         score_every: float = 1.0,
         shuffle: bool = True,
         seed: int = 0,
-        prefetch: bool = True,
+        prefetch: int | bool = True,
+        grad_accumulation: int = 1,
         blocks_ahead: int = 2,
         timeout: float = 60.0,
         progress: bool = True,
@@ -127,6 +134,7 @@ class Trainer:
         self.shuffle = shuffle
         self.seed = seed
         self.prefetch = prefetch
+        self.grad_accumulation = grad_accumulation
         self.blocks_ahead = blocks_ahead
         self.timeout = timeout
         self.progress = progress
@@ -227,7 +235,8 @@ class Trainer:
             n_params=int(flatten_parameters(self.module).numel()),
             loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
             optimizer_options=self.optimizer_options, batch_size=self.batch_size,
-            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=self.prefetch,
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=int(self.prefetch),
+            grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
             timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
             progress=self.progress,

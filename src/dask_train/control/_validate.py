@@ -53,6 +53,12 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     problems += _int_at_least("batch_size", s["batch_size"], 1)
     problems += _int_at_least("epochs", s["epochs"], 1)
     problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)
+    problems += _int_at_least("grad_accumulation", s["grad_accumulation"], 1)
+    prefetch = s["prefetch"]
+    if isinstance(prefetch, bool):
+        prefetch = int(prefetch)
+    problems += [p.replace("an integer", "True, False or an integer")
+                 for p in _int_at_least("prefetch", prefetch, 0)]
     problems += _int_at_least("seed", s["seed"], 0)
     problems += _positive("score_every", s["score_every"])
     problems += _positive("timeout", s["timeout"])

@@ -8,6 +8,7 @@ thread pool at once so that roles sharing a process, and the feed tasks, never w
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import threading
@@ -142,11 +143,10 @@ def run_trainer(
     shards: Sequence[ShardRef],
     config: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Dask task: one trainer's loop. Pull, compute a gradient, push, until the feed ends or stop.
+    """Dask task: one trainer's loop. Pull, compute gradients, push, until the feed ends or stop.
 
-    With ``config["prefetch"]`` the push of step t is in flight while step t+1's gradient is
-    computed on the parameters received after step t-1: one step of extra staleness bought for
-    overlapping communication with computation. Without it the trainer is a plain sequential loop.
+    Gradients of ``config["grad_accumulation"]`` batches are averaged into one push (one server
+    update), never across a block boundary, so a block reported consumed is fully pushed.
     """
     worker = get_worker()
     state = worker_state(worker).job(job)
@@ -156,14 +156,17 @@ def run_trainer(
     model = FlatModel(copy.deepcopy(module))
     model.module.train()
     write_params(model.flat, ps.pull())
+    pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"])
     loss_fn = LOSSES[config["loss"]]
-    buffers = [torch.empty(model.n_params), torch.empty(model.n_params)]
     feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role)
-    pending = None
-    steps = samples = 0
+    samples = 0
     stopped = False
+    started = time.perf_counter()
+    feed_wait = 0.0
     while not stopped:
+        t0 = time.perf_counter()
         item = feed.next()
+        feed_wait += time.perf_counter() - t0
         if item is None or item.x is None:
             break
         consumed = 0
@@ -171,33 +174,87 @@ def run_trainer(
             if state.stop.is_set():
                 stopped = True
                 break
-            grad = buffers[steps % 2]
-            model.gradient(xb, yb, loss_fn, out=grad)
-            if pending is not None:
-                stopped = _receive(ps, pending, model)
-            pending = ps.push(grad, len(xb))
-            if not config["prefetch"]:
-                stopped = _receive(ps, pending, model) or stopped
-                pending = None
-            steps += 1
-            samples += len(xb)
+            stopped = pusher.add(xb, yb, loss_fn)
             consumed += len(xb)
             if stopped:
                 break
+        stopped = pusher.flush() or stopped
+        samples += consumed
         worker.log_event(
             config["topic"],
             {"kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
-             "rows": consumed, "done": consumed == item.rows, "steps": steps},
+             "rows": consumed, "done": consumed == item.rows, "steps": pusher.pushes},
         )
-    if pending is not None:
-        _receive(ps, pending, model)
-    return {"trainer": index, "steps": steps, "samples": samples, "worker": worker.address}
+    pusher.drain()
+    # Where the trainer's time went, so a slow job says whether it waited for data or servers.
+    return {
+        "trainer": index, "steps": pusher.pushes, "samples": samples, "worker": worker.address,
+        "busy_s": time.perf_counter() - started, "feed_wait_s": feed_wait,
+        "ps_wait_s": pusher.wait_s,
+    }
 
 
-def _receive(ps: PSClient, pending: Any, model: FlatModel) -> bool:
-    exchange = ps.wait(pending)
-    write_params(model.flat, exchange)
-    return exchange.stop
+class _Pusher:
+    """Averages the gradients of ``every`` batches and pushes them, keeping ``depth`` in flight.
+
+    With ``depth`` d > 0, up to d pushes travel while the next gradients are computed on the
+    parameters received after an earlier update: d updates of extra staleness bought for
+    overlapping communication with computation. With 0 the trainer is a plain sequential loop.
+    """
+
+    def __init__(self, ps: PSClient, model: FlatModel, *, every: int, depth: int) -> None:
+        self.ps, self.model, self.every, self.depth = ps, model, every, depth
+        # A buffer being filled plus one per push in flight: a push's buffer is never rewritten
+        # while it is still being sent.
+        self.buffers = [torch.empty(model.n_params) for _ in range(depth + 1)]
+        self.scratch = torch.empty(model.n_params) if every > 1 else None
+        self.count = self.samples = self.pushes = 0
+        self.pending: collections.deque[Any] = collections.deque()
+        self.wait_s = 0.0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> bool:
+        """Add one batch's gradient; push when ``every`` are in. True when the servers say stop."""
+        grad = self.buffers[self.pushes % len(self.buffers)]
+        if self.count == 0:
+            self.model.gradient(x, y, loss_fn, out=grad)
+        else:
+            assert self.scratch is not None
+            self.model.gradient(x, y, loss_fn, out=self.scratch)
+            grad.add_(self.scratch)
+        self.count += 1
+        self.samples += len(x)
+        return self.flush() if self.count == self.every else False
+
+    def flush(self) -> bool:
+        """Push the mean of the gradients gathered so far, if any."""
+        if self.count == 0:
+            return False
+        grad = self.buffers[self.pushes % len(self.buffers)]
+        if self.count > 1:
+            grad.div_(self.count)
+        stop = False
+        while len(self.pending) >= max(self.depth, 1):
+            stop = self._receive() or stop
+        self.pending.append(self.ps.push(grad, self.samples))
+        self.pushes += 1
+        self.count = self.samples = 0
+        if self.depth == 0:
+            stop = self._receive() or stop
+        return stop
+
+    def drain(self) -> bool:
+        """Wait for every push in flight and load the parameters they brought back."""
+        stop = False
+        while self.pending:
+            stop = self._receive() or stop
+        return stop
+
+    def _receive(self) -> bool:
+        t0 = time.perf_counter()
+        exchange = self.ps.wait(self.pending.popleft())
+        self.wait_s += time.perf_counter() - t0
+        write_params(self.model.flat, exchange)
+        return exchange.stop
 
 
 def run_scorer(
