@@ -18,7 +18,10 @@ What is measured, in samples per second, in one run:
   - *steady state*: a run with a scorer every 0.5 s; the rate between the first and the last
     score rows of ``result.history`` taken while training ran (leaving out the score taken after
     the stop, the last row, and any score that already counts every sample of the run);
-  - each with the default ``prefetch=True`` and with ``prefetch=False``.
+  - with the defaults (``prefetch=1``, ``grad_accumulation=1``: one server update per batch,
+    one push in flight), and steady state also with ``prefetch=0`` (sequential), ``prefetch=2``
+    (two pushes in flight) and ``grad_accumulation=4`` (the mean gradient of 4 batches per push:
+    4x fewer messages and server updates, an effective batch of 4x the batch size).
 
 Why: the project aims for a Trainer that, on the same 2 cores, is at least as fast as plain torch
 with 2 threads on the large MLP (>= 1.0x) and close to it on the small one (>= 0.8x). The ratios
@@ -42,6 +45,7 @@ with ``--quick``, so a smoke test never overwrites a full run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -199,16 +203,35 @@ def _row(
 # -- Trainer --------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Trainer settings that a row varies."""
+
+    prefetch: int = 1
+    grad_accumulation: int = 1
+
+    @property
+    def label(self) -> str:
+        parts = [f"prefetch={self.prefetch}"]
+        if self.grad_accumulation != 1:
+            parts.append(f"grad_accumulation={self.grad_accumulation}")
+        return ", ".join(parts)
+
+
+DEFAULT = Variant()
+VARIANTS = (Variant(prefetch=0), Variant(prefetch=2), Variant(grad_accumulation=4))
+
+
 def fit(
-    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int, prefetch: bool = True,
-    scorer: bool = False, stop: list[dt.StopCondition] | None = None,
+    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int,
+    variant: Variant = DEFAULT, scorer: bool = False, stop: list[dt.StopCondition] | None = None,
 ) -> dt.FitResult:
     """One Trainer run as the benchmark specifies it (2 trainers, 1 server, same hyper-parameters)."""
     trainer = dt.Trainer(
         build_mlp(case.hidden), loss="cross_entropy", optimizer="adam", lr=1e-3,
         strategy="async-ps", ps=1, workers=2, scorer=int(scorer), batch_size=case.batch_size,
-        epochs=epochs, stop=stop, score_every=0.5, prefetch=prefetch, progress=False,
-        client=client,
+        epochs=epochs, stop=stop, score_every=0.5, prefetch=variant.prefetch,
+        grad_accumulation=variant.grad_accumulation, progress=False, client=client,
     )
     return trainer.fit(X, y, validation=dt.datasets.digits_test() if scorer else None)
 
@@ -250,14 +273,14 @@ def _details(result: dt.FitResult, epochs: int) -> dict[str, Any]:
 
 
 def trainer_row(
-    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int, prefetch: bool,
+    case: Case, X: da.Array, y: da.Array, client: Client, *, epochs: int, variant: Variant,
     scorer: bool, settings: Settings,
 ) -> dict[str, Any]:
     """One timed Trainer run: end-to-end without a scorer, steady state with one."""
-    label = "prefetch" if prefetch else "prefetch=False"
+    label = variant.label
     waited = quiet(settings)
     with cpu_load() as load:
-        result = fit(case, X, y, client, epochs=epochs, prefetch=prefetch, scorer=scorer)
+        result = fit(case, X, y, client, epochs=epochs, variant=variant, scorer=scorer)
     details = {**_details(result, epochs), "waited_s": waited}
     if not scorer:
         return _row(case, f"Trainer end-to-end, {label}", result.samples, result.wall_s, load,
@@ -270,19 +293,18 @@ def trainer_row(
 def trainer_rows(
     case: Case, X: da.Array, y: da.Array, client: Client, settings: Settings
 ) -> list[dict[str, Any]]:
-    """End-to-end and steady-state rows, with and without prefetch, for one model."""
+    """End-to-end and steady-state rows with the defaults, steady state for each variant."""
     # Generated once on the workers and kept there: timed runs never include data generation.
     X, y = client.persist([X, y])
     epochs, rate = calibrate_epochs(case, X, y, client, settings)
     _log(f"{case.name}: calibration {rate:,.0f} samples/s -> {epochs} epochs of {X.shape[0]:,} rows")
     return [
         least_disturbed(
-            functools.partial(trainer_row, case, X, y, client, epochs=epochs, prefetch=prefetch,
+            functools.partial(trainer_row, case, X, y, client, epochs=epochs, variant=variant,
                               scorer=scorer, settings=settings),
             settings,
         )
-        for prefetch in (True, False)
-        for scorer in (False, True)
+        for variant, scorer in [(DEFAULT, False), (DEFAULT, True)] + [(v, True) for v in VARIANTS]
     ]
 
 

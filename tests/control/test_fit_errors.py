@@ -96,6 +96,15 @@ def test_score_based_stop_needs_validation(client: Client) -> None:
     assert "needs scores: pass validation=(X_val, y_val) to fit." in str(err)
 
 
+def test_score_based_stop_needs_a_scorer(client: Client) -> None:
+    X, y = _xy()
+    xv, yv = np.zeros((10, 4), dtype=np.float32), np.zeros(10, dtype=np.int64)
+    err = _fit_error(
+        client, dict(module=_net(), scorer=0, stop=[dt.EarlyStopping("loss")]), X, y, (xv, yv)
+    )
+    assert "needs scores but scorer=0: use scorer=1." in str(err)
+
+
 def test_validation_shape_mismatch(client: Client) -> None:
     X, y = _xy()
     xv = np.zeros((10, 5), dtype=np.float32)

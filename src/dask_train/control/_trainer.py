@@ -207,9 +207,13 @@ class Trainer:
         problems += check_data(X, y)
         problems += check_validation(validation, X)
         needs_scores = [c for c in self.stop if hasattr(c, "metric")]
-        if validation is None and needs_scores:
+        if needs_scores and validation is None:
             problems.append(
                 f"stop={needs_scores!r} needs scores: pass validation=(X_val, y_val) to fit."
+            )
+        elif needs_scores and self.scorer == 0:
+            problems.append(
+                f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
             )
         if not problems and isinstance(self.module, torch.nn.Module):
             problems += check_module_output(self.module, X, y, self.loss)
