@@ -29,7 +29,7 @@ from dask_train.data._ledger import Ledger
 from dask_train.errors import ParameterServerLost, RoleFailed, TrainingTimeout, WorkerLost
 from dask_train.models import split_shards
 from dask_train.report import history_frame
-from dask_train.strategies import async_ps
+from dask_train.strategies import async_ps, sync
 from dask_train.strategies._ps_client import ShardRef
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class JobSpec:
     stop: list[StopCondition]
     callbacks: list[Callback]
     progress: bool
+    strategy: str = "async-ps"
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -86,10 +87,14 @@ class _Controller:
         self.ledger = Ledger(
             blocks.blocks, trainers, epochs=spec.epochs, shuffle=spec.shuffle, seed=spec.seed
         )
-        shards = split_shards(spec.n_params, len(roles["ps"]))
-        self.shards = [
-            ShardRef(s.index, s.start, s.stop, roles["ps"][s.index]) for s in shards
-        ]
+        if spec.strategy == "sync":
+            # No servers: rank 0 registers its own optimizer as the job's only shard.
+            self.shards = [ShardRef(0, 0, spec.n_params, trainers[0])]
+        else:
+            shards = split_shards(spec.n_params, len(roles["ps"]))
+            self.shards = [
+                ShardRef(s.index, s.start, s.stop, roles["ps"][s.index]) for s in shards
+            ]
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.records: list[dict[str, Any]] = []
         self.feeds: list[Future] = []
@@ -117,20 +122,25 @@ class _Controller:
     async def start(self) -> None:
         spec = self.spec
         module_f = await self.client.scatter(spec.module, hash=False, asynchronous=True)
-        starts = [
-            self._pinned(
-                async_ps.start_shard_task, module_f, address=ref.address, key=f"dt-ps-{ref.index}",
-                job=spec.job_id, shard=ref, optimizer=spec.optimizer, lr=spec.lr,
-                options=spec.optimizer_options, max_step=spec.max_step,
-            )
-            for ref in self.shards
-        ]
-        await self._wait(starts, what="starting the parameter servers")
+        if spec.strategy != "sync":
+            starts = [
+                self._pinned(
+                    async_ps.start_shard_task, module_f, address=ref.address,
+                    key=f"dt-ps-{ref.index}", job=spec.job_id, shard=ref,
+                    optimizer=spec.optimizer, lr=spec.lr, options=spec.optimizer_options,
+                    max_step=spec.max_step,
+                )
+                for ref in self.shards
+            ]
+            await self._wait(starts, what="starting the parameter servers")
         config = {
             "loss": spec.loss, "batch_size": spec.batch_size, "prefetch": spec.prefetch,
             "grad_accumulation": spec.grad_accumulation,
             "timeout": spec.timeout, "topic": spec.topic, "score_every": spec.score_every,
+            "optimizer": spec.optimizer, "lr": spec.lr,
+            "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
         }
+        run_trainer = sync.run_rank if spec.strategy == "sync" else async_ps.run_trainer
         self.client.subscribe_topic(spec.topic, lambda event: self.events.put_nowait(event[1]))
         if self.validation is not None and self.roles["scorer"]:
             address = self.roles["scorer"][0]
@@ -145,11 +155,14 @@ class _Controller:
         for i, address in enumerate(self.roles["worker"]):
             self.trainer_futures.append(
                 self._pinned(
-                    async_ps.run_trainer, module_f, address=address, key=f"dt-worker-{i}",
+                    run_trainer, module_f, address=address, key=f"dt-worker-{i}",
                     job=spec.job_id, index=i, shards=self.shards, config=config,
                 )
             )
-            for _ in range(spec.blocks_ahead):
+        # Round-robin over the trainers, so the first cannot take every block of a small job
+        # before the others get one.
+        for _ in range(spec.blocks_ahead):
+            for i in range(len(self.roles["worker"])):
                 self._grant(i)
 
     async def _wait(self, futures: list[Future], *, what: str) -> None:

@@ -45,8 +45,11 @@ class Trainer:
         Learning rate.
     optimizer_options : mapping, optional
         Extra optimizer arguments, e.g. ``{"momentum": 0.9}`` for SGD.
-    strategy : {"async-ps"}
-        Asynchronous parameter-server training.
+    strategy : {"async-ps", "sync"}
+        ``"async-ps"``: asynchronous parameter servers. ``"sync"``: synchronous data-parallel
+        training, one rank per Dask worker in a torch process group (gloo) started by
+        :func:`dask_train.start_torch`; every step applies the mean gradient of all ranks'
+        batches. ``ps`` and ``prefetch`` do not apply to it.
     ps : int
         Parameter servers; the flat parameters are split into this many balanced shards.
     workers : int
@@ -190,12 +193,17 @@ class Trainer:
                 raise InvalidInput(problems)
         roles = self._roles(client, has_validation=validation is not None)
         run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
-        with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
-            started = time.time()
-            ctl, final, trainers, params = client.sync(
-                run_job, client, spec, roles, blocks, validation, progress
-            )
-            progress.close(ctl.stopped_by)
+        group = self._torch_group(client, roles)
+        try:
+            with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
+                started = time.time()
+                ctl, final, trainers, params = client.sync(
+                    run_job, client, spec, roles, blocks, validation, progress
+                )
+                progress.close(ctl.stopped_by)
+        finally:
+            if group is not None:
+                group.close()
         result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
@@ -243,7 +251,7 @@ class Trainer:
             grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
             timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
-            progress=self.progress,
+            progress=self.progress, strategy=self.strategy,
         )
 
     def _roles(self, client: Client, *, has_validation: bool) -> Roles:
@@ -251,7 +259,23 @@ class Trainer:
         info = client.scheduler_info(n_workers=-1)["workers"]
         threads = {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
         scorer = self.scorer if has_validation else 0
-        return Roles(plan_roles(threads, ps=self.ps, worker=self.workers, scorer=scorer))
+        ps = 0 if self.strategy == "sync" else self.ps
+        if self.strategy == "sync" and self.workers > len(threads):
+            # torch's default process group is one per process: one rank per Dask worker.
+            raise InvalidInput([
+                f"workers={self.workers} is more than the {len(threads)} Dask workers of the "
+                "cluster: strategy='sync' runs one rank per worker process; lower workers= or "
+                "add workers."
+            ])
+        return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
+
+    def _torch_group(self, client: Client, roles: Roles) -> Any:
+        """The torch process group of a sync job's ranks (None for async-ps)."""
+        if self.strategy != "sync":
+            return None
+        from dask_train.cluster._torch_group import start_torch
+
+        return start_torch(client, workers=roles["worker"], backend="gloo", timeout=self.timeout)
 
     def _result(
         self, ctl: Any, final: Any, trainers: list[dict[str, Any]],

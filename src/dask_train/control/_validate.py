@@ -15,7 +15,7 @@ from dask_train.control.callbacks import Callback
 from dask_train.control.stop import StopCondition
 from dask_train.models import CLASSIFICATION_LOSSES, LOSSES, OPTIMIZERS, build_optimizer
 
-STRATEGIES = ("async-ps",)
+STRATEGIES = ("async-ps", "sync")
 
 
 def _int_at_least(name: str, value: object, low: int) -> list[str]:
@@ -49,7 +49,9 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     else:
         problems += _check_optimizer_options(s["optimizer"], s["lr"], s["optimizer_options"])
     problems += _positive("lr", s["lr"])
-    problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=1)
+    # Servers exist only in async-ps; sync ignores ps.
+    min_ps = 0 if s["strategy"] == "sync" else 1
+    problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=min_ps)
     problems += _int_at_least("batch_size", s["batch_size"], 1)
     problems += _int_at_least("epochs", s["epochs"], 1)
     problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)

@@ -34,8 +34,8 @@ class ShardServer:
 
     Parameters
     ----------
-    params : numpy.ndarray
-        Initial values of the slice (copied).
+    params : numpy.ndarray or torch.Tensor
+        Initial values of the slice: an array is copied, a float32 tensor is updated in place.
     optimizer : str
         A name from :data:`dask_train.models.OPTIMIZERS`.
     lr : float
@@ -48,14 +48,19 @@ class ShardServer:
 
     def __init__(
         self,
-        params: np.ndarray,
+        params: np.ndarray | torch.Tensor,
         *,
         optimizer: str,
         lr: float,
         options: Mapping[str, Any],
         max_step: int | None = None,
     ) -> None:
-        self.param = torch.nn.Parameter(torch.from_numpy(np.array(params, dtype=np.float32)))
+        values = params if isinstance(params, torch.Tensor) else torch.from_numpy(
+            np.array(params, dtype=np.float32)
+        )
+        # A tensor is used in place (the sync strategy updates a rank's own flat parameters);
+        # an array is copied (a server owns its slice).
+        self.param = torch.nn.Parameter(values)
         self.grad = torch.zeros_like(self.param)
         self.param.grad = self.grad
         self.optimizer = build_optimizer(optimizer, [self.param], lr=lr, options=options)
@@ -280,7 +285,12 @@ def run_scorer(
     x_val, y_val = validation
     snapshots: dict[int, tuple[dict[str, Any], np.ndarray]] = {}
     while not state.scorer_stop.wait(config["score_every"]):
-        record = _score(ps, model, x_val, y_val, loss=config["loss"])
+        try:
+            record = _score(ps, model, x_val, y_val, loss=config["loss"])
+        except KeyError:
+            # The parameters are not published yet (a sync job's rank 0 is still starting);
+            # a worker that vanished instead is the controller's to report.
+            continue
         if record["step"] not in snapshots:
             snapshots[record["step"]] = (record, model.flat.numpy().copy())
             for old in sorted(snapshots)[:-_SNAPSHOTS]:

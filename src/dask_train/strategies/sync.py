@@ -1,0 +1,142 @@
+"""Synchronous data-parallel training: every rank steps together on the mean gradient.
+
+Each rank runs in a Dask worker process whose default torch process group was started by
+:func:`dask_train.start_torch`. Per step, one all-reduce carries the ranks' gradient sums, their
+sample counts and their stop votes in a single flat tensor, so:
+
+* the update is the exact mean gradient over the union of the ranks' batches, even when batches
+  differ in size, and equals single-process training on the concatenated batches;
+* a rank whose data ran out contributes zeros and keeps stepping with the others, so uneven
+  blocks never deadlock an epoch's end (the job ends when every rank is out of data);
+* a stop requested on any rank reaches all ranks at the same step.
+
+DistributedDataParallel is not used: its bucketed all-reduce would need a second collective per
+step for the counts and votes, and its ``join`` for uneven inputs; one flat all-reduce after the
+backward pass is exact and simple. Every rank applies the same update with its own optimizer, so
+parameters stay identical; rank 0's optimizer is registered as shard 0 of the job so the scorer
+and the controller read it like a parameter server.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed import get_worker, secede
+
+from dask_train.cluster._plugin import JobState, worker_state
+from dask_train.data._feed import FeedItem, FeedReader, batches
+from dask_train.models import LOSSES, FlatModel
+from dask_train.strategies._ps_client import ShardRef
+from dask_train.strategies.async_ps import ShardServer
+
+
+class _RankFeed:
+    """A rank's batches across blocks, reporting each block to the controller once consumed."""
+
+    def __init__(self, reader: FeedReader, *, batch_size: int, report: Any) -> None:
+        self.reader, self.batch_size, self.report = reader, batch_size, report
+        self.item: FeedItem | None = None
+        self.it: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.consumed = 0
+        self.ended = False
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next batch, or None once the feed has ended (or the job was stopped)."""
+        while not self.ended:
+            if self.it is not None:
+                batch = next(self.it, None)
+                if batch is not None:
+                    self.consumed += len(batch[0])
+                    return batch
+                self.close_block()
+            item = self.reader.next()
+            if item is None or item.x is None:
+                self.ended = True
+                return None
+            self.item, self.consumed = item, 0
+            self.it = batches(item, self.batch_size)
+        return None
+
+    def close_block(self) -> None:
+        """Report the current block (in full or in part) and forget it."""
+        if self.item is not None:
+            self.report(self.item, self.consumed)
+        self.item, self.it = None, None
+
+
+def run_rank(
+    module: torch.nn.Module,
+    *,
+    job: str,
+    index: int,
+    shards: Sequence[ShardRef],
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Dask task: one rank of a synchronous job, until every rank is out of data or told to stop."""
+    worker = get_worker()
+    state = worker_state(worker).job(job)
+    secede()
+    if not dist.is_initialized() or dist.get_rank() != index:
+        raise RuntimeError(
+            f"rank {index} on {worker.address} has no torch process group for it; "
+            "start one with dt.start_torch on the job's workers"
+        )
+    model = FlatModel(copy.deepcopy(module))
+    model.module.train()
+    dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
+    server = ShardServer(model.flat, optimizer=config["optimizer"], lr=config["lr"],
+                         options=config["optimizer_options"], max_step=config["max_step"])
+    if index == 0:
+        state.shards[0] = server  # the scorer and the final pull read rank 0's parameters
+
+    def report(item: FeedItem, consumed: int) -> None:
+        worker.log_event(config["topic"], {
+            "kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
+            "rows": consumed, "done": consumed == item.rows, "steps": server.version,
+        })
+
+    role = f"rank {index} on {worker.address}"
+    feed = _RankFeed(FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role),
+                     batch_size=config["batch_size"], report=report)
+    return _loop(model, server, feed, state, config, index=index, worker=worker.address)
+
+
+def _loop(
+    model: FlatModel, server: ShardServer, feed: _RankFeed, state: JobState,
+    config: Mapping[str, Any], *, index: int, worker: str,
+) -> dict[str, Any]:
+    n = model.n_params
+    loss_fn = LOSSES[config["loss"]]
+    # [gradient sums | samples | stop votes]: one collective per step carries all three.
+    buf = torch.zeros(n + 2)
+    scratch = torch.empty(n)
+    started, comm_s, samples = time.perf_counter(), 0.0, 0
+    while True:
+        buf.zero_()
+        for _ in range(config["grad_accumulation"]):
+            batch = feed.next()
+            if batch is None:
+                break
+            xb, yb = batch
+            model.gradient(xb, yb, loss_fn, out=scratch)
+            buf[:n].add_(scratch, alpha=len(xb))  # a sum, so the reduced mean weighs each sample
+            buf[n] += len(xb)
+        samples += int(buf[n])
+        buf[n + 1] = 1.0 if state.stop.is_set() else 0.0
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        comm_s += time.perf_counter() - t0
+        total = float(buf[n])
+        if total == 0:  # every rank is out of data: the last epoch is done
+            break
+        _, _, at_limit = server.apply(buf[:n].div_(total).numpy(), int(total))
+        if buf[n + 1] > 0 or at_limit:
+            break
+    feed.close_block()
+    return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
+            "busy_s": time.perf_counter() - started, "allreduce_s": comm_s}
