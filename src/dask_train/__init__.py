@@ -8,7 +8,7 @@ Examples
 """
 
 from dask_train import datasets
-from dask_train.cluster import Roles, connect, start_roles
+from dask_train.cluster import Roles, TorchGroup, connect, start_roles, start_torch
 from dask_train.control import (
     Callback,
     EarlyStopping,
@@ -47,10 +47,12 @@ __all__ = [
     "StopAtScore",
     "StopAtStep",
     "StopCondition",
+    "TorchGroup",
     "Trainer",
     "TrainingTimeout",
     "WorkerLost",
     "connect",
     "datasets",
     "start_roles",
+    "start_torch",
 ]

@@ -55,6 +55,9 @@ class WorkerState:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.jobs: dict[str, JobState] = {}
+        # torch process groups this process joined (group id -> its rank's record, see
+        # _torch_rank.py); the record keeps rank 0's TCPStore alive for as long as the group is open.
+        self.torch_groups: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def job(self, job_id: str) -> JobState:
