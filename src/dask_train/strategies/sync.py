@@ -118,13 +118,19 @@ def _loop(
     started, comm_s, samples = time.perf_counter(), 0.0, 0
     while True:
         buf.zero_()
-        for _ in range(config["grad_accumulation"]):
+        for k in range(config["grad_accumulation"]):
             batch = feed.next()
             if batch is None:
                 break
             xb, yb = batch
-            model.gradient(xb, yb, loss_fn, out=scratch)
-            buf[:n].add_(scratch, alpha=len(xb))  # a sum, so the reduced mean weighs each sample
+            # Sums weighted by batch size, so the reduced mean weighs each sample equally. The
+            # first batch writes straight into the buffer: no extra pass over the gradient.
+            if k == 0:
+                model.gradient(xb, yb, loss_fn, out=buf[:n])
+                buf[:n].mul_(len(xb))
+            else:
+                model.gradient(xb, yb, loss_fn, out=scratch)
+                buf[:n].add_(scratch, alpha=len(xb))
             buf[n] += len(xb)
         samples += int(buf[n])
         buf[n + 1] = 1.0 if state.stop.is_set() else 0.0
