@@ -8,10 +8,12 @@ Examples
 """
 
 from dask_train import datasets
+from dask_train.checkpoint import CheckpointConfig
 from dask_train.cluster import Roles, TorchGroup, connect, start_roles, start_torch
 from dask_train.control import (
     Callback,
     EarlyStopping,
+    FailureConfig,
     FitResult,
     History,
     StopAfter,
@@ -34,9 +36,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "CheckpointConfig",
     "ClusterUnreachable",
     "DaskTrainError",
     "EarlyStopping",
+    "FailureConfig",
     "FitResult",
     "History",
     "InvalidInput",

@@ -133,3 +133,18 @@ def test_set_params_rejects_unknown_names() -> None:
         trainer.set_params(lrate=0.1)
     assert trainer.set_params(lr=0.5).lr == 0.5
     assert trainer.get_params()["lr"] == 0.5
+
+
+def test_recovery_settings_are_checked_with_the_rest(client: Client) -> None:
+    X, y = _xy()
+    err = _fit_error(
+        client, dict(module=_net(), on_nan="ignore", checkpoint="ckpt/", failure=3), X, y
+    )
+    text = str(err)
+    assert "on_nan='ignore'" in text and "'stop'" in text and "'skip'" in text
+    assert "checkpoint='ckpt/'" in text and "dt.CheckpointConfig" in text
+    assert "failure=3" in text and "dt.FailureConfig" in text
+    with pytest.raises(dt.InvalidInput, match="keep=0"):
+        dt.CheckpointConfig("ckpt/", keep=0)
+    with pytest.raises(dt.InvalidInput, match="max_failures=-1"):
+        dt.FailureConfig(max_failures=-1)

@@ -10,5 +10,19 @@ Examples
 
 from dask_train.checkpoint._io import load_metadata, load_tensors, save_tensors
 from dask_train.checkpoint._module import load_module, save_module
+from dask_train.checkpoint._shard import ShardState, load_shard, restore_optimizer, save_shard
+from dask_train.checkpoint._store import CheckpointConfig, CheckpointStore
 
-__all__ = ["load_metadata", "load_module", "load_tensors", "save_module", "save_tensors"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointStore",
+    "ShardState",
+    "load_metadata",
+    "load_module",
+    "load_shard",
+    "load_tensors",
+    "restore_optimizer",
+    "save_module",
+    "save_shard",
+    "save_tensors",
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,7 +26,9 @@ _STATE_ATTR = "_dask_train_state"
 class ShardProtocol(Protocol):
     """What a parameter-server shard offers to the RPC handlers."""
 
-    def apply(self, grad: np.ndarray, samples: int) -> tuple[np.ndarray, int, bool]:
+    def apply(
+        self, grad: np.ndarray, samples: int, position: Any = None
+    ) -> tuple[np.ndarray, int, bool]:
         """Apply a gradient; return (parameters copy, version, stop)."""
 
     def pull(self) -> tuple[np.ndarray, int, int]:
@@ -41,7 +44,29 @@ class JobState:
         self.stop = threading.Event()
         self.scorer_stop = threading.Event()
         self.scorer_keep: int | None = None
+        # Checkpoint pauses: the controller raises pause_id; roles pause at their next consistent
+        # point, report where they are, and wait until resume_id reaches the pause they took.
+        self.pause_id = 0
+        self.resume_id = 0
         self._lock = threading.Lock()
+
+    def wait_resume(self, pause_id: int, *, timeout: float) -> bool:
+        """Block until the controller resumes ``pause_id`` (True) or the job is stopped (False).
+
+        Raises ``TimeoutError`` after ``timeout`` seconds: a controller that vanished must not
+        leave a role paused forever.
+        """
+        deadline = time.monotonic() + timeout
+        while self.resume_id < pause_id:
+            if self.stop.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"paused for checkpoint {pause_id} longer than timeout={timeout:g} s; the "
+                    "controller did not resume the job"
+                )
+            self.stop.wait(0.02)
+        return True
 
     def feed(self, trainer: int) -> queue.Queue[Any]:
         """The feed queue of one trainer (created on first use, by the feeder or the trainer)."""
@@ -124,8 +149,10 @@ def _shard(worker: Worker, job: str, shard: int) -> ShardProtocol:
 
 
 def _make_push(worker: Worker) -> Any:
-    async def dask_train_push(job: str, shard: int, grad: np.ndarray, samples: int) -> dict[str, Any]:
-        params, version, stop = _shard(worker, job, shard).apply(grad, samples)
+    async def dask_train_push(
+        job: str, shard: int, grad: np.ndarray, samples: int, position: Any = None
+    ) -> dict[str, Any]:
+        params, version, stop = _shard(worker, job, shard).apply(grad, samples, position)
         return {"params": to_serialize(params), "version": version, "stop": stop}
 
     return dask_train_push

@@ -1,7 +1,8 @@
-"""The job controller: one coroutine on the client's event loop drives an async-ps job.
+"""The job controller: one coroutine on the client's event loop drives one generation of a job.
 
 It hands blocks to trainers as they free queue slots, turns score events into history and stop
-decisions, watches the workers its roles are pinned to, and shuts every role down with a timeout.
+decisions, takes checkpoints, watches the workers its roles are pinned to (lost roles go to the
+failure policy, see ``_recovery.py``), and shuts every role down with a timeout.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import numpy as np
 import pandas as pd
 import torch
 from distributed import Client, Future, wait
-from distributed.comm import CommClosedError
 
+from dask_train.checkpoint import CheckpointConfig
 from dask_train.cluster._roles import Roles
+from dask_train.control._checkpointing import Checkpointer, Restore, patch_positions, run_on_live
+from dask_train.control._failure import FailureConfig
 from dask_train.control.callbacks import Callback, run_callbacks
 from dask_train.control.stop import StopCondition, check_stop
 from dask_train.data._blocks import BlockSet
 from dask_train.data._feed import feed_block
 from dask_train.data._ledger import Ledger
-from dask_train.errors import ParameterServerLost, RoleFailed, TrainingTimeout, WorkerLost
+from dask_train.errors import RoleFailed, TrainingTimeout
 from dask_train.models import split_shards
 from dask_train.report import history_frame
-from dask_train.strategies import async_ps, sync
+from dask_train.strategies import _state, async_ps, sync
 from dask_train.strategies._ps_client import ShardRef
 
 logger = logging.getLogger(__name__)
@@ -60,12 +63,13 @@ class JobSpec:
     callbacks: list[Callback]
     progress: bool
     strategy: str = "async-ps"
+    ps: int = 1
+    workers: int = 1
+    scorer: int = 1
+    checkpoint: CheckpointConfig | None = None
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    on_nan: str = "stop"
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-
-    @property
-    def topic(self) -> str:
-        """The event topic of this job's trainers and scorer."""
-        return f"dask-train-{self.job_id}"
 
     @property
     def max_step(self) -> int | None:
@@ -74,19 +78,50 @@ class JobSpec:
         return min(steps) if steps else None
 
 
+@dataclass
+class JobLog:
+    """What outlives a generation: history, failures, checkpoints, time already trained."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)
+    started: float = field(default_factory=time.time)
+    generations: int = 0
+
+    @property
+    def elapsed_offset(self) -> float:
+        """Seconds to add to ``time.time() - started`` for a continuous time axis."""
+        return self.elapsed_before
+
+
 class _Controller:
     def __init__(
-        self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, validation: Any
+        self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, validation: Any,
+        *, log: JobLog, generation: int = 0, restore: Restore | None = None,
     ) -> None:
         self.client = client
         self.spec = spec
         self.roles = roles
         self.blocks = blocks
         self.validation = validation
+        self.log = log
+        self.generation = generation
+        self.restore = restore
+        # One key per generation: its worker state, tasks and events never mix with an older
+        # generation's stragglers.
+        self.job = f"{spec.job_id}-g{generation}"
         trainers = roles["worker"]
-        self.ledger = Ledger(
-            blocks.blocks, trainers, epochs=spec.epochs, shuffle=spec.shuffle, seed=spec.seed
-        )
+        if restore is not None:
+            self.ledger = Ledger.from_state(
+                blocks.blocks, trainers, epochs=spec.epochs, shuffle=spec.shuffle, seed=spec.seed,
+                state=restore.manifest["ledger"],
+            )
+        else:
+            self.ledger = Ledger(
+                blocks.blocks, trainers, epochs=spec.epochs, shuffle=spec.shuffle, seed=spec.seed
+            )
         if spec.strategy == "sync":
             # No servers: rank 0 registers its own optimizer as the job's only shard.
             self.shards = [ShardRef(0, 0, spec.n_params, trainers[0])]
@@ -96,18 +131,42 @@ class _Controller:
                 ShardRef(s.index, s.start, s.stop, roles["ps"][s.index]) for s in shards
             ]
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.records: list[dict[str, Any]] = []
-        self.feeds: list[Future] = []
+        self.feeds: list[tuple[int, Future]] = []
         self.ended = [False] * len(trainers)
+        self.idle = [False] * len(trainers)  # async: out of blocks, waiting for the job's end
+        self.retired: set[int] = set()
+        self.trainer_steps: dict[int, int] = {}  # pushes (async) or steps (sync) per trainer
+        self.exited: set[int] = set()  # trainers whose last event has arrived
         self.sequence = [0] * len(trainers)
         self.trainer_futures: list[Future] = []
         self.scorer_future: Future | None = None
+        self.scorer_restarts = 0
+        self.module_f: Future | None = None
+        self.config: dict[str, Any] = {}
         self.t0 = time.time()
         self.stopped_by = ""
-        self.epochs_seen = 0
+        self.epochs_seen = self.ledger.epochs_completed
         self.finished_at = 0.0
+        self.last_heartbeat = 0.0
         self.stop_step: int | None = None  # the step of the score that stopped the job
+        self.nan_stop = False
         self.progress: Any = None
+        self.checkpointer: Checkpointer | None = None
+        if spec.checkpoint is not None:
+            self.checkpointer = Checkpointer(
+                client, spec.checkpoint, job=self.job, generation=generation, timeout=spec.timeout,
+                start_step=restore.step if restore is not None else 0,
+            )
+
+    @property
+    def topic(self) -> str:
+        """The event topic of this generation's trainers and scorer."""
+        return f"dask-train-{self.job}"
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """Score records of the whole job (every generation)."""
+        return self.log.records
 
     # -- starting -------------------------------------------------------------------------------
     def _pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:
@@ -116,47 +175,48 @@ class _Controller:
         # decision, not a silent re-run elsewhere.
         return self.client.submit(
             fn, *args, workers=[address], allow_other_workers=False, pure=False,
-            key=f"{key}-{self.spec.job_id}", **kwargs,
+            key=f"{key}-{self.job}", **kwargs,
         )
 
     async def start(self) -> None:
         spec = self.spec
-        module_f = await self.client.scatter(spec.module, hash=False, asynchronous=True)
+        self.module_f = await self.client.scatter(spec.module, hash=False, asynchronous=True)
+        restore = None
+        if self.restore is not None:
+            assert spec.checkpoint is not None
+            assert self.checkpointer is not None
+            restore = self.restore.server_state(self.checkpointer.store)
         if spec.strategy != "sync":
             starts = [
                 self._pinned(
-                    async_ps.start_shard_task, module_f, address=ref.address,
-                    key=f"dt-ps-{ref.index}", job=spec.job_id, shard=ref,
+                    async_ps.start_shard_task, self.module_f, address=ref.address,
+                    key=f"dt-ps-{ref.index}", job=self.job, shard=ref,
                     optimizer=spec.optimizer, lr=spec.lr, options=spec.optimizer_options,
-                    max_step=spec.max_step,
+                    max_step=spec.max_step, restore=restore,
                 )
                 for ref in self.shards
             ]
             await self._wait(starts, what="starting the parameter servers")
-        config = {
+        self.config = {
             "loss": spec.loss, "batch_size": spec.batch_size, "prefetch": spec.prefetch,
             "grad_accumulation": spec.grad_accumulation,
-            "timeout": spec.timeout, "topic": spec.topic, "score_every": spec.score_every,
+            "timeout": spec.timeout, "topic": self.topic, "score_every": spec.score_every,
             "optimizer": spec.optimizer, "lr": spec.lr,
             "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
+            "seed": spec.seed, "on_nan": spec.on_nan,
+            "rng": (self.restore.manifest.get("rng") or {}) if self.restore is not None else {},
+            "restore": restore if spec.strategy == "sync" else None,
         }
         run_trainer = sync.run_rank if spec.strategy == "sync" else async_ps.run_trainer
-        self.client.subscribe_topic(spec.topic, lambda event: self.events.put_nowait(event[1]))
+        self.client.subscribe_topic(self.topic, lambda event: self.events.put_nowait(event[1]))
         if self.validation is not None and self.roles["scorer"]:
-            address = self.roles["scorer"][0]
-            [val_f] = await self.client.scatter(
-                [self.validation], workers=[address], hash=False, asynchronous=True
-            )
-            self.scorer_future = self._pinned(
-                async_ps.run_scorer, module_f, val_f, address=address, key="dt-scorer",
-                job=spec.job_id, shards=self.shards, config=config,
-            )
+            await self.start_scorer(self.roles["scorer"][0])
         self.t0 = time.time()
         for i, address in enumerate(self.roles["worker"]):
             self.trainer_futures.append(
                 self._pinned(
-                    run_trainer, module_f, address=address, key=f"dt-worker-{i}",
-                    job=spec.job_id, index=i, shards=self.shards, config=config,
+                    run_trainer, self.module_f, address=address, key=f"dt-worker-{i}",
+                    job=self.job, index=i, shards=self.shards, config=self.config,
                 )
             )
         # Round-robin over the trainers, so the first cannot take every block of a small job
@@ -164,6 +224,18 @@ class _Controller:
         for _ in range(spec.blocks_ahead):
             for i in range(len(self.roles["worker"])):
                 self._grant(i)
+
+    async def start_scorer(self, address: str) -> None:
+        """Start (or restart, on another worker) the scorer on ``address``."""
+        [val_f] = await self.client.scatter(
+            [self.validation], workers=[address], hash=False, asynchronous=True
+        )
+        suffix = f"-r{self.scorer_restarts}" if self.scorer_restarts else ""
+        self.scorer_future = self._pinned(
+            async_ps.run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
+            job=self.job, shards=self.shards, config=self.config,
+        )
+        self.roles = Roles({**self.roles.placement, "scorer": [address]})
 
     async def _wait(self, futures: list[Future], *, what: str) -> None:
         try:
@@ -175,20 +247,27 @@ class _Controller:
             ) from None
         for fut in futures:
             if fut.status == "error":
-                await self._raise_role_error(fut, what)
+                await self.raise_role_error(fut, what)
 
-    async def _raise_role_error(self, fut: Future, role: str) -> None:
+    async def raise_role_error(self, fut: Future, role: str) -> None:
         exc = await fut.exception()
         tb = await fut.traceback()
         raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
 
     def _grant(self, trainer: int) -> None:
         """Hand ``trainer`` its next block, or the end marker once every epoch is handed out."""
-        if self.ended[trainer]:
+        if self.ended[trainer] or trainer in self.retired or self.stopped_by:
             return
         a = self.ledger.next_for(trainer)
+        if a is None and self.spec.strategy != "sync":
+            # Async: no end marker yet. Until every block is consumed, a lost trainer's blocks
+            # may still come back to this one (see _end_idle).
+            self.idle[trainer] = True
+            self._end_idle()
+            return
+        self.idle[trainer] = False
         address = self.roles["worker"][trainer]
-        common = {"job": self.spec.job_id, "trainer": trainer, "seed": self.spec.seed,
+        common = {"job": self.job, "trainer": trainer, "seed": self.spec.seed,
                   "shuffle": self.spec.shuffle, "seq": self.sequence[trainer]}
         self.sequence[trainer] += 1
         if a is None:
@@ -198,12 +277,58 @@ class _Controller:
         else:
             fut = self._pinned(
                 feed_block, self.blocks.futures[a.block], address=address,
-                key=f"dt-feed-{a.epoch}-{a.block}", epoch=a.epoch, block=a.block, **common,
+                key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
+                skip=a.skip, **common,
             )
-        self.feeds.append(fut)
+        self.feeds.append((trainer, fut))
+
+    def add_trainer(self, address: str) -> int:
+        """Start a trainer on a worker that joined (or came back) during training."""
+        index = self.ledger.add_trainer(address)
+        self.roles = Roles({**self.roles.placement, "worker": self.roles["worker"] + [address]})
+        assert index == len(self.roles["worker"]) - 1
+        self.ended.append(False)
+        self.idle.append(False)
+        self.sequence.append(0)
+        run_trainer = sync.run_rank if self.spec.strategy == "sync" else async_ps.run_trainer
+        self.trainer_futures.append(self._pinned(
+            run_trainer, self.module_f, address=address, key=f"dt-worker-{index}",
+            job=self.job, index=index, shards=self.shards, config=self.config,
+        ))
+        for _ in range(self.spec.blocks_ahead):
+            self._grant(index)
+        logger.info("job %s: trainer %d joined on %s", self.job, index, address)
+        return index
+
+    def live_trainers(self) -> list[int]:
+        """Trainers not lost (retired) and not known to have ended."""
+        return [i for i in range(len(self.roles["worker"])) if i not in self.retired]
+
+    def _end_idle(self) -> None:
+        """Send end markers to idle trainers once every block handed out has been consumed."""
+        live = self.live_trainers()
+        if not all(self.idle[i] for i in live) or not self.ledger.all_reported():
+            return
+        for i in live:
+            self.idle[i] = False
+            address = self.roles["worker"][i]
+            fut = self._pinned(feed_block, None, address=address, key=f"dt-end-{i}",
+                               job=self.job, trainer=i, seed=self.spec.seed,
+                               shuffle=self.spec.shuffle, seq=self.sequence[i], epoch=-1, block=-1)
+            self.sequence[i] += 1
+            self.ended[i] = True
+            self.feeds.append((i, fut))
+
+    def regrant_idle(self) -> None:
+        """Give idle trainers work that came back (a lost trainer's blocks)."""
+        for i in self.live_trainers():
+            if self.idle[i]:
+                self.idle[i] = False
+                self._grant(i)
 
     # -- running ----------------------------------------------------------------------------------
-    async def run(self) -> None:
+    async def run(self, check_roles: Any) -> None:
+        """Drive the job until it stops; ``check_roles(ctl)`` handles lost or failed roles."""
         next_liveness = 0.0
         while not self.stopped_by:
             try:
@@ -215,23 +340,56 @@ class _Controller:
             now = time.time()
             if not self.stopped_by:
                 self._tick(now)
+                await self._checkpoint_step(now)
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
-                await self._check_roles()
+                await check_roles(self)
 
     def _on_event(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == "block":
+        kind = event.get("kind")
+        if kind == "block":
+            if event["trainer"] in self.retired:
+                return
+            self._on_steps(event["trainer"], event["steps"])
             self.ledger.consumed(
                 epoch=event["epoch"], block=event["block"], trainer=event["trainer"],
                 rows=event["rows"], done=event["done"],
             )
             self._grant(event["trainer"])
+            self._end_idle()
             self._epoch_progress()
-        elif event.get("kind") == "score":
-            self._on_score(event)
+        elif kind == "score":
+            self.on_score(event)
+        elif kind == "paused" and self.checkpointer is not None:
+            self._on_steps(event["trainer"], event["steps"])
+            self.checkpointer.on_paused(event)
+        elif kind == "nan":
+            self._on_nan(event)
+        elif kind == "exit":
+            self.exited.add(int(event["trainer"]))
 
-    def _on_score(self, event: dict[str, Any]) -> None:
+    def _on_nan(self, event: dict[str, Any]) -> None:
+        record = {"role": f"worker-{event['trainer']}", "step": int(event["step"]),
+                  "loss": event["loss"], "epoch": event["epoch"], "block": event["block"]}
+        self.log.nonfinite.append(record)
+        logger.warning("non-finite loss %s at step %d on %s", record["loss"], record["step"],
+                       record["role"])
+        if self.spec.on_nan == "stop":
+            self.nan_stop = True
+            self._stop(f"non-finite loss ({record['loss']}) at step {record['step']} on "
+                       f"{record['role']}")
+
+    def on_score(self, event: dict[str, Any]) -> None:
         record = self._record(event)
+        bad = event.get("nonfinite") or []
+        if bad:
+            self.log.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
+            if self.spec.on_nan == "stop":
+                self.nan_stop = True
+                self._stop(f"non-finite score ({', '.join(bad)}) at step {record['step']}")
+                return
+            if self.spec.on_nan == "skip":
+                return  # not recorded: stop conditions never see a NaN score
         self.records.append(record)
         if self.progress is not None:
             self.progress.update(record)
@@ -243,8 +401,12 @@ class _Controller:
         if self.stopped_by and self.stop_step is None:
             self.stop_step = record["step"]
 
+    def elapsed(self, now: float | None = None) -> float:
+        """Seconds of training in this job, resumed time included."""
+        return (now or time.time()) - self.log.started + self.log.elapsed_offset
+
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        now = time.time() - self.t0
+        now = self.elapsed()
         prev = self.records[-1] if self.records else {"time_s": 0.0, "samples": 0}
         dt = now - prev["time_s"]
         rate = (event["samples"] - prev["samples"]) / dt if dt > 0 else math.nan
@@ -265,18 +427,32 @@ class _Controller:
 
     def _tick(self, now: float) -> None:
         step = self.records[-1]["step"] if self.records else 0
-        fired = check_stop(self.spec.stop, None, elapsed_s=now - self.t0, step=step)
+        fired = check_stop(self.spec.stop, None, elapsed_s=self.elapsed(now), step=step)
         if fired is not None:
             self._stop(fired.describe())
-        elif self.trainer_futures and all(f.status == "finished" for f in self.trainer_futures):
-            # A trainer's last block event and its task's completion travel separately: give
-            # the events a moment to arrive before deciding why the job ended.
+            return
+        live = [self.trainer_futures[i] for i in self.live_trainers()]
+        if live and all(i in self.exited for i in self.live_trainers()):
+            self._stop(self._natural_end())
+        elif live and all(f.status == "finished" for f in live):
+            # A trainer's last events and its task's completion travel separately: give the
+            # events a moment to arrive before deciding why the job ended.
             self.finished_at = self.finished_at or now
-            if self.ledger.all_reported() or now - self.finished_at > 2.0:
+            if now - self.finished_at > 5.0:
                 self._stop(self._natural_end())
+        elif any(self.idle) and now - self.last_heartbeat > self.spec.timeout / 4:
+            # Idle trainers wait for the others' last blocks: keep their feed wait alive.
+            self.last_heartbeat = now
+            for i in self.live_trainers():
+                if self.idle[i]:
+                    self.feeds.append((i, self._pinned(
+                        feed_block, None, address=self.roles["worker"][i],
+                        key=f"dt-beat-{i}-{int(now * 1000)}", job=self.job, trainer=i,
+                        seed=0, shuffle=False, seq=-1, epoch=-1, block=-2,
+                    )))
 
     def _natural_end(self) -> str:
-        if all(self.ended) and self.ledger.epochs_completed >= self.spec.epochs:
+        if self.ledger.epochs_completed >= self.spec.epochs:
             return f"epochs={self.spec.epochs}"
         limits = [c for c in self.spec.stop if c.max_step is not None]
         return min(limits, key=lambda c: c.max_step or 0).describe() if limits else "trainers ended"
@@ -284,63 +460,129 @@ class _Controller:
     def _stop(self, reason: str) -> None:
         if not self.stopped_by:
             self.stopped_by = reason
-            logger.info("job %s stopping: %s", self.spec.job_id, reason)
+            logger.info("job %s stopping: %s", self.job, reason)
 
-    async def _check_roles(self) -> None:
-        failed = [
-            (fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
-            for i, fut in enumerate(self.trainer_futures) if fut.status == "error"
-        ]
-        if self.scorer_future is not None and self.scorer_future.status == "error":
-            failed.append((self.scorer_future, "the scorer"))
-        failed += [(f, f"feeding block task {f.key}") for f in self.feeds if f.status == "error"]
-        self.feeds = [f for f in self.feeds if f.status != "finished"]
-        if failed:
-            # A role whose connection broke usually lost it because a worker died: wait briefly
-            # for the scheduler to notice, and report the lost worker, the root cause.
-            exc = await failed[0][0].exception()
-            tries = 20 if isinstance(exc, (OSError, CommClosedError)) else 1
-            for _ in range(tries):
-                lost = await self._lost_role()
-                if lost is not None:
-                    raise lost
-                await asyncio.sleep(0.1)
-            await self._raise_role_error(*failed[0])
-        lost = await self._lost_role()
-        if lost is not None:
-            raise lost
+    # -- checkpoints ------------------------------------------------------------------------------
+    def current_step(self) -> int:
+        """The servers' step as last reported (scores, block events)."""
+        return self.records[-1]["step"] if self.records else self.restore.step if self.restore else 0
 
-    async def _lost_role(self) -> WorkerLost | None:
-        alive = set((await self.client.scheduler.identity()).get("workers", {}))
-        # Servers first: losing one loses parameters, the more specific error to report.
-        for kind in ("ps", "worker", "scorer"):
-            for i, address in enumerate(self.roles[kind]):
-                if address not in alive:
-                    return _lost(kind, i, address)
-        return None
+    async def _checkpoint_step(self, now: float) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        running = [i for i in self.live_trainers()
+                   if self.trainer_futures[i].status == "pending"]
+        workers = sorted({self.roles["worker"][i] for i in running})
+        if ckpt.pending is None:
+            if running and ckpt.due(step=self._reported_step(), now=now):
+                await ckpt.request(workers)
+            return
+        if not running:
+            await ckpt.release(workers)  # nothing left to pause: the final checkpoint covers it
+            return
+        if ckpt.ready(running):
+            paused = ckpt.paused
+            positions = {t: e.get("position") for t, e in paused.items()}
+            ref = self.shards[0]
+            # Every push is drained, so the servers' count is the checkpoint's exact step.
+            step = (await self.client.run(_state.shard_version, self.job, ref.index,
+                                          workers=[ref.address], asynchronous=True))[ref.address]
+            manifest = self.manifest(positions=positions, rng={t: e["rng"] for t, e in paused.items()},
+                                     step=step)
+            try:
+                info = await ckpt.write(shards=self.shards, manifest=manifest, pinned=self._pinned)
+            finally:
+                await ckpt.release(workers)
+            if info is not None:
+                self.log.checkpoints.append(info)
+
+    def _on_steps(self, trainer: int, steps: int) -> None:
+        self.trainer_steps[trainer] = int(steps)
+
+    def _reported_step(self) -> int:
+        """The servers' step as best known here: scores, or the trainers' own push counts."""
+        base = self.restore.step if self.restore is not None else 0
+        if self.spec.strategy == "sync":
+            pushed = max(self.trainer_steps.values(), default=base)
+        else:
+            pushed = base + sum(self.trainer_steps.values())
+        return max(self.current_step(), pushed)
+
+    def manifest(
+        self, *, positions: dict[int, Any], rng: dict[int, str], step: int
+    ) -> dict[str, Any]:
+        """Everything but the tensors needed to resume exactly (JSON-able)."""
+        samples = self.records[-1]["samples"] if self.records else 0
+        return {
+            "step": int(step), "samples": int(samples), "n_params": self.spec.n_params,
+            "strategy": self.spec.strategy, "job_id": self.spec.job_id,
+            "epoch": self.ledger.epochs_completed,
+            "ledger": patch_positions(self.ledger.state(), positions),
+            "rng": {str(k): v for k, v in rng.items()},
+            "stop": [{"type": type(c).__name__, "state": c.state_dict()} for c in self.spec.stop],
+            "records": self.records,
+            "elapsed_s": self.elapsed(),
+            "roles": {k: list(v) for k, v in self.roles.placement.items()},
+            "config": {"optimizer": self.spec.optimizer, "lr": self.spec.lr,
+                       "batch_size": self.spec.batch_size, "seed": self.spec.seed,
+                       "epochs": self.spec.epochs, "grad_accumulation": self.spec.grad_accumulation},
+        }
+
+    async def final_checkpoint(self, trainers: list[dict[str, Any]], params_step: int,
+                               samples: int) -> None:
+        """The checkpoint of a job that stopped (not after a non-finite loss: keep the last good)."""
+        if self.checkpointer is None or self.nan_stop:
+            return
+        rng = {int(t["trainer"]): t["rng"] for t in trainers if t.get("rng")}
+        manifest = self.manifest(positions={}, rng=rng, step=params_step)
+        manifest["samples"] = int(samples)
+        info = await self.checkpointer.write(shards=self.shards, manifest=manifest,
+                                             pinned=self._pinned)
+        if info is not None:
+            self.log.checkpoints.append({**info, "final": True})
 
     # -- stopping ---------------------------------------------------------------------------------
     async def finish(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """Stop every role (each wait bounded by the timeout); return the scorer's final answer."""
-        spec, client = self.spec, self.client
-        await client.run(async_ps.signal_stop, spec.job_id, workers=self.roles.addresses,
-                         asynchronous=True)
-        await self._wait(self.trainer_futures, what="stopping the trainers")
-        trainers = [await f for f in self.trainer_futures]
+        client = self.client
+        if self.checkpointer is not None:
+            await self.checkpointer.release(self.roles.addresses)
+        await run_on_live(client, async_ps.signal_stop, self.job, workers=self.roles.addresses)
+        live = [self.trainer_futures[i] for i in self.live_trainers()]
+        await self._wait(live, what="stopping the trainers")
+        trainers = [await f for f in live]
+        await self._drain_events()
         final = None
         if self.scorer_future is not None:
-            await client.run(async_ps.signal_stop, spec.job_id, scorer=True,
-                             keep_step=self.stop_step, workers=self.roles["scorer"],
-                             asynchronous=True)
+            await run_on_live(client, async_ps.signal_stop, self.job, scorer=True,
+                              keep_step=self.stop_step, workers=self.roles["scorer"])
             await self._wait([self.scorer_future], what="the final score")
             final = await self.scorer_future
         return final, trainers
+
+    async def _drain_events(self) -> None:
+        """Take in the trainers' last events, so the ledger holds every block they reported."""
+        deadline = time.monotonic() + min(10.0, self.spec.timeout)
+        while not all(i in self.exited for i in self.live_trainers()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning("job %s: the last events of trainers %s did not arrive", self.job,
+                               sorted(set(self.live_trainers()) - self.exited))
+                return
+            try:
+                event = await asyncio.wait_for(self.events.get(), timeout=remaining)
+            except asyncio.TimeoutError:
+                continue
+            self._on_event(event)
+        while not self.events.empty():
+            self._on_event(self.events.get_nowait())
 
     async def pull_parameters(self) -> tuple[np.ndarray, int, int]:
         """The final flat parameters, with the servers' step and sample counts."""
         futures = [
             self._pinned(async_ps.pull_shard_task, address=ref.address, key=f"dt-pull-{ref.index}",
-                         job=self.spec.job_id, index=ref.index)
+                         job=self.job, index=ref.index)
             for ref in self.shards
         ]
         await self._wait(futures, what="pulling the final parameters")
@@ -349,50 +591,25 @@ class _Controller:
         return params, min(p[1] for p in parts), min(p[2] for p in parts)
 
     async def cleanup(self) -> None:
-        self.client.unsubscribe_topic(self.spec.topic)
+        self.client.unsubscribe_topic(self.topic)
         # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with it
         # this controller, its blocks and role futures, for as long as the client lives.
-        getattr(self.client, "_event_handlers", {}).pop(self.spec.topic, None)
+        getattr(self.client, "_event_handlers", {}).pop(self.topic, None)
+        pending = [f for f in self.trainer_futures if f.status == "pending"]
+        pending += [f for _, f in self.feeds if f.status == "pending"]
+        if self.scorer_future is not None and self.scorer_future.status == "pending":
+            pending.append(self.scorer_future)
+        if pending:
+            # Tasks pinned to a lost worker wait in no-worker forever: cancel them.
+            await self.client.cancel(pending, asynchronous=True)
         self.trainer_futures, self.feeds, self.scorer_future = [], [], None
         alive = set((await self.client.scheduler.identity()).get("workers", {}))
         workers = [a for a in self.roles.addresses if a in alive]
         if workers:
-            await self.client.run(async_ps.drop_job, self.spec.job_id, workers=workers,
+            await self.client.run(async_ps.drop_job, self.job, workers=workers,
                                   asynchronous=True, on_error="ignore")
 
 
-def _lost(kind: str, index: int, address: str) -> WorkerLost:
-    name = {"worker": "trainer", "ps": "parameter server", "scorer": "scorer"}[kind]
-    cls = ParameterServerLost if kind == "ps" else WorkerLost
-    return cls(
-        f"the Dask worker {address} holding {name} {kind}-{index} left the cluster during "
-        "training; the job was stopped. Check that worker's logs (memory limit, OOM kill) and "
-        "run fit again.",
-        worker=address, role=f"{kind}-{index}",
-    )
-
-
-async def run_job(
-    client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, validation: Any, progress: Any
-) -> tuple[_Controller, dict[str, Any] | None, list[dict[str, Any]], tuple[np.ndarray, int, int]]:
-    """Run one async-ps job to its end; always stops its roles, also on error."""
-    ctl = _Controller(client, spec, roles, blocks, validation)
-    ctl.progress = progress
-    try:
-        await ctl.start()
-        await ctl.run()
-        final, trainers = await ctl.finish()
-        params = await ctl.pull_parameters()
-    finally:
-        try:
-            await asyncio.wait_for(ctl.cleanup(), timeout=spec.timeout)
-        except Exception:  # cleanup must not hide the job's own error
-            logger.exception("cleaning up job %s failed", spec.job_id)
-    if final is not None and final["params"] is None:
-        ctl._on_score(final["record"])  # the final parameters' score closes the history
-    return ctl, final, trainers, params
-
-
-def history(ctl: _Controller) -> pd.DataFrame:
+def history(log: JobLog) -> pd.DataFrame:
     """The job's score records as the history DataFrame."""
-    return history_frame(ctl.records)
+    return history_frame(log.records)

@@ -37,6 +37,14 @@ class FitResult:
         Where each role ran.
     trainers : list of dict
         Each trainer's own count of steps and samples.
+    failures : list of dict
+        Each lost or failed role: when, which worker, the cause and what the job did about it.
+    checkpoints : list of dict
+        Each checkpoint written: directory, step, seconds to write.
+    nonfinite : list of dict
+        Non-finite losses and scores seen (role, step).
+    generations : int
+        1, plus one per restart from a checkpoint.
     """
 
     model: torch.nn.Module
@@ -49,6 +57,10 @@ class FitResult:
     ledger: pd.DataFrame
     roles: Roles
     trainers: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)
+    generations: int = 1
 
     @property
     def samples_per_s(self) -> float:

@@ -12,9 +12,12 @@ import pandas as pd
 import torch
 from distributed import Client
 
+from dask_train.checkpoint import CheckpointConfig
 from dask_train.cluster._roles import Roles, ensure_plugin, plan_roles
-from dask_train.control._job import JobSpec, history, run_job
+from dask_train.control._failure import FailureConfig
+from dask_train.control._job import JobSpec, history
 from dask_train.control._progress import Progress
+from dask_train.control._recovery import run_job
 from dask_train.control._result import FitResult
 from dask_train.control._validate import (
     check_data,
@@ -83,6 +86,21 @@ class Trainer:
         fails with :class:`~dask_train.errors.TrainingTimeout` instead of hanging.
     progress : bool
         Show a progress bar with the live score.
+    checkpoint : CheckpointConfig, optional
+        Where and how often to checkpoint (parameters, optimizer state, data position, RNG and
+        stop-condition state). The path must be reachable from every worker that holds a
+        parameter server (sync: rank 0), e.g. a shared file system or an object store URL. A
+        final checkpoint is written when the job stops. Needed by ``fit(resume=True)`` and to
+        survive losing a parameter server or a sync rank.
+    failure : FailureConfig, optional
+        How many lost or failed roles the job survives (default ``FailureConfig(max_failures=3)``):
+        a lost async trainer's rows go to the survivors, a lost scorer is replaced, a lost
+        parameter server or sync rank restarts the job from the newest checkpoint on the live
+        workers. One failure more ends the job with ``WorkerLost`` / ``ParameterServerLost``.
+    on_nan : {"stop", "skip"}
+        A non-finite loss or score: ``"stop"`` ends the job (the last good checkpoint is kept,
+        none is written after it); ``"skip"`` leaves that batch out of the update, or that score
+        out of the history, and goes on. Either way ``result.nonfinite`` lists them.
     client : distributed.Client, optional
         Defaults to the current client, or an embedded cluster from :func:`dask_train.connect`.
 
@@ -118,6 +136,9 @@ class Trainer:
         blocks_ahead: int = 2,
         timeout: float = 60.0,
         progress: bool = True,
+        checkpoint: CheckpointConfig | None = None,
+        failure: FailureConfig | None = None,
+        on_nan: str = "stop",
         client: Client | None = None,
     ) -> None:
         self.module = module
@@ -141,6 +162,9 @@ class Trainer:
         self.blocks_ahead = blocks_ahead
         self.timeout = timeout
         self.progress = progress
+        self.checkpoint = checkpoint
+        self.failure = failure
+        self.on_nan = on_nan
         self.client = client
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
@@ -161,7 +185,9 @@ class Trainer:
             setattr(self, name, value)
         return self
 
-    def fit(self, X: Any, y: Any, validation: tuple[Any, Any] | None = None) -> FitResult:
+    def fit(
+        self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False
+    ) -> FitResult:
         """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
 
         Parameters
@@ -172,6 +198,10 @@ class Trainer:
             Labels (classification) or targets, one per row of X.
         validation : (array, array), optional
             Held-out data the scorer evaluates; required for score-based stop conditions.
+        resume : bool
+            Continue from the newest complete checkpoint under ``checkpoint.path`` (parameters,
+            optimizer state, data position, RNG and stop state, history). With none there yet,
+            training starts from the module. Needs ``checkpoint=``.
 
         Raises
         ------
@@ -180,7 +210,7 @@ class Trainer:
         """
         X, y = as_dask_array(X), as_dask_array(y)
         validation = _materialize(validation)
-        self._validate(X, y, validation)
+        self._validate(X, y, validation, resume=resume)
         client = self._client()
         spec = self._spec()
         X = X.astype(np.float32) if X.dtype != np.float32 else X
@@ -193,25 +223,25 @@ class Trainer:
                 raise InvalidInput(problems)
         roles = self._roles(client, has_validation=validation is not None)
         run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
-        group = self._torch_group(client, roles)
-        try:
-            with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
-                started = time.time()
-                ctl, final, trainers, params = client.sync(
-                    run_job, client, spec, roles, blocks, validation, progress
-                )
-                progress.close(ctl.stopped_by)
-        finally:
-            if group is not None:
-                group.close()
+        with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
+            started = time.time()
+            ctl, final, trainers, params = client.sync(
+                run_job, client, spec, roles, blocks, validation, progress, resume=resume
+            )
+            progress.close(ctl.stopped_by)
         result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
-    def _validate(self, X: Any, y: Any, validation: Any) -> None:
+    def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False) -> None:
         settings = self.get_params()
         settings["stop"], settings["callbacks"] = self.stop, self.callbacks
         problems = check_settings(settings)
+        if resume and self.checkpoint is None:
+            problems.append(
+                "resume=True needs checkpoints to resume from: pass "
+                "checkpoint=dt.CheckpointConfig(path) to the Trainer."
+            )
         problems += check_data(X, y)
         problems += check_validation(validation, X)
         needs_scores = [c for c in self.stop if hasattr(c, "metric")]
@@ -251,7 +281,9 @@ class Trainer:
             grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
             timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
-            progress=self.progress, strategy=self.strategy,
+            progress=self.progress, strategy=self.strategy, ps=self.ps, workers=self.workers,
+            scorer=self.scorer, checkpoint=self.checkpoint,
+            failure=self.failure or FailureConfig(), on_nan=self.on_nan,
         )
 
     def _roles(self, client: Client, *, has_validation: bool) -> Roles:
@@ -268,14 +300,6 @@ class Trainer:
                 "add workers."
             ])
         return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
-
-    def _torch_group(self, client: Client, roles: Roles) -> Any:
-        """The torch process group of a sync job's ranks (None for async-ps)."""
-        if self.strategy != "sync":
-            return None
-        from dask_train.cluster._torch_group import start_torch
-
-        return start_torch(client, workers=roles["worker"], backend="gloo", timeout=self.timeout)
 
     def _result(
         self, ctl: Any, final: Any, trainers: list[dict[str, Any]],
@@ -294,9 +318,11 @@ class Trainer:
         for p in flat.params:
             p.data = p.data.clone()
         return FitResult(
-            model=model, history=history(ctl), stopped_by=ctl.stopped_by, steps=steps,
+            model=model, history=history(ctl.log), stopped_by=ctl.stopped_by, steps=steps,
             samples=samples, epochs_completed=ctl.ledger.epochs_completed, wall_s=wall_s,
-            ledger=pd.DataFrame(ctl.ledger.records()), roles=roles, trainers=trainers,
+            ledger=pd.DataFrame(ctl.ledger.records()), roles=ctl.roles, trainers=trainers,
+            failures=list(ctl.log.failures), checkpoints=list(ctl.log.checkpoints),
+            nonfinite=list(ctl.log.nonfinite), generations=ctl.log.generations,
         )
 
 

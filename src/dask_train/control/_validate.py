@@ -73,6 +73,32 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     for i, cb in enumerate(s["callbacks"]):
         if not isinstance(cb, Callback):
             problems.append(f"callbacks[{i}]={cb!r} is invalid: subclass dt.Callback.")
+    problems += _check_recovery(s)
+    return problems
+
+
+ON_NAN = ("stop", "skip")
+
+
+def _check_recovery(s: Mapping[str, Any]) -> list[str]:
+    from dask_train.checkpoint import CheckpointConfig
+    from dask_train.control._failure import FailureConfig
+
+    problems = []
+    if s.get("checkpoint") is not None and not isinstance(s["checkpoint"], CheckpointConfig):
+        problems.append(
+            f"checkpoint={s['checkpoint']!r} is invalid: pass dt.CheckpointConfig(path, "
+            "every_seconds=30, keep=3) or None."
+        )
+    if s.get("failure") is not None and not isinstance(s["failure"], FailureConfig):
+        problems.append(
+            f"failure={s['failure']!r} is invalid: pass dt.FailureConfig(max_failures=3) or None."
+        )
+    if s.get("on_nan", "stop") not in ON_NAN:
+        problems.append(
+            f"on_nan={s.get('on_nan')!r} is invalid: use 'stop' (end the job, keep the last good "
+            "checkpoint) or 'skip' (leave the batch or score out and go on)."
+        )
     return problems
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,9 @@ class FeedItem:
     y: np.ndarray | None
     seed: int
     shuffle: bool
+    # Rows of the block already applied to the model before a resume or a trainer's loss: they
+    # come first in the block's row order and are not read again.
+    skip: int = 0
 
     @property
     def rows(self) -> int:
@@ -48,14 +51,16 @@ def feed_block(
     block: int,
     seed: int,
     shuffle: bool,
+    skip: int = 0,
 ) -> int:
     """Dask task: put one block (or, with ``pair=None``, the end marker) in a trainer's queue.
 
     Runs on the trainer's worker; Dask brings the block there first, worker to worker, when it
-    lives elsewhere. Returns the number of rows queued.
+    lives elsewhere. ``block=-2`` with no pair is a heartbeat for a trainer waiting idle at the end
+    of the data (it resets the trainer's wait, see :class:`FeedReader`). Returns the rows queued.
     """
     x, y = pair if pair is not None else (None, None)
-    item = FeedItem(seq, epoch, block, x, y, seed, shuffle)
+    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
     worker_state().job(job).feed(trainer).put(item)
     return item.rows
 
@@ -84,7 +89,9 @@ def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     order = block_order(
         rows=item.rows, seed=item.seed, epoch=item.epoch, block=item.block, shuffle=item.shuffle
     )
-    for i in range(0, item.rows, batch_size):
+    # A skip is a whole number of batches taken before an interruption, so the batches that follow
+    # are the ones an uninterrupted run would read.
+    for i in range(item.skip, item.rows, batch_size):
         idx = order[i : i + batch_size]
         if item.shuffle:
             xb, yb = item.x[idx], item.y[idx]  # a gather is a copy: a fresh contiguous batch
@@ -102,11 +109,14 @@ class FeedReader:
     """
 
     def __init__(self, feed: queue.Queue[FeedItem], stop: threading.Event, *, timeout: float,
-                 role: str) -> None:
+                 role: str, on_idle: Callable[[], None] | None = None) -> None:
         self.feed = feed
         self.stop = stop
         self.timeout = timeout
         self.role = role
+        # Called between polls while waiting: a trainer idle for data must still take part in a
+        # checkpoint pause.
+        self.on_idle = on_idle
         self.expected = 0
         self.early: dict[int, FeedItem] = {}
 
@@ -120,8 +130,13 @@ class FeedReader:
             try:
                 # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
                 item = self.feed.get(timeout=0.1)
-                self.early[item.seq] = item
+                if item.block == -2:  # heartbeat: the controller is alive, more may come
+                    deadline = time.monotonic() + self.timeout
+                else:
+                    self.early[item.seq] = item
             except queue.Empty:
+                if self.on_idle is not None:
+                    self.on_idle()
                 if time.monotonic() > deadline:
                     raise TrainingTimeout(
                         f"{self.role} received no data for {self.timeout:g} s; raise timeout= if "

@@ -71,20 +71,23 @@ class PSClient:
             return self.state.shards.get(ref.index)
         return None
 
-    async def _push(self, grad: torch.Tensor, samples: int) -> Exchange:
+    async def _push(self, grad: torch.Tensor, samples: int, position: list[int] | None) -> Exchange:
         remote, out, stop = [], [], False
         for ref in self.shards:
             if self._local(ref) is None:
                 part = grad[ref.start : ref.stop].numpy()
                 call = self.worker.rpc(ref.address).dask_train_push(
-                    job=self.job, shard=ref.index, grad=to_serialize(part), samples=samples
+                    job=self.job, shard=ref.index, grad=to_serialize(part), samples=samples,
+                    position=position,
                 )
                 remote.append((ref, asyncio.ensure_future(call)))
         versions = []
         for ref in self.shards:
             shard = self._local(ref)
             if shard is not None:
-                params, version, s = shard.apply(grad[ref.start : ref.stop].numpy(), samples)
+                params, version, s = shard.apply(
+                    grad[ref.start : ref.stop].numpy(), samples, position
+                )
                 out.append((ref, params))
                 versions.append(version)
                 stop |= s
@@ -115,12 +118,15 @@ class PSClient:
             samples.append(reply["samples"])
         return Exchange(out, min(versions), min(samples), False)
 
-    def push(self, grad: torch.Tensor, samples: int) -> concurrent.futures.Future[Exchange]:
+    def push(
+        self, grad: torch.Tensor, samples: int, position: list[int] | None = None
+    ) -> concurrent.futures.Future[Exchange]:
         """Start pushing a flat gradient to every shard; the future holds the new parameters.
 
         ``grad`` must not be modified until the future is done (callers double-buffer it).
+        ``position`` (trainer, epoch, block, rows) lets the servers record what they have applied.
         """
-        return asyncio.run_coroutine_threadsafe(self._push(grad, samples), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._push(grad, samples, position), self.loop)
 
     def pull(self) -> Exchange:
         """Pull the current parameters of every shard (blocking, with the timeout)."""

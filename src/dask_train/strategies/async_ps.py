@@ -24,6 +24,11 @@ from dask_train.cluster._plugin import worker_state
 from dask_train.data._feed import FeedReader, batches
 from dask_train.models import LOSSES, FlatModel, build_optimizer, evaluate, flatten_parameters
 from dask_train.strategies._ps_client import PSClient, ShardRef, write_params
+from dask_train.strategies._state import NanReporter, Pauser, read_slice, rng_state, seed_trainer
+
+# Blocks per trainer whose applied rows a server remembers: more than a trainer can have between
+# its last delivered event and its death (one being read plus those queued ahead).
+_POSITIONS_KEPT = 8
 
 
 class ShardServer:
@@ -67,10 +72,20 @@ class ShardServer:
         self.max_step = max_step
         self.version = 0
         self.samples = 0
+        # trainer -> {(epoch, block): rows of that block applied so far}, its last few blocks:
+        # after a trainer's loss the controller re-feeds exactly the rows the parameters have
+        # not seen, even when the trainer's last "block consumed" events died with it.
+        self.positions: dict[int, dict[tuple[int, int], int]] = {}
         self._lock = threading.Lock()
 
-    def apply(self, grad: np.ndarray, samples: int) -> tuple[np.ndarray, int, bool]:
-        """Apply one gradient; return (parameters copy, version, stop)."""
+    def apply(
+        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, int, bool]:
+        """Apply one gradient; return (parameters copy, version, stop).
+
+        ``position`` is ``(trainer, epoch, block, rows)``: the pushing trainer's place in its data
+        once this gradient is applied.
+        """
         with self._lock:
             if self.max_step is not None and self.version >= self.max_step:
                 return self.param.detach().numpy().copy(), self.version, True
@@ -79,6 +94,11 @@ class ShardServer:
             self.optimizer.step()
             self.version += 1
             self.samples += int(samples)
+            if position is not None:
+                seen = self.positions.setdefault(int(position[0]), {})
+                seen[(int(position[1]), int(position[2]))] = int(position[3])
+                if len(seen) > _POSITIONS_KEPT:
+                    del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
             stop = self.max_step is not None and self.version >= self.max_step
             return self.param.detach().numpy().copy(), self.version, stop
 
@@ -86,6 +106,29 @@ class ShardServer:
         """Return (parameters copy, version, samples)."""
         with self._lock:
             return self.param.detach().numpy().copy(), self.version, self.samples
+
+    def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
+        """Write the slice and its optimizer state to ``path`` (atomic); return what was saved."""
+        from dask_train.checkpoint import save_shard
+
+        with self._lock:
+            saved = {"path": path, "version": self.version, "samples": self.samples,
+                     "finite": True}
+            if not bool(torch.isfinite(self.param).all()):
+                # Never overwrite good checkpoints with bad parameters: the last good one stays.
+                return {**saved, "path": None, "finite": False}
+            meta = {"version": str(self.version), "samples": str(self.samples), **metadata}
+            save_shard(path, param=self.param.detach(), optimizer=self.optimizer, metadata=meta)
+            return saved
+
+    def restore(self, state: Any, *, version: int, samples: int) -> None:
+        """Load parameters and optimizer state (a ``checkpoint.ShardState``) into this shard."""
+        from dask_train.checkpoint import restore_optimizer
+
+        with self._lock:
+            self.param.data.copy_(state.param)
+            restore_optimizer(self.optimizer, state)
+            self.version, self.samples = int(version), int(samples)
 
 
 def start_shard_task(
@@ -97,8 +140,13 @@ def start_shard_task(
     lr: float,
     options: Mapping[str, Any],
     max_step: int | None,
+    restore: Mapping[str, Any] | None = None,
 ) -> str:
-    """Dask task: create one shard on this worker from the module's initial parameters."""
+    """Dask task: create one shard on this worker, from the module or from a checkpoint.
+
+    ``restore`` is ``{"files": manifest shard records, "step": int, "samples": int}``: the shard
+    loads its slice (parameters and optimizer state) from the checkpoint's files itself.
+    """
     flat = flatten_parameters(module).numpy()
     server = ShardServer(
         flat[shard.start : shard.stop],
@@ -107,6 +155,9 @@ def start_shard_task(
         options=options,
         max_step=max_step,
     )
+    if restore is not None:
+        state = read_slice(restore["files"], shard.start, shard.stop)
+        server.restore(state, version=restore["step"], samples=restore["samples"])
     worker = get_worker()
     worker_state(worker).job(job).shards[shard.index] = server
     return worker.address
@@ -151,21 +202,34 @@ def run_trainer(
     """Dask task: one trainer's loop. Pull, compute gradients, push, until the feed ends or stop.
 
     Gradients of ``config["grad_accumulation"]`` batches are averaged into one push (one server
-    update), never across a block boundary, so a block reported consumed is fully pushed.
+    update), never across a block boundary, so a block reported consumed is fully pushed. A batch
+    whose loss is not finite is never pushed: it is skipped or stops the trainer (``on_nan``).
     """
     worker = get_worker()
     state = worker_state(worker).job(job)
     secede()
     role = f"worker-{index} on {worker.address}"
+    seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
     model = FlatModel(copy.deepcopy(module))
     model.module.train()
     write_params(model.flat, ps.pull())
     pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"])
     loss_fn = LOSSES[config["loss"]]
-    feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role)
-    samples = 0
+    pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
+    nans = NanReporter(worker, topic=config["topic"], trainer=index)
     stopped = False
+
+    def pause_idle() -> None:
+        nonlocal stopped
+        if pauser.requested():
+            stopped = pusher.drain() or stopped
+            if not pauser.pause(None, steps=pusher.pushes):
+                stopped = True
+
+    feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role,
+                      on_idle=pause_idle)
+    samples = 0
     started = time.perf_counter()
     feed_wait = 0.0
     while not stopped:
@@ -176,26 +240,42 @@ def run_trainer(
             break
         consumed = 0
         for xb, yb in batches(item, config["batch_size"]):
-            if state.stop.is_set():
+            if state.stop.is_set() or stopped:
                 stopped = True
                 break
-            stopped = pusher.add(xb, yb, loss_fn)
+            pusher.position = [index, item.epoch, item.block, item.skip + consumed + len(xb)]
+            stop, loss = pusher.add(xb, yb, loss_fn)
+            if not math.isfinite(loss):
+                nans.report(loss=loss, step=pusher.pushes, epoch=item.epoch, block=item.block)
+                if config["on_nan"] == "stop":
+                    stopped = True
+                    break
             consumed += len(xb)
-            if stopped:
+            if stop:
+                stopped = True
                 break
+            if pusher.count == 0 and pauser.requested():
+                # A consistent point: nothing half-accumulated; drain the pushes in flight.
+                stopped = pusher.drain()
+                position = [item.epoch, item.block, item.skip + consumed]
+                if not pauser.pause(position, steps=pusher.pushes) or stopped:
+                    stopped = True
+                    break
         stopped = pusher.flush() or stopped
         samples += consumed
         worker.log_event(
             config["topic"],
             {"kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
-             "rows": consumed, "done": consumed == item.rows, "steps": pusher.pushes},
+             "rows": consumed, "done": item.skip + consumed == item.rows, "steps": pusher.pushes},
         )
     pusher.drain()
+    # The last event: once the controller has it, it has every block report sent before it.
+    worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": pusher.pushes})
     # Where the trainer's time went, so a slow job says whether it waited for data or servers.
     return {
         "trainer": index, "steps": pusher.pushes, "samples": samples, "worker": worker.address,
         "busy_s": time.perf_counter() - started, "feed_wait_s": feed_wait,
-        "ps_wait_s": pusher.wait_s,
+        "ps_wait_s": pusher.wait_s, "nonfinite": nans.count, "rng": rng_state(),
     }
 
 
@@ -216,19 +296,25 @@ class _Pusher:
         self.count = self.samples = self.pushes = 0
         self.pending: collections.deque[Any] = collections.deque()
         self.wait_s = 0.0
+        self.position: list[int] | None = None  # sent with the next push
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> bool:
-        """Add one batch's gradient; push when ``every`` are in. True when the servers say stop."""
+    def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> tuple[bool, float]:
+        """Add one batch's gradient; push when ``every`` are in.
+
+        Returns (stop, loss): stop is True when the servers say stop. A batch with a non-finite
+        loss is left out (nothing accumulated); the caller decides to skip or stop.
+        """
         grad = self.buffers[self.pushes % len(self.buffers)]
-        if self.count == 0:
-            self.model.gradient(x, y, loss_fn, out=grad)
-        else:
-            assert self.scratch is not None
-            self.model.gradient(x, y, loss_fn, out=self.scratch)
-            grad.add_(self.scratch)
+        target = grad if self.count == 0 else self.scratch
+        assert target is not None
+        loss = self.model.gradient(x, y, loss_fn, out=target)
+        if not math.isfinite(loss):
+            return False, loss
+        if self.count > 0:
+            grad.add_(target)
         self.count += 1
         self.samples += len(x)
-        return self.flush() if self.count == self.every else False
+        return (self.flush() if self.count == self.every else False), loss
 
     def flush(self) -> bool:
         """Push the mean of the gradients gathered so far, if any."""
@@ -240,7 +326,7 @@ class _Pusher:
         stop = False
         while len(self.pending) >= max(self.depth, 1):
             stop = self._receive() or stop
-        self.pending.append(self.ps.push(grad, self.samples))
+        self.pending.append(self.ps.push(grad, self.samples, self.position))
         self.pushes += 1
         self.count = self.samples = 0
         if self.depth == 0:

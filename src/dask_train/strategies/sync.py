@@ -20,6 +20,7 @@ and the controller read it like a parameter server.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from dask_train.cluster._plugin import JobState, worker_state
 from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.models import LOSSES, FlatModel
 from dask_train.strategies._ps_client import ShardRef
+from dask_train.strategies._state import NanReporter, Pauser, read_slice, rng_state, seed_trainer
 from dask_train.strategies.async_ps import ShardServer
 
 
@@ -58,7 +60,8 @@ class _RankFeed:
             if item is None or item.x is None:
                 self.ended = True
                 return None
-            self.item, self.consumed = item, 0
+            # Rows skipped after a resume count as consumed: they were applied before it.
+            self.item, self.consumed = item, item.skip
             self.it = batches(item, self.batch_size)
         return None
 
@@ -67,6 +70,12 @@ class _RankFeed:
         if self.item is not None:
             self.report(self.item, self.consumed)
         self.item, self.it = None, None
+
+    def position(self) -> list[int] | None:
+        """[epoch, block, rows consumed] of the block being read, None between blocks."""
+        if self.item is None:
+            return None
+        return [self.item.epoch, self.item.block, self.consumed]
 
 
 def run_rank(
@@ -86,63 +95,98 @@ def run_rank(
             f"rank {index} on {worker.address} has no torch process group for it; "
             "start one with dt.start_torch on the job's workers"
         )
+    seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
     model = FlatModel(copy.deepcopy(module))
     model.module.train()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
     server = ShardServer(model.flat, optimizer=config["optimizer"], lr=config["lr"],
                          options=config["optimizer_options"], max_step=config["max_step"])
+    restore = config.get("restore")
+    if restore is not None:
+        # Every rank loads the same checkpoint: each applies the same updates with its own
+        # optimizer, so each needs the optimizer state too, not only the parameters.
+        state_ = read_slice(restore["files"], 0, model.n_params)
+        server.restore(state_, version=restore["step"], samples=restore["samples"])
     if index == 0:
         state.shards[0] = server  # the scorer and the final pull read rank 0's parameters
 
     def report(item: FeedItem, consumed: int) -> None:
         worker.log_event(config["topic"], {
             "kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
-            "rows": consumed, "done": consumed == item.rows, "steps": server.version,
+            "rows": consumed - item.skip, "done": consumed == item.rows, "steps": server.version,
         })
 
     role = f"rank {index} on {worker.address}"
     feed = _RankFeed(FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role),
                      batch_size=config["batch_size"], report=report)
-    return _loop(model, server, feed, state, config, index=index, worker=worker.address)
+    pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
+    nans = NanReporter(worker, topic=config["topic"], trainer=index)
+    result = _loop(model, server, feed, state, config, index=index, worker=worker.address,
+                   pauser=pauser, nans=nans)
+    # The last event: once the controller has it, it has every block report sent before it.
+    worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": server.version})
+    return result
 
 
 def _loop(
     model: FlatModel, server: ShardServer, feed: _RankFeed, state: JobState,
-    config: Mapping[str, Any], *, index: int, worker: str,
+    config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser, nans: NanReporter,
 ) -> dict[str, Any]:
     n = model.n_params
     loss_fn = LOSSES[config["loss"]]
-    # [gradient sums | samples | stop votes]: one collective per step carries all three.
-    buf = torch.zeros(n + 2)
+    # [gradient sums | samples | stop votes | pause votes]: one collective per step carries all.
+    buf = torch.zeros(n + 3)
     scratch = torch.empty(n)
     started, comm_s, samples = time.perf_counter(), 0.0, 0
+    stop_vote = False
     while True:
         buf.zero_()
-        for k in range(config["grad_accumulation"]):
+        k = 0
+        while k < config["grad_accumulation"]:
             batch = feed.next()
             if batch is None:
                 break
             xb, yb = batch
             # Sums weighted by batch size, so the reduced mean weighs each sample equally. The
             # first batch writes straight into the buffer: no extra pass over the gradient.
+            target = buf[:n] if k == 0 else scratch
+            loss = model.gradient(xb, yb, loss_fn, out=target)
+            if not math.isfinite(loss):
+                # Left out of the step (a non-finite sum would poison every rank); counted
+                # neither as samples nor as one of the k batches.
+                nans.report(loss=loss, step=server.version, epoch=-1, block=-1)
+                if k == 0:
+                    buf[:n].zero_()
+                if config["on_nan"] == "stop":
+                    stop_vote = True
+                    break
+                continue
             if k == 0:
-                model.gradient(xb, yb, loss_fn, out=buf[:n])
                 buf[:n].mul_(len(xb))
             else:
-                model.gradient(xb, yb, loss_fn, out=scratch)
                 buf[:n].add_(scratch, alpha=len(xb))
             buf[n] += len(xb)
+            k += 1
         samples += int(buf[n])
-        buf[n + 1] = 1.0 if state.stop.is_set() else 0.0
+        buf[n + 1] = 1.0 if state.stop.is_set() or stop_vote else 0.0
+        buf[n + 2] = 1.0 if pauser.requested() else 0.0
         t0 = time.perf_counter()
         dist.all_reduce(buf)
         comm_s += time.perf_counter() - t0
         total = float(buf[n])
-        if total == 0:  # every rank is out of data: the last epoch is done
+        if total == 0 and buf[n + 1] == 0:  # every rank is out of data: the last epoch is done
             break
-        _, _, at_limit = server.apply(buf[:n].div_(total).numpy(), int(total))
+        at_limit = False
+        if total > 0:  # a non-finite batch was left out above, so the mean is finite
+            _, _, at_limit = server.apply(buf[:n].div_(total).numpy(), int(total))
         if buf[n + 1] > 0 or at_limit:
             break
+        if buf[n + 2] > 0:
+            # Some rank was asked to pause: all pause after this same step, so the checkpoint
+            # is one consistent state of every rank.
+            if not pauser.pause(feed.position(), steps=server.version, pause_id=pauser.handled + 1):
+                break
     feed.close_block()
     return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
-            "busy_s": time.perf_counter() - started, "allreduce_s": comm_s}
+            "busy_s": time.perf_counter() - started, "allreduce_s": comm_s, "nonfinite": nans.count,
+            "rng": rng_state()}

@@ -1,0 +1,229 @@
+"""The failure policy: a pure function from a job's status after a lost worker to a decision.
+
+The controller builds a :class:`JobStatus` when a worker holding a role leaves, asks :func:`decide`,
+and acts; the rules live here, apart from any cluster, so that every case is tested as a table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
+
+KINDS = ("worker", "ps", "scorer")
+
+
+class Action(enum.Enum):
+    """What the controller does about a lost role."""
+
+    CONTINUE = "continue"  # drop the lost role; the survivors go on (async trainers)
+    REPLACE = "replace"  # start the same role again on another live worker (the scorer)
+    RESTART = "restart"  # a new generation: every role re-placed, state from the last checkpoint
+    RAISE = "raise"  # stop the job with a typed error
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """How many lost workers a job survives.
+
+    Parameters
+    ----------
+    max_failures : int
+        Losses handled (continued, replaced or restarted from a checkpoint) before the job stops
+        with :class:`~dask_train.errors.WorkerLost`; 0 raises at the first loss.
+
+    Examples
+    --------
+    >>> FailureConfig(max_failures=5).max_failures
+    5
+    """
+
+    max_failures: int = 3
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.max_failures) and self.max_failures >= 0):
+            raise InvalidInput(
+                [f"FailureConfig(max_failures={self.max_failures!r}): max_failures must be an integer "
+                 ">= 0 (how many lost workers the job survives; 0 raises at the first)."]
+            )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One lost role.
+
+    Parameters
+    ----------
+    kind : {"worker", "ps", "scorer"}
+        ``"worker"`` is a trainer (async) or a rank (sync).
+    index : int
+        The role's index, e.g. 0 for ``"ps-0"``.
+    worker : str
+        The address of the lost Dask worker.
+    cause : str
+        What was observed, e.g. ``"removed from the scheduler"``.
+    """
+
+    kind: str
+    index: int
+    worker: str
+    cause: str
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind not in KINDS:
+            problems.append(f"Failure(kind={self.kind!r}): kind must be one of {list(KINDS)}.")
+        if not (_is_int(self.index) and self.index >= 0):
+            problems.append(f"Failure(index={self.index!r}): index must be an integer >= 0.")
+        if problems:
+            raise InvalidInput(problems)
+
+    @property
+    def role(self) -> str:
+        """The role's name, e.g. ``"ps-0"``."""
+        return f"{self.kind}-{self.index}"
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """The job as the controller sees it right after a loss.
+
+    Parameters
+    ----------
+    strategy : str
+        ``"async-ps"``; any other strategy (``"sync"``) needs every rank, so it is treated as
+        synchronous.
+    failure : Failure
+        The loss being decided.
+    failures : int
+        Losses so far in this job, this one included.
+    live_trainers : int
+        Trainers still running after this loss.
+    live_workers : int
+        Dask workers alive now.
+    has_checkpoint : bool
+        Whether a complete checkpoint exists to restart from.
+    """
+
+    strategy: str
+    failure: Failure
+    failures: int
+    live_trainers: int
+    live_workers: int
+    has_checkpoint: bool
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"JobStatus({name}={value!r}): {name} must be an integer >= {low}."
+            for name, value, low in [
+                ("failures", self.failures, 1),
+                ("live_trainers", self.live_trainers, 0),
+                ("live_workers", self.live_workers, 0),
+            ]
+            if not (_is_int(value) and value >= low)
+        ]
+        if problems:
+            raise InvalidInput(problems)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer: what to do, and why (with the fix when it is RAISE)."""
+
+    action: Action
+    reason: str
+
+
+_CHECKPOINT_FIX = "pass checkpoint=dt.CheckpointConfig(...) to the Trainer to survive it"
+
+
+def decide(status: JobStatus, config: FailureConfig) -> Decision:
+    """Decide what to do about a lost role.
+
+    Rules, first match wins: more than ``max_failures`` losses, or no live worker, raise; a lost
+    scorer is replaced; an async trainer with other trainers still running is dropped and the job
+    continues; otherwise (the last async trainer, a parameter server, any synchronous rank) the job
+    restarts from its last checkpoint, or raises when there is none.
+
+    Parameters
+    ----------
+    status : JobStatus
+    config : FailureConfig
+
+    Returns
+    -------
+    Decision
+
+    Examples
+    --------
+    >>> lost = Failure("ps", 0, "tcp://10.0.0.5:4000", "removed from the scheduler")
+    >>> status = JobStatus("async-ps", lost, failures=1, live_trainers=2, live_workers=3,
+    ...                    has_checkpoint=True)
+    >>> decide(status, FailureConfig()).action
+    <Action.RESTART: 'restart'>
+    """
+    failure = status.failure
+    if status.failures > config.max_failures:
+        return Decision(
+            Action.RAISE,
+            f"failure {status.failures} is more than max_failures={config.max_failures}: find why "
+            "workers die (worker logs, memory limits), or raise FailureConfig(max_failures=...)",
+        )
+    if status.live_workers == 0:
+        then = "then fit(..., resume=True)" if status.has_checkpoint else "then fit again"
+        return Decision(
+            Action.RAISE, f"no Dask worker is alive to go on with: restart or scale the cluster, {then}"
+        )
+    if failure.kind == "scorer":
+        return Decision(Action.REPLACE, "the scorer holds no training state: it is started on another worker")
+    if status.strategy == "async-ps" and failure.kind == "worker" and status.live_trainers >= 1:
+        return Decision(
+            Action.CONTINUE,
+            f"{status.live_trainers} trainer(s) go on and read the blocks {failure.role} had not consumed",
+        )
+    if failure.kind == "ps":
+        what = "the parameter server's shard of the parameters and optimizer state was lost"
+    elif status.strategy == "async-ps":
+        what = "no trainer is left"
+    else:
+        what = f"the {status.strategy} group needs every rank"
+    if status.has_checkpoint:
+        return Decision(Action.RESTART, f"{what}: a new generation restarts from the last checkpoint")
+    return Decision(Action.RAISE, f"{what} and there is no checkpoint to restart from: {_CHECKPOINT_FIX}")
+
+
+def failure_error(status: JobStatus, decision: Decision) -> WorkerLost:
+    """The typed error for a lost role: :class:`ParameterServerLost` for a server, else WorkerLost.
+
+    Parameters
+    ----------
+    status : JobStatus
+    decision : Decision
+        Usually a RAISE from :func:`decide`; its reason carries the fix.
+
+    Returns
+    -------
+    WorkerLost
+        Names the worker, the role, the cause and the reason; ``.worker`` and ``.role`` are set.
+
+    Examples
+    --------
+    >>> lost = Failure("worker", 1, "tcp://10.0.0.7:4000", "removed from the scheduler")
+    >>> status = JobStatus("sync", lost, failures=1, live_trainers=1, live_workers=1,
+    ...                    has_checkpoint=False)
+    >>> err = failure_error(status, decide(status, FailureConfig()))
+    >>> err.role
+    'worker-1'
+    """
+    failure = status.failure
+    message = (
+        f"{failure.role} on Dask worker {failure.worker} was lost ({failure.cause}); "
+        f"failure {status.failures} of the job: {decision.reason}."
+    )
+    cls = ParameterServerLost if failure.kind == "ps" else WorkerLost
+    return cls(message, worker=failure.worker, role=failure.role)
