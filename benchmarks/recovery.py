@@ -16,9 +16,10 @@ On the digits job (async-ps, 2 trainers, 1 parameter server, a scorer every 0.2 
 * **parameter-server death**: the server's worker is SIGKILLed; checkpoints every 2 s. Reported:
   detection, kill to the first score of the new generation, and samples redone (trained since
   the last checkpoint and lost with the server).
-* **checkpoint writes**: both MLPs of ``throughput.py``, checkpoint every 50 steps; median
-  seconds the trainers are paused per checkpoint (pause, shard write, manifest), and size on
-  disk (parameters plus Adam's two moments).
+* **checkpoint writes**: both MLPs of ``throughput.py``, 8 s of training with a checkpoint every
+  second: median seconds to reach the pause (every trainer at a consistent point) and to write
+  (shards in parallel, then the manifest) while the trainers wait, and size on disk
+  (parameters plus Adam's two moments).
 
 Nothing is asserted; tables go to ``benchmarks/results/recovery.{md,json}``.
 """
@@ -45,6 +46,7 @@ class _Killer(dt.Callback):
         self.samples = samples
         self.kill_time_s: float | None = None
         self.rate_before = float("nan")
+        self.samples_at_kill = 0
         self.records: list[dict[str, Any]] = []
 
     def on_score(self, record: dict[str, Any]) -> None:
@@ -54,10 +56,11 @@ class _Killer(dt.Callback):
             self.rate_before = statistics.median(rates) if rates else float("nan")
             os.kill(self.pid, signal.SIGKILL)
             self.kill_time_s = record["time_s"]
+            self.samples_at_kill = record["samples"]
 
 
 def _failure_run(client: Any, kind: str, n_samples: int, kill_at: int) -> dict[str, Any]:
-    X, y = dt.datasets.digits_train(n_samples=n_samples)
+    X, y = dt.datasets.digits(n_samples, seed=0)
     Xv, yv = dt.datasets.digits_test()
     roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
     victim = roles["worker"][1] if kind == "trainer" else roles["ps"][0]
@@ -91,8 +94,7 @@ def _failure_run(client: Any, kind: str, n_samples: int, kill_at: int) -> dict[s
         "final_accuracy": round(float(result.history["accuracy"].iloc[-1]), 4),
     }
     if kind == "ps":
-        killed_at = max(r["samples"] for r in killer.records)
-        row["samples_redone"] = max(0, killed_at - _restored_samples(result, kill))
+        row["samples_redone"] = max(0, killer.samples_at_kill - _restored_samples(result, kill))
     return row
 
 
@@ -103,17 +105,18 @@ def _restored_samples(result: Any, kill: float) -> int:
 
 
 def _checkpoint_run(client: Any, hidden: list[int], batch: int, n_samples: int) -> dict[str, Any]:
-    X, y = dt.datasets.digits_train(n_samples=n_samples)
+    X, y = dt.datasets.digits(n_samples, seed=0)
     tmp = tempfile.mkdtemp(prefix="dt-bench-")
     try:
         model = build_mlp(hidden)
         trainer = dt.Trainer(
             model, lr=1e-3, ps=1, workers=2, batch_size=batch, epochs=1, scorer=0,
-            stop=[dt.StopAtStep(600)], progress=False, client=client,
-            checkpoint=dt.CheckpointConfig(tmp, every_seconds=None, every_steps=50, keep=2),
+            stop=[dt.StopAfter(seconds=8)], progress=False, client=client,
+            checkpoint=dt.CheckpointConfig(tmp, every_seconds=1.0, keep=2),
         )
         result = trainer.fit(X, y)
         periodic = [c["write_s"] for c in result.checkpoints if not c.get("final")]
+        pauses = [c["pause_s"] for c in result.checkpoints if not c.get("final")]
         newest = Path(result.checkpoints[-1]["directory"])
         size = sum(f.stat().st_size for f in newest.iterdir())
         n_params = sum(p.numel() for p in model.parameters())
@@ -125,6 +128,7 @@ def _checkpoint_run(client: Any, hidden: list[int], batch: int, n_samples: int) 
         "checkpoints": len(result.checkpoints),
         "median_write_s": round(statistics.median(periodic), 4) if periodic else float("nan"),
         "max_write_s": round(max(periodic), 4) if periodic else float("nan"),
+        "median_pause_s": round(statistics.median(pauses), 4) if pauses else float("nan"),
         "size_MB": round(size / 1e6, 2),
         "steps": result.steps,
     }
@@ -147,7 +151,7 @@ def main() -> None:
         rows_ckpt.append(_checkpoint_run(client, [1024, 1024], 128, n))
     md = "## Failures (digits job, async-ps, 2 trainers, 1 server)\n\n"
     md += markdown_table(rows_fail, list(dict.fromkeys(k for r in rows_fail for k in r)))
-    md += "\n\n## Checkpoint writes (every 50 steps, trainers paused while written)\n\n"
+    md += "\n\n## Checkpoint writes (every second for 8 s, trainers paused while written)\n\n"
     md += markdown_table(rows_ckpt, list(rows_ckpt[0]))
     print(md)
     name = "recovery-quick" if args.quick else "recovery"

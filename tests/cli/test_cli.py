@@ -29,6 +29,8 @@ def test_demo_writes_the_four_files(tmp_path: Path) -> None:
             "--no-progress",
             "--seconds",
             "90",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
         ],
         capture_output=True,
         text=True,
@@ -52,9 +54,14 @@ def test_demo_writes_the_four_files(tmp_path: Path) -> None:
     net.load_state_dict(state)
     assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "accuracy" in proc.stdout and "stopped_by" in proc.stdout
+    # The final checkpoint: its manifest records the servers' step.
+    manifests = list((tmp_path / "ckpt").glob("ckpt-*/manifest.json"))
+    assert manifests and json.loads(manifests[-1].read_text())["step"] == summary["steps"]
 
 
 def test_demo_rejects_bad_arguments(capsys) -> None:
     assert main(["demo", "--n-samples", "0", "--target", "2"]) == 2
     err = capsys.readouterr().err
     assert "--n-samples=0 is invalid" in err and "--target=2.0 is invalid" in err
+    assert main(["demo", "--resume"]) == 2
+    assert "--resume needs --checkpoint" in capsys.readouterr().err

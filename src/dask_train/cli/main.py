@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="trainers")
     demo.add_argument("--ps", type=int, default=1, help="parameter servers")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument("--checkpoint", default=None,
+                      help="checkpoint directory or fsspec URL (every 10 s, newest 3 kept)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint under --checkpoint")
     return parser
 
 
@@ -47,6 +51,8 @@ def demo(args: argparse.Namespace) -> int:
         problems.append(f"--target={args.target} is invalid: use an accuracy in (0, 1].")
     if not args.seconds > 0:
         problems.append(f"--seconds={args.seconds} is invalid: use a number of seconds > 0.")
+    if args.resume and not args.checkpoint:
+        problems.append("--resume needs --checkpoint DIR: the directory to resume from.")
     if problems:
         raise dt.InvalidInput(problems)
     started = time.time()
@@ -63,8 +69,10 @@ def demo(args: argparse.Namespace) -> int:
             ps=args.ps, workers=args.workers, scorer=1, batch_size=128, epochs=5,
             stop=[dt.StopAtScore("accuracy", args.target), dt.StopAfter(seconds=args.seconds)],
             progress=not args.no_progress, client=client,
+            checkpoint=dt.CheckpointConfig(args.checkpoint, every_seconds=10.0, keep=3)
+            if args.checkpoint else None,
         )
-        result = trainer.fit(X, y, validation=(Xv, yv))
+        result = trainer.fit(X, y, validation=(Xv, yv), resume=args.resume)
     finally:
         client.close()
     summary = result.summary()

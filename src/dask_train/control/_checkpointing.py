@@ -168,6 +168,8 @@ class Checkpointer:
         step = int(manifest["step"])
         directory = self.store.directory(step, self.generation)
         t0 = time.perf_counter()
+        # How long the trainers waited to reach their consistent points (0 for a final one).
+        pause_s = time.time() - self.pending.requested_at if self.pending is not None else 0.0
         futures: list[Future] = [
             pinned(_state.save_shard_task, address=ref.address,
                    key=f"dt-save-{self.next_id}-{ref.index}", job=self.job, index=ref.index,
@@ -197,8 +199,8 @@ class Checkpointer:
         # File-system calls block: keep them off the event loop that carries the job's messages.
         await loop.run_in_executor(None, self.store.write_manifest, directory, manifest)
         await loop.run_in_executor(None, self.store.prune)
-        info = {"directory": directory, "step": step, "write_s": time.perf_counter() - t0,
-                "time": time.time()}
+        info = {"directory": directory, "step": manifest["step"], "write_s": time.perf_counter() - t0,
+                "pause_s": pause_s, "time": time.time()}
         self.written.append(info)
         logger.info("checkpoint %s written in %.3f s", directory, info["write_s"])
         return info

@@ -238,7 +238,7 @@ async def run_job(
                                    strategy=spec.strategy)
             roles = await _plan(client, spec, before)
             generation += 1
-            logger.warning("generation %d starts from %s on %s (teardown %.2f s)", generation,
+            logger.warning("generation %d starts from %s on %s (%.2f s after the failure)", generation,
                            restore.directory if restore else None, roles, time.time() - t0)
             continue
         except BaseException:
