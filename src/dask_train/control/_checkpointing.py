@@ -118,10 +118,18 @@ class Checkpointer:
 
     def due(self, *, step: int, now: float) -> bool:
         """True when a checkpoint should be started now."""
-        if self.pending is not None or step <= self.last_step:
+        if self.pending is not None:
             return False
-        return bool(self.config.due(now=now, last_time=self.last_time, step=step,
-                                    last_step=self.last_step))
+        if self.config.every_seconds is not None and now - self.last_time >= self.config.every_seconds:
+            # Time is due: the controller's step count (from block events) may lag the servers';
+            # the exact step is read after the pause, and an unchanged one skips the write.
+            return True
+        return step > self.last_step and bool(self.config.due(
+            now=now, last_time=self.last_time, step=step, last_step=self.last_step))
+
+    def skip(self) -> None:
+        """No progress since the last checkpoint: count this one as taken."""
+        self.last_time = time.time()
 
     async def request(self, workers: Sequence[str]) -> None:
         """Ask every trainer to pause at its next consistent point."""

@@ -488,6 +488,10 @@ class _Controller:
             # Every push is drained, so the servers' count is the checkpoint's exact step.
             step = (await self.client.run(_state.shard_version, self.job, ref.index,
                                           workers=[ref.address], asynchronous=True))[ref.address]
+            if step <= ckpt.last_step:  # nothing new to save
+                ckpt.skip()
+                await ckpt.release(workers)
+                return
             manifest = self.manifest(positions=positions, rng={t: e["rng"] for t, e in paused.items()},
                                      step=step)
             try:
