@@ -31,6 +31,8 @@ from dask_train.errors import (
     TrainingTimeout,
     WorkerLost,
 )
+from dask_train.models import LinearRegression, LogisticRegression, PoissonRegression
+from dask_train.strategies import distributed_loss_grad, tree_reduce
 
 __version__ = "0.1.0"
 
@@ -44,7 +46,10 @@ __all__ = [
     "FitResult",
     "History",
     "InvalidInput",
+    "LinearRegression",
+    "LogisticRegression",
     "ParameterServerLost",
+    "PoissonRegression",
     "RoleFailed",
     "Roles",
     "StopAfter",
@@ -57,6 +62,8 @@ __all__ = [
     "WorkerLost",
     "connect",
     "datasets",
+    "distributed_loss_grad",
     "start_roles",
     "start_torch",
+    "tree_reduce",
 ]

@@ -229,3 +229,29 @@ def test_a_worker_that_comes_back_replaces_the_lost_trainer(own_client: Client) 
     assert result.roles["worker"][2] not in roles.addresses
     joined = [t for t in result.trainers if t["trainer"] == 2]
     assert joined and joined[0]["samples"] > 0
+
+
+class _EvalNaN(torch.nn.Module):
+    """Trains normally; scores NaN (a full validation batch in eval mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out * float("nan") if not self.training and len(x) > 100 else out
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_nan_score_stops_or_is_left_out(client: Client, on_nan: str) -> None:
+    X, Y, validation = _data(n=4000)
+    result = dt.Trainer(_EvalNaN(), lr=1e-3, ps=1, workers=2, batch_size=32, epochs=2,
+                        score_every=0.1, timeout=30, progress=False, client=client,
+                        on_nan=on_nan).fit(X, Y, validation=validation)
+    assert result.nonfinite and result.nonfinite[0]["role"] == "scorer"
+    if on_nan == "stop":
+        assert result.stopped_by.startswith("non-finite score")
+    else:
+        assert result.stopped_by == "epochs=2"
+        assert result.history["loss"].notna().all()

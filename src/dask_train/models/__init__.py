@@ -1,5 +1,7 @@
-"""Adapters between an ML framework and the dask-train core (torch first)."""
+"""Adapters between an ML framework and the dask-train core (torch first); classical GLM estimators."""
 
+from dask_train.models._glm import LinearRegression, LogisticRegression, PoissonRegression
+from dask_train.models._glm_losses import GLMBlockLoss
 from dask_train.models._torch import (
     CLASSIFICATION_LOSSES,
     LOSSES,
@@ -17,6 +19,10 @@ __all__ = [
     "LOSSES",
     "OPTIMIZERS",
     "FlatModel",
+    "GLMBlockLoss",
+    "LinearRegression",
+    "LogisticRegression",
+    "PoissonRegression",
     "Shard",
     "build_optimizer",
     "evaluate",
