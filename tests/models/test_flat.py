@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dask_train.models import FlatModel, evaluate, flatten_parameters, split_shards
+from dask_train.models import FlatModel, build_optimizer, evaluate, flatten_parameters, split_shards
 
 
 @pytest.mark.parametrize("n,k", [(10, 3), (7510, 2), (5, 5), (3, 8), (1_000_003, 4)])
@@ -54,3 +54,19 @@ def test_evaluate_reports_accuracy_and_loss() -> None:
     assert scores["accuracy"] == pytest.approx(2 / 3)
     expected = float(torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y)))
     assert scores["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_optimizers_with_a_fused_kernel_use_it_and_match_the_default(name: str) -> None:
+    options = {"momentum": 0.9} if name == "sgd" else {}
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 50)) for _ in range(2)]
+    fused = build_optimizer(name, [params[0]], lr=0.01, options=options)
+    plain = build_optimizer(name, [params[1]], lr=0.01, options={**options, "foreach": False})
+    assert fused.defaults["fused"] is True
+    assert not plain.defaults.get("fused")  # an implementation chosen in the options is kept
+    for step in range(5):
+        for p in params:
+            p.grad = torch.cos(p.detach() * (step + 1))
+        fused.step()
+        plain.step()
+    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)

@@ -49,6 +49,9 @@ class ShardServer:
     max_step : int or None
         Updates beyond this many are refused and answered with ``stop=True``, so a step limit is
         exact however many trainers push at once.
+    grad : torch.Tensor or None
+        The optimizer's gradient buffer; by default a new one. The sync strategy passes the buffer
+        its all-reduce fills, so a step needs no copy of the gradient (see :meth:`step`).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class ShardServer:
         lr: float,
         options: Mapping[str, Any],
         max_step: int | None = None,
+        grad: torch.Tensor | None = None,
     ) -> None:
         values = params if isinstance(params, torch.Tensor) else torch.from_numpy(
             np.array(params, dtype=np.float32)
@@ -66,7 +70,7 @@ class ShardServer:
         # A tensor is used in place (the sync strategy updates a rank's own flat parameters);
         # an array is copied (a server owns its slice).
         self.param = torch.nn.Parameter(values)
-        self.grad = torch.zeros_like(self.param)
+        self.grad = torch.zeros_like(self.param) if grad is None else grad
         self.param.grad = self.grad
         self.optimizer = build_optimizer(optimizer, [self.param], lr=lr, options=options)
         self.max_step = max_step
@@ -91,9 +95,7 @@ class ShardServer:
                 return self.param.detach().numpy().copy(), self.version, True
             # Copy into a grad buffer we own: received frames may be read-only.
             self.grad.numpy()[:] = grad
-            self.optimizer.step()
-            self.version += 1
-            self.samples += int(samples)
+            self._step(samples)
             if position is not None:
                 seen = self.positions.setdefault(int(position[0]), {})
                 seen[(int(position[1]), int(position[2]))] = int(position[3])
@@ -101,6 +103,22 @@ class ShardServer:
                     del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
             stop = self.max_step is not None and self.version >= self.max_step
             return self.param.detach().numpy().copy(), self.version, stop
+
+    def step(self, samples: int) -> bool:
+        """Apply the gradient already in :attr:`grad`; return whether the step limit is reached.
+
+        No copy in or out, for the sync strategy, whose rank owns the parameters it updates.
+        """
+        with self._lock:
+            if self.max_step is not None and self.version >= self.max_step:
+                return True
+            self._step(samples)
+            return self.max_step is not None and self.version >= self.max_step
+
+    def _step(self, samples: int) -> None:
+        self.optimizer.step()
+        self.version += 1
+        self.samples += int(samples)
 
     def pull(self) -> tuple[np.ndarray, int, int]:
         """Return (parameters copy, version, samples)."""
