@@ -31,12 +31,19 @@ from dask_train.errors import (
     TrainingTimeout,
     WorkerLost,
 )
-from dask_train.models import LinearRegression, LogisticRegression, PoissonRegression
+from dask_train.models import (
+    ArrayModel,
+    LinearRegression,
+    LogisticRegression,
+    PoissonRegression,
+    softmax_regression,
+)
 from dask_train.strategies import distributed_loss_grad, tree_reduce
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayModel",
     "Callback",
     "CheckpointConfig",
     "ClusterUnreachable",
@@ -64,6 +71,7 @@ __all__ = [
     "datasets",
     "distributed_loss_grad",
     "start_roles",
+    "softmax_regression",
     "start_torch",
     "tree_reduce",
 ]

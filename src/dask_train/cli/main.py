@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dask-train", description=__doc__.splitlines()[0])
@@ -41,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def demo(args: argparse.Namespace) -> int:
     """Run the digits job and write summary.json, history.csv, scores.png, model.safetensors."""
+    import torch
+
     import dask_train as dt
     from dask_train.report import summary_table, write_run
 
@@ -77,6 +77,7 @@ def demo(args: argparse.Namespace) -> int:
         client.close()
     summary = result.summary()
     summary["total_s"] = time.time() - started
+    assert isinstance(result.model, torch.nn.Module)  # the demo trains a torch MLP
     paths = write_run(args.out, history=result.history, summary=summary, module=result.model)
     print()
     print(summary_table(summary))

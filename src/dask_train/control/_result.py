@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 
 from dask_train.cluster._roles import Roles
+
+if TYPE_CHECKING:  # only for the annotation: importing models here would be circular
+    from dask_train.models import ArrayModel
 
 
 @dataclass
@@ -19,8 +22,9 @@ class FitResult:
 
     Attributes
     ----------
-    model : torch.nn.Module
-        The trained module, with the parameters pulled from the servers.
+    model : torch.nn.Module or ArrayModel
+        The trained module, with the parameters pulled from the servers (for a
+        :class:`~dask_train.models.ArrayModel`, a copy holding the trained parameters).
     history : pandas.DataFrame
         One row per score: ``time_s, step, epoch, samples, accuracy, loss, samples_per_s``.
     stopped_by : str
@@ -47,7 +51,7 @@ class FitResult:
         1, plus one per restart from a checkpoint.
     """
 
-    model: torch.nn.Module
+    model: torch.nn.Module | ArrayModel
     history: pd.DataFrame
     stopped_by: str
     steps: int

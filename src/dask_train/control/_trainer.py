@@ -20,6 +20,7 @@ from dask_train.control._progress import Progress
 from dask_train.control._recovery import run_job
 from dask_train.control._result import FitResult
 from dask_train.control._validate import (
+    check_array_model,
     check_data,
     check_labels,
     check_module_output,
@@ -31,7 +32,8 @@ from dask_train.control.callbacks import Callback, run_callbacks
 from dask_train.control.stop import StopCondition
 from dask_train.data._blocks import as_dask_array, persist_blocks
 from dask_train.errors import InvalidInput
-from dask_train.models import CLASSIFICATION_LOSSES, flatten_parameters
+from dask_train.models import CLASSIFICATION_LOSSES, ArrayModel, flatten_parameters
+from dask_train.report import history_frame
 
 
 class Trainer:
@@ -209,6 +211,8 @@ class Trainer:
             Every problem with the arguments and data at once, before any training starts.
         """
         X, y = as_dask_array(X), as_dask_array(y)
+        if isinstance(self.module, ArrayModel):
+            return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume)
         validation = _materialize(validation)
         self._validate(X, y, validation, resume=resume)
         client = self._client()
@@ -230,6 +234,43 @@ class Trainer:
             )
             progress.close(ctl.stopped_by)
         result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
+        run_callbacks(self.callbacks, "on_fit_end", result)
+        return result
+
+    def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool) -> FitResult:
+        """``fit`` for an ArrayModel: sync steps whose gradients a Dask tree reduction averages."""
+        from dask_train.control._array_job import ArrayJob, start_array_sync
+        from dask_train.strategies.full_batch import persist_data
+
+        self._validate(X, y, validation, resume=resume)
+        assert isinstance(self.module, ArrayModel)
+        client = self._client()
+        data = persist_data(X, y, client=client, dtype=np.float64)
+        job = ArrayJob(
+            optimizer=self.optimizer, lr=float(self.lr), optimizer_options=self.optimizer_options,
+            batch_size=self.batch_size, grad_accumulation=self.grad_accumulation,
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed,
+            score_every=float(self.score_every), stop=self.stop, callbacks=self.callbacks,
+            on_nan=self.on_nan,
+        )
+        try:
+            with Progress(total=self.epochs * data.n_rows, enabled=self.progress) as progress:
+                started = time.time()
+                loop = start_array_sync(client, self.module, data, job,
+                                        validation if self.scorer else None, progress)
+                run_callbacks(self.callbacks, "on_fit_start",
+                              {"roles": Roles(loop.placement), "rows": data.n_rows})
+                loop.run()
+                run = loop.result()
+                progress.close(run.stopped_by)
+        finally:
+            data.release()
+        result = FitResult(
+            model=run.model, history=history_frame(run.records), stopped_by=run.stopped_by,
+            steps=run.steps, samples=run.samples, epochs_completed=run.epochs_completed,
+            wall_s=time.time() - started, ledger=pd.DataFrame(run.ledger),
+            roles=Roles(run.placement), trainers=run.trainers, nonfinite=run.nonfinite,
+        )
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
@@ -255,6 +296,8 @@ class Trainer:
             )
         if not problems and isinstance(self.module, torch.nn.Module):
             problems += check_module_output(self.module, X, y, self.loss)
+        if isinstance(self.module, ArrayModel):
+            problems += check_array_model(self.module, settings, X, y, resume=resume)
         if problems:
             raise InvalidInput(problems)
 
@@ -326,7 +369,7 @@ class Trainer:
         )
 
 
-def _materialize(validation: Any) -> tuple[np.ndarray, np.ndarray] | Any:
+def _materialize(validation: Any, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray] | Any:
     """Validation data as numpy (small by nature: the scorer holds it in memory)."""
     if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
         return validation
@@ -336,8 +379,8 @@ def _materialize(validation: Any) -> tuple[np.ndarray, np.ndarray] | Any:
         part = compute() if callable(compute) else part
         out.append(np.ascontiguousarray(np.asarray(part)))
     xv, yv = out
-    if xv.dtype != np.float32 and np.issubdtype(xv.dtype, np.number):
-        xv = xv.astype(np.float32)
+    if xv.dtype != dtype and np.issubdtype(xv.dtype, np.number):
+        xv = xv.astype(dtype)
     return xv, yv
 
 

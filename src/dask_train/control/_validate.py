@@ -13,7 +13,7 @@ import torch
 from dask_train.cluster._roles import check_role_counts
 from dask_train.control.callbacks import Callback
 from dask_train.control.stop import StopCondition
-from dask_train.models import CLASSIFICATION_LOSSES, LOSSES, OPTIMIZERS, build_optimizer
+from dask_train.models import CLASSIFICATION_LOSSES, LOSSES, OPTIMIZERS, ArrayModel, build_optimizer
 
 STRATEGIES = ("async-ps", "sync")
 
@@ -34,9 +34,10 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     """Problems with a Trainer's hyper-parameters (no data needed)."""
     s = settings
     problems: list[str] = []
-    if not isinstance(s["module"], torch.nn.Module):
+    if not isinstance(s["module"], (torch.nn.Module, ArrayModel)):
         problems.append(
-            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance."
+            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance "
+            "(or a dt.ArrayModel, with strategy='sync')."
         )
     if s["strategy"] not in STRATEGIES:
         problems.append(f"strategy={s['strategy']!r} is unknown: use one of {list(STRATEGIES)}.")
@@ -99,6 +100,25 @@ def _check_recovery(s: Mapping[str, Any]) -> list[str]:
             f"on_nan={s.get('on_nan')!r} is invalid: use 'stop' (end the job, keep the last good "
             "checkpoint) or 'skip' (leave the batch or score out and go on)."
         )
+    return problems
+
+
+def check_array_model(model: ArrayModel, settings: Mapping[str, Any], X: Any, y: Any, *,
+                      resume: bool) -> list[str]:
+    """Problems with training an ArrayModel under these settings, found before any task runs."""
+    problems = model.problems()
+    if settings["strategy"] != "sync":
+        problems.append(
+            f"strategy={settings['strategy']!r} cannot train a dt.ArrayModel: use strategy='sync' "
+            "(its gradients are averaged by a Dask tree reduction; async-ps trains torch modules)."
+        )
+    if settings.get("checkpoint") is not None or resume:
+        problems.append(
+            "checkpoint= and resume= are not available for a dt.ArrayModel yet: drop them, or "
+            "train a torch module to get checkpoints."
+        )
+    if not problems and getattr(X, "ndim", 0) == 2:
+        problems += model.check_on(int(X.shape[1]), y.dtype)
     return problems
 
 

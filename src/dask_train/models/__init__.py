@@ -1,5 +1,6 @@
 """Adapters between an ML framework and the dask-train core (torch first); classical GLM estimators."""
 
+from dask_train.models._array import ArrayModel, softmax_regression
 from dask_train.models._glm import LinearRegression, LogisticRegression, PoissonRegression
 from dask_train.models._glm_losses import GLMBlockLoss
 from dask_train.models._torch import (
@@ -15,6 +16,7 @@ from dask_train.models._torch import (
 )
 
 __all__ = [
+    "ArrayModel",
     "CLASSIFICATION_LOSSES",
     "LOSSES",
     "OPTIMIZERS",
@@ -27,5 +29,6 @@ __all__ = [
     "build_optimizer",
     "evaluate",
     "flatten_parameters",
+    "softmax_regression",
     "split_shards",
 ]
