@@ -254,3 +254,11 @@ def test_gloo_binds_the_interface_dask_reaches_the_worker_on() -> None:
     assert gloo_interface("127.0.0.3") == gloo_interface("127.0.0.1") == "lo"
     assert gloo_interface("203.0.113.9") is None
     assert gloo_interface("no-such-host.invalid") is None
+
+
+def test_local_ranks_count_ranks_per_host_for_the_gpu_choice() -> None:
+    from dask_train.cluster._torch_group import local_ranks
+
+    addresses = ["tcp://10.0.0.5:1", "tcp://10.0.0.6:2", "tcp://10.0.0.5:3", "tcp://[::1]:4",
+                 "tcp://10.0.0.5:5", "tcp://[::1]:6"]
+    assert local_ranks(addresses) == [0, 0, 1, 0, 2, 1]

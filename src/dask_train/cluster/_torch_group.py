@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from dask.utils import funcname
 from distributed import Client, Future, as_completed
+from distributed.comm import get_address_host
 
 from dask_train.cluster._torch_rank import join, leave, probe, run_rank, start_store
 from dask_train.errors import InvalidInput, TrainingTimeout
@@ -215,7 +216,10 @@ def start_torch(
         A number of ranks (the least-loaded worker processes not already in a group, address order
         on ties), or worker addresses in rank order.
     backend : {"gloo", "nccl"}
-        "nccl" needs CUDA on every chosen worker.
+        "nccl" needs CUDA on every chosen worker. Each rank then uses the GPU given by its
+        position among the ranks on its host (``torch.cuda.set_device``), modulo the GPUs it
+        sees: one GPU each for several workers on a multi-GPU host, and device 0 for workers
+        that see one GPU each (``CUDA_VISIBLE_DEVICES``, as dask-cuda sets it).
     timeout : float
         Seconds every rank has to join; also the group's timeout for collectives and :meth:`gather`.
 
@@ -248,10 +252,11 @@ def start_torch(
     # trip and must be deleted afterwards.
     store = client.submit(start_store, gid, world, timeout, key=f"torch-store-{gid}", **_pin(addrs[0]))
     (master,) = _await_all(client, gid, ranks, [store], "start the rendezvous store", timeout)
+    local = local_ranks(addrs)
     joins = [
         client.submit(
-            join, gid, rank, world, master, backend, timeout, key=f"torch-join-{gid}-rank{rank}",
-            **_pin(addr),
+            join, gid, rank, world, master, backend, timeout, local[rank],
+            key=f"torch-join-{gid}-rank{rank}", **_pin(addr),
         )
         for rank, addr in ranks.items()
     ]
@@ -259,6 +264,23 @@ def start_torch(
     return TorchGroup(
         client=client, group_id=gid, ranks=ranks, master=master, backend=backend, timeout=timeout
     )
+
+
+def local_ranks(addresses: Sequence[str]) -> list[int]:
+    """Each rank's index among the ranks on the same host, in rank order.
+
+    Examples
+    --------
+    >>> local_ranks(["tcp://10.0.0.5:1", "tcp://10.0.0.6:2", "tcp://10.0.0.5:3"])
+    [0, 0, 1]
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for address in addresses:
+        host = get_address_host(address)
+        out.append(seen.get(host, 0))
+        seen[host] = out[-1] + 1
+    return out
 
 
 def _await_all(

@@ -122,8 +122,12 @@ def start_store(gid: str, world: int, timeout: float) -> str:
     return f"{host}:{store.port}"
 
 
-def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: float) -> bool:
-    """Task on every rank: ``init_process_group``; False when the start was abandoned meanwhile."""
+def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: float,
+         local_rank: int = 0) -> bool:
+    """Task on every rank: ``init_process_group``; False when the start was abandoned meanwhile.
+
+    ``local_rank`` is the rank's index among the ranks on its host; with nccl it picks the GPU.
+    """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -159,6 +163,11 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
         iface = gloo_interface(get_address_host(worker.address)) if backend == "gloo" else None
         env = {"GLOO_SOCKET_IFNAME": iface} if iface and "GLOO_SOCKET_IFNAME" not in os.environ else {}
         os.environ.update(env)
+        if backend == "nccl":
+            import torch
+
+            # NCCL refuses two ranks on one GPU: ranks sharing a host take one GPU each.
+            torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
         finally:
