@@ -136,6 +136,10 @@ class DaskTrainPlugin(WorkerPlugin):
         worker_state(worker)
         worker.handlers["dask_train_push"] = _make_push(worker)
         worker.handlers["dask_train_pull"] = _make_pull(worker)
+        # The data layer's handler, imported here: the plugin is what installs handlers.
+        from dask_train.data._feed import make_feed_handler
+
+        worker.handlers["dask_train_feed"] = make_feed_handler(worker)
 
 
 def _shard(worker: Worker, job: str, shard: int) -> ShardProtocol:

@@ -72,6 +72,7 @@ class _Controller:
             ]
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.feeds: list[tuple[int, Future]] = []
+        self.direct_feeds: set[asyncio.Task[None]] = set()
         self.ended = [False] * len(trainers)
         self.idle = [False] * len(trainers)  # async: out of blocks, waiting for the job's end
         self.retired: set[int] = set()
@@ -214,13 +215,41 @@ class _Controller:
             self.ended[trainer] = True
             fut = self._pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
                                epoch=-1, block=-1, **common)
+        elif a.local and self._feed_direct(trainer, address, a, common):
+            return
         else:
-            fut = self._pinned(
-                feed_block, self.blocks.futures[a.block], address=address,
-                key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
-                skip=a.skip, **common,
-            )
+            fut = self._feed_task(trainer, address, a, common)
         self.feeds.append((trainer, fut))
+
+    def _feed_task(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> Future:
+        return self._pinned(
+            feed_block, self.blocks.futures[a.block], address=address,
+            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
+            skip=a.skip, **common,
+        )
+
+    def _feed_direct(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> bool:
+        """Queue a local block by one RPC to its worker; False when there is no loop to run it."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+
+        async def send() -> None:
+            try:
+                rows = await self.client.rpc(address).dask_train_feed(
+                    key=self.blocks.futures[a.block].key, epoch=a.epoch, block=a.block,
+                    skip=a.skip, **common)
+            except Exception:  # a lost worker or a broken connection: the task path decides
+                rows = -1
+            if rows < 0 and not self.stopped_by:
+                # The block left that worker (or never was there): a task brings it.
+                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
+
+        task = loop.create_task(send())
+        self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
+        task.add_done_callback(self.direct_feeds.discard)
+        return True
 
     def add_trainer(self, address: str) -> int:
         """Start a trainer on a worker that joined (or came back) during training."""

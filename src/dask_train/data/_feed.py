@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,30 @@ def feed_block(
     item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
     worker_state().job(job).feed(trainer).put(item)
     return item.rows
+
+
+def make_feed_handler(worker: Any) -> Any:
+    """The worker's ``dask_train_feed`` RPC handler: queue a block this worker already holds.
+
+    The controller's fast path for a trainer's local block: one message from the client to the
+    worker instead of a task (a graph update at the scheduler, a thread on the worker, and the
+    task's completion and release messages). On the benchmark's 2 cores, the per-block task
+    traffic cost the sync ranks about a fifth of their rate with blocks of 12,500 rows. Returns
+    the rows queued, or -1 when the block is not in this worker's memory (the controller then
+    falls back to :func:`feed_block`, which Dask brings the block to), or when the job has ended.
+    """
+
+    async def dask_train_feed(*, job: str, trainer: int, key: str, seq: int, epoch: int,
+                              block: int, seed: int, shuffle: bool, skip: int = 0) -> int:
+        state = worker_state(worker)
+        if key not in worker.data or job not in state.jobs:
+            return -1
+        x, y = worker.data[key]
+        item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
+        state.job(job).feed(trainer).put(item)
+        return item.rows
+
+    return dask_train_feed
 
 
 def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray:

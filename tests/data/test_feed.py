@@ -1,0 +1,69 @@
+"""Feeding blocks to trainers: the worker's direct feed handler and the controller's use of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import Client
+
+import dask_train as dt
+from dask_train.cluster import worker_state
+from dask_train.cluster._roles import ensure_plugin
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+def _feed_tasks(client: Client) -> int:
+    def count(dask_scheduler: Any) -> int:
+        prefix = dask_scheduler.task_prefixes.get("dt-feed")
+        # Cumulative transitions into each state: every task passes through each once.
+        return 0 if prefix is None else max(prefix.state_counts.values())
+
+    return int(client.run_on_scheduler(count))
+
+
+def test_the_feed_handler_queues_held_blocks_and_declines_the_rest(client: Client) -> None:
+    ensure_plugin(client)
+    address = sorted(client.scheduler_info()["workers"])[0]
+    block = client.scatter([(np.ones((3, 2), np.float32), np.zeros(3))], workers=[address],
+                           direct=True)[0]
+    client.run(lambda dask_worker: worker_state(dask_worker).job("feed-test").feed(0).qsize(),
+               workers=[address])  # creates the job's state there, as a trainer would
+    args = dict(trainer=0, seq=0, epoch=0, block=7, seed=0, shuffle=False)
+    try:
+        feed = client.rpc(address).dask_train_feed
+        assert client.sync(feed, job="feed-test", key=block.key, **args) == 3
+        # Not held here, or a job this worker does not run: declined, the caller uses a task.
+        assert client.sync(feed, job="feed-test", key="no-such-key", **args) == -1
+        assert client.sync(feed, job="no-such-job", key=block.key, **args) == -1
+
+        def queued(dask_worker: Any) -> list[tuple[int, int]]:
+            q = worker_state(dask_worker).job("feed-test").feed(0)
+            items = [q.get_nowait() for _ in range(q.qsize())]
+            return [(item.block, item.rows) for item in items]
+
+        assert client.run(queued, workers=[address])[address] == [(7, 3)]
+    finally:
+        client.run(lambda dask_worker: worker_state(dask_worker).drop("feed-test"),
+                   workers=[address])
+
+
+def test_local_blocks_reach_the_trainers_without_a_task_each(client: Client) -> None:
+    X, y = dt.datasets.digits(8_000, seed=0, chunks=500)  # 16 blocks
+    X, y = client.persist([X, y])
+    before = _feed_tasks(client)
+    result = dt.Trainer(mlp(), strategy="sync", workers=2, scorer=0, batch_size=250, epochs=2,
+                        progress=False, client=client).fit(X, y)
+    tasks = _feed_tasks(client) - before
+    assert result.epochs_completed == 2 and result.samples == 16_000
+    assert len(result.ledger) == 32
+    moved = int((~result.ledger["local"]).sum())  # sync evens out the ranks' blocks
+    assert moved <= 4
+    # A task per moved block (Dask brings it over), and for the grants made before a trainer's
+    # state exists on its worker: at most the first blocks_ahead (2) per trainer.
+    assert moved <= tasks <= moved + 4
