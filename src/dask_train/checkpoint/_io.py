@@ -8,7 +8,7 @@ import os
 import posixpath
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -99,12 +99,13 @@ def _fsync_directory(*, directory: str) -> None:
             os.close(fd)
 
 
-def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: str) -> None:
+def write_local_atomic(path: str, write: Callable[[str], object]) -> None:
+    """Write a local file by ``write(temporary)``, fsync and rename: old file or new, never half."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temporary = _temporary_name(path=path)
     try:
-        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        write(temporary)
         # Data on disk before the rename: a crash then leaves the old file or the new, never half.
         with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
@@ -116,14 +117,8 @@ def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] |
     _fsync_directory(directory=directory)
 
 
-def _write_remote(
-    *,
-    fs: AbstractFileSystem,
-    tensors: dict[str, torch.Tensor],
-    metadata: dict[str, str] | None,
-    path: str,
-) -> None:
-    data = safetensors.torch.save(tensors, metadata=metadata)
+def write_remote_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` on an fsspec filesystem through a temporary object."""
     parent = posixpath.dirname(path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
@@ -139,6 +134,20 @@ def _write_remote(
             if fs.exists(temporary):
                 fs.rm(temporary)
         raise
+
+
+def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: str) -> None:
+    write_local_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
+
+
+def _write_remote(
+    *,
+    fs: AbstractFileSystem,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None,
+    path: str,
+) -> None:
+    write_remote_atomic(fs, path, safetensors.torch.save(tensors, metadata=metadata))
 
 
 def save_tensors(

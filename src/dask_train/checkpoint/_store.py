@@ -17,13 +17,14 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from dask_train.checkpoint._io import _fsync_directory, _temporary_name
+from dask_train.checkpoint._io import write_local_atomic, write_remote_atomic
 from dask_train.errors import InvalidInput
 
 MANIFEST = "manifest.json"
@@ -283,35 +284,11 @@ class CheckpointStore:
         return names
 
     def _write_atomic(self, *, path: str, data: bytes) -> None:
-        temporary = _temporary_name(path=path)
+        # A crash leaves no manifest or the whole one, never a partly written manifest.json.
         if self._local:
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            try:
-                with open(temporary, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    # On disk before the rename: a crash leaves no manifest or the whole one.
-                    os.fsync(handle.fileno())
-                os.replace(temporary, path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(temporary)
-                raise
-            _fsync_directory(directory=directory)
-            return
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        try:
-            with self.fs.open(temporary, "wb") as handle:
-                handle.write(data)
-            # Object stores have no atomic rename; mv is copy-then-delete, so a reader still never
-            # sees a partly written manifest.json.
-            self.fs.mv(temporary, path)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                if self.fs.exists(temporary):
-                    self.fs.rm(temporary)
-            raise
+            write_local_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+        else:
+            write_remote_atomic(self.fs, path, data)
 
     def read_manifest(self, directory: str) -> dict[str, Any]:
         """Parse ``manifest.json`` of ``directory`` (JSON only, never a pickle).
