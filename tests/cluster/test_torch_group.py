@@ -114,7 +114,8 @@ def test_invalid_arguments_are_reported_together(client: Client) -> None:
     assert all(not g for g in _groups(client).values())  # nothing was started
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on CPU-only workers")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the nccl-needs-CUDA error can only happen on workers without CUDA")
 def test_nccl_without_cuda_is_refused(client: Client) -> None:
     with pytest.raises(dt.InvalidInput) as info:
         dt.start_torch(client, workers=2, backend="nccl")

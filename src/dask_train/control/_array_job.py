@@ -134,7 +134,7 @@ class ArrayLoop:
                 if fired is not None:
                     self.stopped_by = fired.describe()
                 elif self._step(epoch, s, consumed):
-                    self._poll_scores(epoch)
+                    self._poll_scores()
                 if self.stopped_by:
                     break
             self.ledger += [{"epoch": epoch, "trainer": g, "rows": self.group_rows[g],
@@ -191,7 +191,7 @@ class ArrayLoop:
         return {"time_s": self.elapsed(), "step": self.step, "samples": self.samples,
                 "epoch": self.samples / max(1, sum(self.group_rows))}
 
-    def _poll_scores(self, epoch: int, *, block: bool = False) -> None:
+    def _poll_scores(self, *, block: bool = False) -> None:
         got = self.scorer.ready(block=block)
         if got is None:
             return
@@ -203,7 +203,7 @@ class ArrayLoop:
         record = {**meta, "accuracy": math.nan, **scores, "samples_per_s": rate}
         if bad:
             self.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
-            if self.job.on_nan == "stop":
+            if self.job.on_nan == "stop" and not self.stopped_by:
                 self.stopped_by = f"non-finite score ({', '.join(bad)}) at step {record['step']}"
             return
         self.records.append(record)
@@ -219,13 +219,12 @@ class ArrayLoop:
 
     def _final_score(self) -> None:
         if self.scorer.pending is not None:
-            self._poll_scores(self.epochs_done, block=True)
+            self._poll_scores(block=True)
         if self.best is None and self.scorer.ref is not None and (
                 not self.records or self.records[-1]["step"] != self.step):
+            # stopped_by is set by now, so this last score cannot change why the job ended.
             self.scorer.ask(self.param.detach().numpy().copy(), self._meta())
-            stopped, self.stopped_by = self.stopped_by, ""
-            self._poll_scores(self.epochs_done, block=True)
-            self.stopped_by = stopped  # a last score never changes why the job ended
+            self._poll_scores(block=True)
 
     @property
     def placement(self) -> dict[str, list[str]]:

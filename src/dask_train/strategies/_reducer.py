@@ -73,7 +73,7 @@ class GradientReducer:
             offset += p.numel()
         # Buckets over parameter indices, last parameter first; bucket -> (start, end) in buf.
         limit = max(1, bucket_bytes // self.buf.element_size())
-        self._bucket_of: dict[int, int] = {}
+        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
         self._spans: list[tuple[int, int]] = []
         members: list[list[int]] = []
         filled = limit
@@ -88,7 +88,7 @@ class GradientReducer:
             # The bucket that holds the first parameter is reduced last: it carries the meta.
             self._spans.append((0 if min(idx) == 0 else META + start, META + end))
             for i in idx:
-                self._bucket_of[i] = b
+                self._bucket_of[id(self._params[i])] = b
         self._sizes = [len(idx) for idx in members]
         world = dist.get_world_size()
         gather = dist.get_backend() == "gloo" and world > 1
@@ -98,7 +98,6 @@ class GradientReducer:
             if gather and (end - start) * self.buf.element_size() <= GATHER_BYTES else None
             for start, end in self._spans
         ]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._pending: list[int] = []
         self._works: list[Any] = []
         self._armed = False
@@ -129,7 +128,7 @@ class GradientReducer:
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
             return
-        b = self._bucket_of[self._index[id(param)]]
+        b = self._bucket_of[id(param)]
         self._pending[b] -= 1
         self._launch_ready()
 
