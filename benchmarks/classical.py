@@ -59,8 +59,7 @@ from _common import cpu_load, environment, markdown_table, wait_for_quiet, write
 from distributed import Client, as_completed, wait
 
 import dask_train as dt
-from dask_train.models import GLMBlockLoss
-from dask_train.strategies import full_batch
+from dask_train.classical import GLMBlockLoss, full_batch
 
 NETNS, HOST_IP, NS_IP, RATE = "dtbench", "10.231.0.1", "10.231.0.2", "1gbit"
 PART_FLOATS = 500_000  # 4 MB

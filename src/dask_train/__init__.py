@@ -1,5 +1,8 @@
 """dask-train: train machine-learning models on a Dask cluster.
 
+Public names load lazily (see :mod:`dask_train._lazy`): ``import dask_train`` imports neither torch
+nor scikit-learn, SciPy or matplotlib; each loads when a name that needs it is first used.
+
 Examples
 --------
 >>> import dask_train as dt
@@ -7,21 +10,11 @@ Examples
 >>> X, y = dt.datasets.digits(n_samples=1_100_000)          # doctest: +SKIP
 """
 
-from dask_train import datasets
-from dask_train.checkpoint import CheckpointConfig
-from dask_train.cluster import Roles, TorchGroup, connect, start_roles, start_torch
-from dask_train.control import (
-    Callback,
-    EarlyStopping,
-    FailureConfig,
-    FitResult,
-    History,
-    StopAfter,
-    StopAtScore,
-    StopAtStep,
-    StopCondition,
-    Trainer,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dask_train._lazy import attach
 from dask_train.errors import (
     ClusterUnreachable,
     DaskTrainError,
@@ -31,16 +24,40 @@ from dask_train.errors import (
     TrainingTimeout,
     WorkerLost,
 )
-from dask_train.models import (
-    ArrayModel,
-    LinearRegression,
-    LogisticRegression,
-    PoissonRegression,
-    softmax_regression,
-)
-from dask_train.strategies import distributed_loss_grad, tree_reduce
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    # the public API: the Trainer and what it returns
+    "Trainer": ".api",
+    "FitResult": ".api",
+    # pure policies and settings
+    "Callback": ".policy",
+    "History": ".policy",
+    "EarlyStopping": ".policy",
+    "StopAfter": ".policy",
+    "StopAtScore": ".policy",
+    "StopAtStep": ".policy",
+    "StopCondition": ".policy",
+    "FailureConfig": ".policy",
+    "Roles": ".policy",
+    "CheckpointConfig": ".checkpoint",
+    # the runtime: connecting, roles, torch process groups
+    "connect": ".runtime",
+    "start_roles": ".runtime",
+    "start_torch": ".runtime",
+    "TorchGroup": ".runtime",
+    # models
+    "ArrayModel": ".models",
+    "softmax_regression": ".models",
+    "LinearRegression": ".classical",
+    "LogisticRegression": ".classical",
+    "PoissonRegression": ".classical",
+    "distributed_loss_grad": ".classical",
+    "tree_reduce": ".classical",
+    "datasets": ".datasets",
+}
+__getattr__, __dir__, _ = attach(__name__, _LAZY)
 
 __all__ = [
     "ArrayModel",
@@ -70,8 +87,33 @@ __all__ = [
     "connect",
     "datasets",
     "distributed_loss_grad",
-    "start_roles",
     "softmax_regression",
+    "start_roles",
     "start_torch",
     "tree_reduce",
 ]
+
+if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
+    from dask_train import datasets
+    from dask_train.api import FitResult, Trainer
+    from dask_train.checkpoint import CheckpointConfig
+    from dask_train.classical import (
+        LinearRegression,
+        LogisticRegression,
+        PoissonRegression,
+        distributed_loss_grad,
+        tree_reduce,
+    )
+    from dask_train.models import ArrayModel, softmax_regression
+    from dask_train.policy import (
+        Callback,
+        EarlyStopping,
+        FailureConfig,
+        History,
+        Roles,
+        StopAfter,
+        StopAtScore,
+        StopAtStep,
+        StopCondition,
+    )
+    from dask_train.runtime import TorchGroup, connect, start_roles, start_torch

@@ -9,8 +9,8 @@ import torch
 from distributed import Client
 
 import dask_train as dt
-from dask_train.cluster import worker_state
-from dask_train.cluster._roles import ensure_plugin
+from dask_train.runtime import worker_state
+from dask_train.runtime._roles import ensure_plugin
 
 
 def mlp() -> torch.nn.Module:

@@ -1,20 +1,15 @@
-"""Data layer: dask collections -> persisted blocks -> bounded per-trainer queues -> minibatches."""
+"""Data layer: dask collections -> persisted co-located blocks -> bounded per-trainer queues ->
+minibatches (numpy; an engine converts them to its framework's tensors)."""
 
 from dask_train.data._blocks import BlockSet, as_dask_array, persist_blocks
-from dask_train.data._feed import FeedItem, FeedReader, batches, block_order, feed_block
-from dask_train.data._ledger import Assignment, Block, Ledger, LedgerEntry
+from dask_train.data._feed import FeedItem, FeedReader, batches, block_order
 
 __all__ = [
-    "Assignment",
-    "Block",
     "BlockSet",
     "FeedItem",
     "FeedReader",
-    "Ledger",
-    "LedgerEntry",
     "as_dask_array",
     "batches",
     "block_order",
-    "feed_block",
     "persist_blocks",
 ]

@@ -10,7 +10,7 @@ import dask.array as da
 import numpy as np
 from distributed import Client, Future, wait
 
-from dask_train.data._ledger import Block
+from dask_train.policy._ledger import Block
 
 
 @dataclass

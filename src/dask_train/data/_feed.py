@@ -1,8 +1,6 @@
-"""Worker side of feeding: blocks arrive in a trainer's queue and leave as shuffled minibatches.
-
-The queue is bounded by credit, not by blocking: the controller hands each trainer at most
-``blocks_ahead`` blocks it has not yet reported consumed, so a feed task never blocks a Dask thread
-(TensorFlowOnSpark's feeder hung on a dead consumer that way) and memory per trainer stays bounded.
+"""Feeding, framework-free: blocks in a trainer's queue, read in assignment order, cut into
+shuffled minibatches of numpy arrays. An engine converts batches to its framework's tensors; the
+worker side that fills the queues is in :mod:`dask_train.runtime._feed`.
 """
 
 from __future__ import annotations
@@ -12,12 +10,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import torch
 
-from dask_train.cluster._plugin import worker_state
 from dask_train.errors import TrainingTimeout
 
 
@@ -42,54 +37,6 @@ class FeedItem:
         return 0 if self.x is None else len(self.x)
 
 
-def feed_block(
-    pair: tuple[np.ndarray, np.ndarray] | None,
-    *,
-    job: str,
-    trainer: int,
-    seq: int,
-    epoch: int,
-    block: int,
-    seed: int,
-    shuffle: bool,
-    skip: int = 0,
-) -> int:
-    """Dask task: put one block (or, with ``pair=None``, the end marker) in a trainer's queue.
-
-    Runs on the trainer's worker; Dask brings the block there first, worker to worker, when it
-    lives elsewhere. ``block=-2`` with no pair is a heartbeat for a trainer waiting idle at the end
-    of the data (it resets the trainer's wait, see :class:`FeedReader`). Returns the rows queued.
-    """
-    x, y = pair if pair is not None else (None, None)
-    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
-    worker_state().job(job).feed(trainer).put(item)
-    return item.rows
-
-
-def make_feed_handler(worker: Any) -> Any:
-    """The worker's ``dask_train_feed`` RPC handler: queue a block this worker already holds.
-
-    The controller's fast path for a trainer's local block: one message from the client to the
-    worker instead of a task (a graph update at the scheduler, a thread on the worker, and the
-    task's completion and release messages). On the benchmark's 2 cores, the per-block task
-    traffic cost the sync ranks about a fifth of their rate with blocks of 12,500 rows. Returns
-    the rows queued, or -1 when the block is not in this worker's memory (the controller then
-    falls back to :func:`feed_block`, which Dask brings the block to), or when the job has ended.
-    """
-
-    async def dask_train_feed(*, job: str, trainer: int, key: str, seq: int, epoch: int,
-                              block: int, seed: int, shuffle: bool, skip: int = 0) -> int:
-        state = worker_state(worker)
-        if key not in worker.data or job not in state.jobs:
-            return -1
-        x, y = worker.data[key]
-        item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
-        state.job(job).feed(trainer).put(item)
-        return item.rows
-
-    return dask_train_feed
-
-
 def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray:
     """The row order of one block in one epoch: a seeded permutation, or ``arange`` unshuffled.
 
@@ -104,7 +51,7 @@ def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) 
     return rng.permutation(rows)
 
 
-def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Minibatches of one block in its epoch's order; the last one may be smaller.
 
     Batches never span two blocks, so a block's consumption is exactly its rows, which keeps the
@@ -122,7 +69,7 @@ def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
             xb, yb = item.x[idx], item.y[idx]  # a gather is a copy: a fresh contiguous batch
         else:
             xb, yb = item.x[i : i + batch_size], item.y[i : i + batch_size]
-        yield torch.from_numpy(np.ascontiguousarray(xb)), torch.from_numpy(np.ascontiguousarray(yb))
+        yield np.ascontiguousarray(xb), np.ascontiguousarray(yb)
 
 
 class FeedReader:

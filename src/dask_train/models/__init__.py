@@ -1,34 +1,14 @@
-"""Adapters between an ML framework and the dask-train core (torch first); classical GLM estimators."""
+"""Adapters between an ML framework and the engines: torch (flat parameter views, losses,
+optimizers, evaluation) and numpy (:class:`ArrayModel`). Names load lazily: the numpy adapter
+never imports torch.
+"""
 
-from dask_train.models._array import ArrayModel, softmax_regression
-from dask_train.models._glm import LinearRegression, LogisticRegression, PoissonRegression
-from dask_train.models._glm_losses import GLMBlockLoss
-from dask_train.models._torch import (
-    CLASSIFICATION_LOSSES,
-    LOSSES,
-    OPTIMIZERS,
-    FlatModel,
-    Shard,
-    build_optimizer,
-    evaluate,
-    flatten_parameters,
-    split_shards,
-)
+from dask_train._lazy import attach
 
-__all__ = [
-    "ArrayModel",
-    "CLASSIFICATION_LOSSES",
-    "LOSSES",
-    "OPTIMIZERS",
-    "FlatModel",
-    "GLMBlockLoss",
-    "LinearRegression",
-    "LogisticRegression",
-    "PoissonRegression",
-    "Shard",
-    "build_optimizer",
-    "evaluate",
-    "flatten_parameters",
-    "softmax_regression",
-    "split_shards",
-]
+_TORCH = ("CLASSIFICATION_LOSSES", "LOSSES", "OPTIMIZERS", "FlatModel", "Shard", "build_optimizer",
+          "evaluate", "flatten_parameters", "split_shards")
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "ArrayModel": "._array",
+    "softmax_regression": "._array",
+    **{name: "._torch" for name in _TORCH},
+})

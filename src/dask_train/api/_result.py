@@ -1,0 +1,96 @@
+"""What ``Trainer.fit`` returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+from dask_train.policy._placement import Roles
+
+if TYPE_CHECKING:  # only for the annotation: importing models here would be circular
+    from dask_train.models import ArrayModel
+
+
+@dataclass
+class FitResult:
+    """The outcome of a training job.
+
+    Attributes
+    ----------
+    model : torch.nn.Module or ArrayModel
+        The trained module, with the parameters pulled from the servers (for a
+        :class:`~dask_train.models.ArrayModel`, a copy holding the trained parameters).
+    history : pandas.DataFrame
+        One row per score: ``time_s, step, epoch, samples, accuracy, loss, samples_per_s``.
+    stopped_by : str
+        What ended the job, e.g. ``"StopAtScore(accuracy>=0.97)"`` or ``"epochs=3"``.
+    steps, samples : int
+        Updates applied by the servers and samples they were computed on.
+    epochs_completed : int
+        Epochs whose every block was consumed in full.
+    wall_s : float
+        Seconds from the first role's start to the end of the job.
+    ledger : pandas.DataFrame
+        One row per (epoch, block) handed out: trainer, rows, rows consumed, local or moved.
+    roles : Roles
+        Where each role ran.
+    trainers : list of dict
+        Each trainer's own count of steps and samples.
+    failures : list of dict
+        Each lost or failed role: when, which worker, the cause and what the job did about it.
+    checkpoints : list of dict
+        Each checkpoint written: directory, step, seconds to write.
+    nonfinite : list of dict
+        Non-finite losses and scores seen (role, step).
+    generations : int
+        1, plus one per restart from a checkpoint.
+    """
+
+    model: torch.nn.Module | ArrayModel
+    history: pd.DataFrame
+    stopped_by: str
+    steps: int
+    samples: int
+    epochs_completed: int
+    wall_s: float
+    ledger: pd.DataFrame
+    roles: Roles
+    trainers: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)
+    generations: int = 1
+
+    @property
+    def samples_per_s(self) -> float:
+        """Mean training throughput over the whole job."""
+        return self.samples / self.wall_s if self.wall_s > 0 else math.nan
+
+    def _last(self, column: str) -> float:
+        if column not in self.history or self.history[column].dropna().empty:
+            return math.nan
+        return float(self.history[column].dropna().iloc[-1])
+
+    def summary(self) -> dict[str, Any]:
+        """Final scores and counters as a JSON-able dict (what ``dask-train demo`` writes)."""
+        return {
+            "accuracy": self._last("accuracy"),
+            "loss": self._last("loss"),
+            "steps": int(self.steps),
+            "samples": int(self.samples),
+            "samples_per_s": float(self.samples_per_s),
+            "wall_s": float(self.wall_s),
+            "epochs_completed": int(self.epochs_completed),
+            "stopped_by": self.stopped_by,
+        }
+
+    def plot(self, path: str | Path = "scores.png") -> Path:
+        """Write accuracy and loss against time to a PNG and return its path."""
+        from dask_train.report import plot_history
+
+        return plot_history(self.history, path)

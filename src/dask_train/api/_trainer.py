@@ -1,0 +1,387 @@
+"""``Trainer``: the user's entry point for training a torch module on a Dask cluster."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from distributed import Client
+
+from dask_train.api._result import FitResult
+from dask_train.api._validate import (
+    check_array_model,
+    check_data,
+    check_labels,
+    check_module_output,
+    check_settings,
+    check_validation,
+    probe_module,
+)
+from dask_train.checkpoint import CheckpointConfig
+from dask_train.controller._controller import JobSpec, history
+from dask_train.controller._progress import Progress
+from dask_train.controller._recovery import run_job
+from dask_train.data._blocks import as_dask_array, persist_blocks
+from dask_train.errors import InvalidInput
+from dask_train.models._array import ArrayModel
+from dask_train.models._torch import CLASSIFICATION_LOSSES, flatten_parameters
+from dask_train.policy._failure import FailureConfig
+from dask_train.policy._placement import Roles, plan_roles
+from dask_train.policy.callbacks import Callback, run_callbacks
+from dask_train.policy.stop import StopCondition
+from dask_train.report import history_frame
+from dask_train.runtime._roles import ensure_plugin, worker_threads
+
+
+class Trainer:
+    """Train a torch module on a Dask cluster with asynchronous parameter servers.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model; it is copied, never modified in place. ``fit`` returns the trained copy.
+    loss : {"cross_entropy", "nll", "mse", "l1"}
+    optimizer : {"adam", "sgd", "adamw", "rmsprop", "adagrad"}
+        Applied on the parameter servers, which hold its state.
+    lr : float
+        Learning rate.
+    optimizer_options : mapping, optional
+        Extra optimizer arguments, e.g. ``{"momentum": 0.9}`` for SGD.
+    strategy : {"async-ps", "sync"}
+        ``"async-ps"``: asynchronous parameter servers. ``"sync"``: synchronous data-parallel
+        training, one rank per Dask worker in a torch process group (gloo) started by
+        :func:`dask_train.start_torch`; every step applies the mean gradient of all ranks'
+        batches. ``ps`` and ``prefetch`` do not apply to it.
+    ps : int
+        Parameter servers; the flat parameters are split into this many balanced shards.
+    workers : int
+        Trainers. Each reads the blocks that live on its Dask worker first.
+    scorer : {0, 1}
+        A scorer evaluates ``validation`` every ``score_every`` seconds (needs ``validation``).
+    batch_size : int
+    epochs : int
+        Passes over the data; the job ends after the last unless a stop condition fires first.
+    stop : sequence of StopCondition
+        ``StopAtScore``, ``StopAtStep``, ``StopAfter``, ``EarlyStopping``; the first to fire wins.
+    callbacks : sequence of Callback
+    score_every : float
+        Seconds between scores.
+    shuffle : bool
+        Shuffle block order and rows within blocks, per epoch, seeded by ``seed``.
+    seed : int
+    prefetch : int or bool
+        Pushes a trainer keeps in flight while it computes the next gradients: each overlaps
+        communication with computation at one update of extra staleness. ``True`` is 1,
+        ``False`` or 0 a plain sequential loop; 2 helps small models, whose gradient takes less
+        time than a round trip to the servers.
+    grad_accumulation : int
+        Average the gradients of this many batches into one push and one server update: k times
+        fewer messages and optimizer steps, at an effective batch of ``k * batch_size``. Steps
+        (``StopAtStep``, ``result.steps``) count server updates.
+    blocks_ahead : int
+        Blocks queued per trainer beyond the one being read: the bound of the feed queue.
+    timeout : float
+        Seconds any single wait may take (a role starting, data arriving, a reply) before the job
+        fails with :class:`~dask_train.errors.TrainingTimeout` instead of hanging.
+    progress : bool
+        Show a progress bar with the live score.
+    checkpoint : CheckpointConfig, optional
+        Where and how often to checkpoint (parameters, optimizer state, data position, RNG and
+        stop-condition state). The path must be reachable from every worker that holds a
+        parameter server (sync: rank 0), e.g. a shared file system or an object store URL. A
+        final checkpoint is written when the job stops. Needed by ``fit(resume=True)`` and to
+        survive losing a parameter server or a sync rank.
+    failure : FailureConfig, optional
+        How many lost or failed roles the job survives (default ``FailureConfig(max_failures=3)``):
+        a lost async trainer's rows go to the survivors, a lost scorer is replaced, a lost
+        parameter server or sync rank restarts the job from the newest checkpoint on the live
+        workers. One failure more ends the job with ``WorkerLost`` / ``ParameterServerLost``.
+    on_nan : {"stop", "skip"}
+        A non-finite loss or score: ``"stop"`` ends the job (the last good checkpoint is kept,
+        none is written after it); ``"skip"`` leaves that batch out of the update, or that score
+        out of the history, and goes on. Either way ``result.nonfinite`` lists them.
+    client : distributed.Client, optional
+        Defaults to the current client, or an embedded cluster from :func:`dask_train.connect`.
+
+    Examples
+    --------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    >>> trainer = Trainer(net, lr=1e-3, ps=1, workers=2, stop=[StopAtScore("accuracy", 0.95)])
+    >>> result = trainer.fit(X, y, validation=(Xv, yv))        # doctest: +SKIP
+    >>> result.history.tail(1)                                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        loss: str = "cross_entropy",
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        optimizer_options: Mapping[str, Any] | None = None,
+        strategy: str = "async-ps",
+        ps: int = 1,
+        workers: int = 2,
+        scorer: int = 1,
+        batch_size: int = 128,
+        epochs: int = 1,
+        stop: Sequence[StopCondition] | StopCondition | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        score_every: float = 1.0,
+        shuffle: bool = True,
+        seed: int = 0,
+        prefetch: int | bool = True,
+        grad_accumulation: int = 1,
+        blocks_ahead: int = 2,
+        timeout: float = 60.0,
+        progress: bool = True,
+        checkpoint: CheckpointConfig | None = None,
+        failure: FailureConfig | None = None,
+        on_nan: str = "stop",
+        client: Client | None = None,
+    ) -> None:
+        self.module = module
+        self.loss = loss
+        self.optimizer = optimizer
+        self.lr = lr
+        self.optimizer_options = dict(optimizer_options or {})
+        self.strategy = strategy
+        self.ps = ps
+        self.workers = workers
+        self.scorer = scorer
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.stop = [stop] if isinstance(stop, StopCondition) else list(stop or [])
+        self.callbacks = list(callbacks or [])
+        self.score_every = score_every
+        self.shuffle = shuffle
+        self.seed = seed
+        self.prefetch = prefetch
+        self.grad_accumulation = grad_accumulation
+        self.blocks_ahead = blocks_ahead
+        self.timeout = timeout
+        self.progress = progress
+        self.checkpoint = checkpoint
+        self.failure = failure
+        self.on_nan = on_nan
+        self.client = client
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Hyper-parameters by name, as scikit-learn estimators report them."""
+        code = Trainer.__init__.__code__
+        names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        return {name: getattr(self, name) for name in names}
+
+    def set_params(self, **params: Any) -> Trainer:
+        """Set hyper-parameters by name; unknown names raise :class:`InvalidInput`."""
+        known = self.get_params()
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise InvalidInput(
+                [f"{name}= is not a Trainer parameter: use one of {sorted(known)}." for name in unknown]
+            )
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def fit(
+        self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False
+    ) -> FitResult:
+        """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
+
+        Parameters
+        ----------
+        X : dask.array.Array or dask.dataframe.DataFrame
+            Training inputs, rows are samples. In-memory arrays are wrapped in dask arrays.
+        y : dask.array.Array or dask.dataframe.Series
+            Labels (classification) or targets, one per row of X.
+        validation : (array, array), optional
+            Held-out data the scorer evaluates; required for score-based stop conditions.
+        resume : bool
+            Continue from the newest complete checkpoint under ``checkpoint.path`` (parameters,
+            optimizer state, data position, RNG and stop state, history). With none there yet,
+            training starts from the module. Needs ``checkpoint=``.
+
+        Raises
+        ------
+        InvalidInput
+            Every problem with the arguments and data at once, before any training starts.
+        """
+        X, y = as_dask_array(X), as_dask_array(y)
+        if isinstance(self.module, ArrayModel):
+            return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume)
+        validation = _materialize(validation)
+        self._validate(X, y, validation, resume=resume)
+        client = self._client()
+        spec = self._spec()
+        X = X.astype(np.float32) if X.dtype != np.float32 else X
+        blocks = client.sync(persist_blocks, client, X, y)
+        if self.loss in CLASSIFICATION_LOSSES:
+            low, high = blocks.label_range
+            n_out = int(probe_module(self.module, tuple(X.shape[1:])).shape[1])
+            problems = check_labels(int(low), int(high), n_out, self.loss)
+            if problems:
+                raise InvalidInput(problems)
+        roles = self._roles(client, has_validation=validation is not None)
+        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
+        with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
+            started = time.time()
+            ctl, final, trainers, params = client.sync(
+                run_job, client, spec, roles, blocks, validation, progress, resume=resume
+            )
+            progress.close(ctl.stopped_by)
+        result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
+        run_callbacks(self.callbacks, "on_fit_end", result)
+        return result
+
+    def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool) -> FitResult:
+        """``fit`` for an ArrayModel: sync steps whose gradients a Dask tree reduction averages."""
+        from dask_train.classical.full_batch import persist_data
+        from dask_train.engines._array_loop import ArrayJob, start_array_sync
+
+        self._validate(X, y, validation, resume=resume)
+        assert isinstance(self.module, ArrayModel)
+        client = self._client()
+        data = persist_data(X, y, client=client, dtype=np.float64)
+        job = ArrayJob(
+            optimizer=self.optimizer, lr=float(self.lr), optimizer_options=self.optimizer_options,
+            batch_size=self.batch_size, grad_accumulation=self.grad_accumulation,
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed,
+            score_every=float(self.score_every), stop=self.stop, callbacks=self.callbacks,
+            on_nan=self.on_nan,
+        )
+        try:
+            with Progress(total=self.epochs * data.n_rows, enabled=self.progress) as progress:
+                started = time.time()
+                loop = start_array_sync(client, self.module, data, job,
+                                        validation if self.scorer else None, progress)
+                run_callbacks(self.callbacks, "on_fit_start",
+                              {"roles": Roles({"ps": [], **loop.placement}), "rows": data.n_rows})
+                loop.run()
+                run = loop.result()
+                progress.close(run.stopped_by)
+        finally:
+            data.release()
+        result = FitResult(
+            model=run.model, history=history_frame(run.records), stopped_by=run.stopped_by,
+            steps=run.steps, samples=run.samples, epochs_completed=run.epochs_completed,
+            wall_s=time.time() - started, ledger=pd.DataFrame(run.ledger),
+            roles=Roles({"ps": [], **run.placement}), trainers=run.trainers, nonfinite=run.nonfinite,
+        )
+        run_callbacks(self.callbacks, "on_fit_end", result)
+        return result
+
+    def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False) -> None:
+        settings = self.get_params()
+        settings["stop"], settings["callbacks"] = self.stop, self.callbacks
+        problems = check_settings(settings)
+        if resume and self.checkpoint is None:
+            problems.append(
+                "resume=True needs checkpoints to resume from: pass "
+                "checkpoint=dt.CheckpointConfig(path) to the Trainer."
+            )
+        problems += check_data(X, y)
+        problems += check_validation(validation, X)
+        needs_scores = [c for c in self.stop if hasattr(c, "metric")]
+        if needs_scores and validation is None:
+            problems.append(
+                f"stop={needs_scores!r} needs scores: pass validation=(X_val, y_val) to fit."
+            )
+        elif needs_scores and self.scorer == 0:
+            problems.append(
+                f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
+            )
+        if not problems and isinstance(self.module, torch.nn.Module):
+            problems += check_module_output(self.module, X, y, self.loss)
+        if isinstance(self.module, ArrayModel):
+            problems += check_array_model(self.module, settings, X, y, resume=resume)
+        if problems:
+            raise InvalidInput(problems)
+
+    def _client(self) -> Client:
+        if self.client is not None:
+            return self.client
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except ValueError:  # no client yet: the embedded default
+            from dask_train.runtime import connect
+
+            self.client = connect()
+            return self.client
+
+    def _spec(self) -> JobSpec:
+        return JobSpec(
+            module=copy.deepcopy(self.module),
+            n_params=int(flatten_parameters(self.module).numel()),
+            loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
+            optimizer_options=self.optimizer_options, batch_size=self.batch_size,
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=int(self.prefetch),
+            grad_accumulation=self.grad_accumulation,
+            blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
+            timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
+            progress=self.progress, strategy=self.strategy, ps=self.ps, workers=self.workers,
+            scorer=self.scorer, checkpoint=self.checkpoint,
+            failure=self.failure or FailureConfig(), on_nan=self.on_nan,
+        )
+
+    def _roles(self, client: Client, *, has_validation: bool) -> Roles:
+        ensure_plugin(client)
+        threads = worker_threads(client)
+        scorer = self.scorer if has_validation else 0
+        ps = 0 if self.strategy == "sync" else self.ps
+        if self.strategy == "sync" and self.workers > len(threads):
+            # torch's default process group is one per process: one rank per Dask worker.
+            raise InvalidInput([
+                f"workers={self.workers} is more than the {len(threads)} Dask workers of the "
+                "cluster: strategy='sync' runs one rank per worker process; lower workers= or "
+                "add workers."
+            ])
+        return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
+
+    def _result(
+        self, ctl: Any, final: Any, trainers: list[dict[str, Any]],
+        pulled: tuple[np.ndarray, int, int], roles: Roles, *, wall_s: float,
+    ) -> FitResult:
+        from dask_train.models._torch import FlatModel
+
+        model = copy.deepcopy(self.module)
+        flat = FlatModel(model)
+        params, steps, samples = pulled
+        if final is not None and final["params"] is not None:
+            # A score stopped the job: return the parameters that earned it.
+            params = final["params"]
+        flat.set_flat(params)
+        # Detach the parameters from the shared flat buffer so the result is an ordinary module.
+        for p in flat.params:
+            p.data = p.data.clone()
+        return FitResult(
+            model=model, history=history(ctl.log), stopped_by=ctl.stopped_by, steps=steps,
+            samples=samples, epochs_completed=ctl.ledger.epochs_completed, wall_s=wall_s,
+            ledger=pd.DataFrame(ctl.ledger.records()), roles=ctl.roles, trainers=trainers,
+            failures=list(ctl.log.failures), checkpoints=list(ctl.log.checkpoints),
+            nonfinite=list(ctl.log.nonfinite), generations=ctl.log.generations,
+        )
+
+
+def _materialize(validation: Any, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray] | Any:
+    """Validation data as numpy (small by nature: the scorer holds it in memory)."""
+    if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
+        return validation
+    out = []
+    for part in validation:
+        compute = getattr(part, "compute", None)
+        part = compute() if callable(compute) else part
+        out.append(np.ascontiguousarray(np.asarray(part)))
+    xv, yv = out
+    if xv.dtype != dtype and np.issubdtype(xv.dtype, np.number):
+        xv = xv.astype(dtype)
+    return xv, yv
+
+

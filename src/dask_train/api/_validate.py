@@ -1,0 +1,244 @@
+"""Checks run in the client before anything is submitted; each returns every problem it finds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import torch
+
+from dask_train.models._array import ArrayModel
+from dask_train.models._torch import CLASSIFICATION_LOSSES, LOSSES, OPTIMIZERS, build_optimizer
+from dask_train.policy._placement import check_role_counts
+from dask_train.policy.callbacks import Callback
+from dask_train.policy.stop import StopCondition
+
+STRATEGIES = ("async-ps", "sync")
+
+
+def _int_at_least(name: str, value: object, low: int) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return [f"{name}={value!r} is invalid: use an integer >= {low}."]
+    return []
+
+
+def _positive(name: str, value: object) -> list[str]:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return [f"{name}={value!r} is invalid: use a finite number > 0."]
+    return []
+
+
+def check_settings(settings: Mapping[str, Any]) -> list[str]:
+    """Problems with a Trainer's hyper-parameters (no data needed)."""
+    s = settings
+    problems: list[str] = []
+    if not isinstance(s["module"], (torch.nn.Module, ArrayModel)):
+        problems.append(
+            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance "
+            "(or a dt.ArrayModel, with strategy='sync')."
+        )
+    if s["strategy"] not in STRATEGIES:
+        problems.append(f"strategy={s['strategy']!r} is unknown: use one of {list(STRATEGIES)}.")
+    if s["loss"] not in LOSSES:
+        problems.append(f"loss={s['loss']!r} is unknown: use one of {sorted(LOSSES)}.")
+    if s["optimizer"] not in OPTIMIZERS:
+        problems.append(
+            f"optimizer={s['optimizer']!r} is unknown: use one of {sorted(OPTIMIZERS)}."
+        )
+    else:
+        problems += _check_optimizer_options(s["optimizer"], s["lr"], s["optimizer_options"])
+    problems += _positive("lr", s["lr"])
+    # Servers exist only in async-ps; sync ignores ps.
+    min_ps = 0 if s["strategy"] == "sync" else 1
+    problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=min_ps)
+    problems += _int_at_least("batch_size", s["batch_size"], 1)
+    problems += _int_at_least("epochs", s["epochs"], 1)
+    problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)
+    problems += _int_at_least("grad_accumulation", s["grad_accumulation"], 1)
+    prefetch = s["prefetch"]
+    if isinstance(prefetch, bool):
+        prefetch = int(prefetch)
+    problems += [p.replace("an integer", "True, False or an integer")
+                 for p in _int_at_least("prefetch", prefetch, 0)]
+    problems += _int_at_least("seed", s["seed"], 0)
+    problems += _positive("score_every", s["score_every"])
+    problems += _positive("timeout", s["timeout"])
+    for i, cond in enumerate(s["stop"]):
+        if not isinstance(cond, StopCondition):
+            problems.append(
+                f"stop[{i}]={cond!r} is invalid: use dt.StopAtScore, dt.StopAtStep, dt.StopAfter "
+                "or dt.EarlyStopping."
+            )
+    for i, cb in enumerate(s["callbacks"]):
+        if not isinstance(cb, Callback):
+            problems.append(f"callbacks[{i}]={cb!r} is invalid: subclass dt.Callback.")
+    problems += _check_recovery(s)
+    return problems
+
+
+ON_NAN = ("stop", "skip")
+
+
+def _check_recovery(s: Mapping[str, Any]) -> list[str]:
+    from dask_train.checkpoint import CheckpointConfig
+    from dask_train.policy._failure import FailureConfig
+
+    problems = []
+    if s.get("checkpoint") is not None and not isinstance(s["checkpoint"], CheckpointConfig):
+        problems.append(
+            f"checkpoint={s['checkpoint']!r} is invalid: pass dt.CheckpointConfig(path, "
+            "every_seconds=30, keep=3) or None."
+        )
+    if s.get("failure") is not None and not isinstance(s["failure"], FailureConfig):
+        problems.append(
+            f"failure={s['failure']!r} is invalid: pass dt.FailureConfig(max_failures=3) or None."
+        )
+    if s.get("on_nan", "stop") not in ON_NAN:
+        problems.append(
+            f"on_nan={s.get('on_nan')!r} is invalid: use 'stop' (end the job, keep the last good "
+            "checkpoint) or 'skip' (leave the batch or score out and go on)."
+        )
+    return problems
+
+
+def check_array_model(model: ArrayModel, settings: Mapping[str, Any], X: Any, y: Any, *,
+                      resume: bool) -> list[str]:
+    """Problems with training an ArrayModel under these settings, found before any task runs."""
+    problems = model.problems()
+    if settings["strategy"] != "sync":
+        problems.append(
+            f"strategy={settings['strategy']!r} cannot train a dt.ArrayModel: use strategy='sync' "
+            "(its gradients are averaged by a Dask tree reduction; async-ps trains torch modules)."
+        )
+    if settings.get("checkpoint") is not None or resume:
+        problems.append(
+            "checkpoint= and resume= are not available for a dt.ArrayModel yet: drop them, or "
+            "train a torch module to get checkpoints."
+        )
+    if not problems and getattr(X, "ndim", 0) == 2:
+        problems += model.check_on(int(X.shape[1]), y.dtype)
+    return problems
+
+
+def _check_optimizer_options(name: str, lr: Any, options: Mapping[str, Any]) -> list[str]:
+    try:
+        build_optimizer(name, [torch.nn.Parameter(torch.zeros(1))], lr=lr, options=options)
+    except (TypeError, ValueError) as exc:
+        return [f"optimizer_options={dict(options)!r} are invalid for {name!r}: {exc}."]
+    return []
+
+
+def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[str]:
+    """Problems with the training arrays' types, shapes, chunks and dtypes (nothing computed)."""
+    problems: list[str] = []
+    for name, arr in ((name_x, X), (name_y, y)):
+        if not isinstance(arr, da.Array):
+            problems.append(f"{name} of type {type(arr).__name__} is invalid: pass a dask array.")
+            continue
+        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+            problems.append(
+                f"{name} has dtype {arr.dtype}, which is not numeric: convert it, e.g. "
+                f"{name}.astype('float32'), or encode categories as numbers first."
+            )
+        if any(math.isnan(c) for c in arr.chunks[0]):
+            problems.append(
+                f"{name} has unknown chunk sizes: call {name}.compute_chunk_sizes() first, or build "
+                "it from a dask DataFrame with to_dask_array(lengths=True)."
+            )
+    if problems:
+        return problems
+    if X.ndim < 2:
+        problems.append(f"X has shape {X.shape}: use a 2-D array (samples, features) or more dims.")
+    if y.ndim not in (1, 2):
+        problems.append(f"y has shape {y.shape}: use a 1-D array of labels or 2-D targets.")
+    if X.shape[0] != y.shape[0]:
+        problems.append(
+            f"X has {X.shape[0]} rows but y has {y.shape[0]}: pass one label per row of X."
+        )
+    if X.shape[0] == 0:
+        problems.append("X has 0 rows: pass at least one training sample.")
+    return problems
+
+
+def check_validation(validation: Any, X: Any) -> list[str]:
+    """Problems with ``validation=(X_val, y_val)``."""
+    if validation is None:
+        return []
+    if not isinstance(validation, (tuple, list)) or len(validation) != 2:
+        return ["validation is invalid: pass a pair (X_val, y_val) of arrays, or None."]
+    xv, yv = validation
+    problems = []
+    if len(xv) != len(yv):
+        problems.append(
+            f"validation has {len(xv)} rows in X_val but {len(yv)} in y_val: pass one label per row."
+        )
+    if len(xv) == 0:
+        problems.append("validation is empty: pass at least one validation sample.")
+    if isinstance(X, da.Array) and np.shape(xv)[1:] != X.shape[1:]:
+        problems.append(
+            f"validation X_val has sample shape {np.shape(xv)[1:]} but X has {X.shape[1:]}: "
+            "use the same features."
+        )
+    return problems
+
+
+def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...]) -> torch.Tensor:
+    """The module's output on two zero samples, in eval mode and without gradients."""
+    sample = torch.zeros((2, *sample_shape), dtype=torch.float32)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out: torch.Tensor = module(sample)
+    finally:
+        module.train(was_training)
+    return out
+
+
+def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: str) -> list[str]:
+    """Run the module on two zero samples and check its output fits the loss and y."""
+    sample = torch.zeros((2, *X.shape[1:]), dtype=torch.float32)
+    try:
+        out = probe_module(module, tuple(X.shape[1:]))
+    except Exception as exc:  # any failure here is the user's module not fitting X
+        return [
+            f"module failed on a batch shaped like X {tuple(sample.shape)}: "
+            f"{type(exc).__name__}: {exc}. Make its input size match X's features."
+        ]
+    if not isinstance(out, torch.Tensor):
+        return [f"module returned {type(out).__name__}: return one tensor of predictions."]
+    if loss in CLASSIFICATION_LOSSES:
+        if out.ndim != 2 or out.shape[1] < 2:
+            return [
+                f"module output shape {tuple(out.shape)} does not fit loss={loss!r}: it needs "
+                "(batch, n_classes) scores with n_classes >= 2."
+            ]
+        if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
+            return [
+                f"y has dtype {y.dtype} and {y.ndim} dims but loss={loss!r} needs 1-D integer "
+                "class labels: use y.astype('int64')."
+            ]
+        return []
+    target = (2, *y.shape[1:])
+    if tuple(out.shape) != target:
+        return [
+            f"module output shape {tuple(out.shape)} does not fit loss={loss!r} with y of shape "
+            f"(n, {', '.join(map(str, y.shape[1:]))}): the output per sample must match y's, "
+            f"i.e. {target}."
+        ]
+    return []
+
+
+def check_labels(low: int, high: int, module_output: int, loss: str) -> list[str]:
+    """Problems with the label range for classification losses."""
+    if loss not in CLASSIFICATION_LOSSES:
+        return []
+    if low < 0 or high >= module_output:
+        return [
+            f"y has labels from {low} to {high} but the module outputs {module_output} classes: "
+            f"labels must lie in [0, {module_output - 1}]; enlarge the output layer or re-encode y."
+        ]
+    return []

@@ -1,0 +1,151 @@
+"""Talking to parameter-server shards from a role's thread: push gradients, pull parameters.
+
+Calls are coroutines on the worker's event loop, started from the role's thread with
+``run_coroutine_threadsafe`` so the next batch's computation overlaps the exchange. A shard on the
+role's own worker is called directly, skipping serialization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import Worker
+from distributed.protocol import to_serialize
+
+from dask_train.runtime._plugin import JobState
+
+
+def _reply(reply: dict[str, Any]) -> dict[str, Any]:
+    if "missing" in reply:
+        raise KeyError(reply["missing"])
+    return reply
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where one shard lives: its slice of the flat vector and its worker's address."""
+
+    index: int
+    start: int
+    stop: int
+    address: str
+
+
+@dataclass
+class Exchange:
+    """Parameters received from every shard after one push or pull."""
+
+    params: list[tuple[ShardRef, np.ndarray]]
+    version: int
+    samples: int
+    stop: bool
+
+
+class PSClient:
+    """A role's handle on the job's shards.
+
+    Parameters
+    ----------
+    worker : distributed.Worker
+        The worker the role runs on.
+    job : str
+    state : JobState
+        This worker's state of the job (for shards that live here).
+    shards : sequence of ShardRef
+    timeout : float
+        Seconds to wait for any exchange.
+    """
+
+    def __init__(
+        self, worker: Worker, job: str, state: JobState, shards: Sequence[ShardRef], timeout: float
+    ) -> None:
+        self.worker = worker
+        self.job = job
+        self.state = state
+        self.shards = list(shards)
+        self.timeout = timeout
+        self.loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
+
+    def _local(self, ref: ShardRef) -> Any:
+        if ref.address == self.worker.address:
+            return self.state.params.get(ref.index)
+        return None
+
+    async def _push(self, grad: torch.Tensor, samples: int, position: list[int] | None) -> Exchange:
+        remote, out, stop = [], [], False
+        for ref in self.shards:
+            if self._local(ref) is None:
+                part = grad[ref.start : ref.stop].numpy()
+                call = self.worker.rpc(ref.address).dask_train_push(
+                    job=self.job, shard=ref.index, grad=to_serialize(part), samples=samples,
+                    position=position,
+                )
+                remote.append((ref, asyncio.ensure_future(call)))
+        versions = []
+        for ref in self.shards:
+            shard = self._local(ref)
+            if shard is not None:
+                params, version, s = shard.apply(
+                    grad[ref.start : ref.stop].numpy(), samples, position
+                )
+                out.append((ref, params))
+                versions.append(version)
+                stop |= s
+        for ref, fut in remote:
+            reply = _reply(await fut)
+            out.append((ref, reply["params"]))
+            versions.append(reply["version"])
+            stop |= bool(reply["stop"])
+        return Exchange(out, min(versions), 0, stop)
+
+    async def _pull(self) -> Exchange:
+        out, versions, samples = [], [], []
+        calls = []
+        for ref in self.shards:
+            shard = self._local(ref)
+            if shard is not None:
+                params, version, n = shard.pull()
+                out.append((ref, params))
+                versions.append(version)
+                samples.append(n)
+            else:
+                rpc = self.worker.rpc(ref.address)
+                calls.append((ref, rpc.dask_train_pull(job=self.job, shard=ref.index)))
+        for ref, call in calls:
+            reply = _reply(await call)
+            out.append((ref, reply["params"]))
+            versions.append(reply["version"])
+            samples.append(reply["samples"])
+        return Exchange(out, min(versions), min(samples), False)
+
+    def push(
+        self, grad: torch.Tensor, samples: int, position: list[int] | None = None
+    ) -> concurrent.futures.Future[Exchange]:
+        """Start pushing a flat gradient to every shard; the future holds the new parameters.
+
+        ``grad`` must not be modified until the future is done (callers double-buffer it).
+        ``position`` (trainer, epoch, block, rows) lets the servers record what they have applied.
+        """
+        return asyncio.run_coroutine_threadsafe(self._push(grad, samples, position), self.loop)
+
+    def pull(self) -> Exchange:
+        """Pull the current parameters of every shard (blocking, with the timeout)."""
+        return asyncio.run_coroutine_threadsafe(self._pull(), self.loop).result(self.timeout)
+
+    def wait(self, fut: concurrent.futures.Future[Exchange]) -> Exchange:
+        """Wait for a push started with :meth:`push`."""
+        return fut.result(self.timeout)
+
+
+def write_params(flat: torch.Tensor, exchange: Exchange) -> None:
+    """Copy the shards' parameters into a flat parameter vector."""
+    # Through numpy: the received arrays may be read-only frames, which torch.from_numpy warns on.
+    dst = flat.numpy()
+    for ref, params in exchange.params:
+        dst[ref.start : ref.stop] = np.asarray(params)

@@ -1,0 +1,142 @@
+"""Parameter-server shards: a flat slice of the parameters that trainers push gradients to.
+
+A shard lives in a worker's :class:`~dask_train.runtime._plugin.JobState` and is reached through
+the ``dask_train_push`` / ``dask_train_pull`` RPC handlers defined here and registered with the
+runtime's handler registry (installed lazily on every worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from distributed import Worker, get_worker
+from distributed.protocol import to_serialize
+
+from dask_train.engines._optim import FlatOptimizer
+from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._worker import read_slice
+from dask_train.models._torch import flatten_parameters
+from dask_train.runtime._plugin import register_handler, worker_state
+
+# Blocks per trainer whose applied rows a server remembers: more than a trainer can have between
+# its last delivered event and its death (one being read plus those queued ahead).
+_POSITIONS_KEPT = 8
+
+
+class ShardServer(FlatOptimizer):
+    """One parameter-server shard: applies gradients as they arrive (see :class:`FlatOptimizer`).
+
+    It also remembers, per trainer, the rows of its last few blocks whose gradients it applied:
+    after a trainer's loss the controller re-feeds exactly the rows the parameters have not
+    seen, even when the trainer's last "block consumed" events died with it.
+    """
+
+    def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.positions: dict[int, dict[tuple[int, int], int]] = {}
+
+    def apply(
+        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, int, bool]:
+        """Apply one gradient; return (parameters copy, version, stop).
+
+        ``position`` is ``(trainer, epoch, block, rows)``: the pushing trainer's place in its data
+        once this gradient is applied.
+        """
+        with self._lock:
+            if self.at_limit():
+                return self.param.detach().numpy().copy(), self.version, True
+            # Copy into a grad buffer we own: received frames may be read-only.
+            self.grad.numpy()[:] = grad
+            self._step(samples)
+            if position is not None:
+                seen = self.positions.setdefault(int(position[0]), {})
+                seen[(int(position[1]), int(position[2]))] = int(position[3])
+                if len(seen) > _POSITIONS_KEPT:
+                    del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
+            return self.param.detach().numpy().copy(), self.version, self.at_limit()
+
+
+def start_shard_task(
+    module: torch.nn.Module,
+    *,
+    job: str,
+    shard: ShardRef,
+    optimizer: str,
+    lr: float,
+    options: Mapping[str, Any],
+    max_step: int | None,
+    restore: Mapping[str, Any] | None = None,
+) -> str:
+    """Dask task: create one shard on this worker, from the module or from a checkpoint.
+
+    ``restore`` is ``{"files": manifest shard records, "step": int, "samples": int}``: the shard
+    loads its slice (parameters and optimizer state) from the checkpoint's files itself.
+    """
+    worker = get_worker()
+    worker_state(worker).configure_torch()
+    flat = flatten_parameters(module).numpy()
+    server = ShardServer(
+        flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
+        max_step=max_step,
+    )
+    if restore is not None:
+        state = read_slice(restore["files"], shard.start, shard.stop)
+        server.restore(state, version=restore["step"], samples=restore["samples"])
+    worker_state(worker).job(job).params[shard.index] = server
+    return worker.address
+
+
+def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int]:
+    """Dask task: (parameters, version, samples) of the parameter holder ``index`` here."""
+    worker = get_worker()
+    state = worker_state(worker).jobs.get(job)
+    if state is None:
+        raise KeyError(f"job {job!r} is not on worker {worker.address}")
+    result: tuple[np.ndarray, int, int] = state.holder(index, address=worker.address, job=job).pull()
+    return result
+
+
+def _holder(worker: Worker, job: str, index: int) -> Any:
+    """The holder, or why it is not here. A reply, not an exception: a handler that raises logs
+    a traceback on the worker, and a scorer asking before a sync rank 0 has published is normal.
+    """
+    try:
+        return worker_state(worker).job(job).holder(index, address=worker.address, job=job)
+    except KeyError as exc:
+        return str(exc.args[0])
+
+
+def make_push_handler(worker: Worker) -> Any:
+    """The ``dask_train_push`` handler: apply a gradient to a shard, reply with its parameters."""
+
+    async def dask_train_push(
+        job: str, shard: int, grad: np.ndarray, samples: int, position: Any = None
+    ) -> dict[str, Any]:
+        server = _holder(worker, job, shard)
+        if isinstance(server, str):
+            return {"missing": server}
+        params, version, stop = server.apply(grad, samples, position)
+        return {"params": to_serialize(params), "version": version, "stop": stop}
+
+    return dask_train_push
+
+
+def make_pull_handler(worker: Worker) -> Any:
+    """The ``dask_train_pull`` handler: the parameters of a shard (or of a sync rank 0)."""
+
+    async def dask_train_pull(job: str, shard: int) -> dict[str, Any]:
+        holder = _holder(worker, job, shard)
+        if isinstance(holder, str):
+            return {"missing": holder}
+        params, version, samples = holder.pull()
+        return {"params": to_serialize(params), "version": version, "samples": samples}
+
+    return dask_train_pull
+
+
+register_handler("dask_train_push", f"{__name__}:make_push_handler")
+register_handler("dask_train_pull", f"{__name__}:make_pull_handler")

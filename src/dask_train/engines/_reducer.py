@@ -1,0 +1,154 @@
+"""Bucketed gradient all-reduce that overlaps the backward pass, for the sync strategy.
+
+Every trainable parameter's ``.grad`` is a view into one flat buffer, so autograd accumulates
+straight into the memory that is reduced: no gather into a flat tensor, no copy into the
+optimizer's gradient. The buffer is cut into buckets in reverse parameter order (the order in
+which backward produces gradients). A bucket's all-reduce starts, asynchronously, as soon as the
+last of its gradients is accumulated, while backward goes on computing the earlier layers; the
+step then waits for all of them. This is what DistributedDataParallel does in C++; here it is kept
+in Python because the same collectives also carry the step's sample count and the ranks' stop and
+pause votes, which DDP would need a second collective for.
+
+Collectives are matched by their order on every rank, so buckets are always started in index
+order: a bucket whose gradients are ready waits for the buckets before it, and a rank with no
+backward this step (out of data, a non-finite loss) starts the same buckets in the same order
+over its zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dask_train.models._torch import FlatModel
+
+#: Values carried in front of the gradients: [samples, stop votes, pause votes].
+META = 3
+#: Bucket size. DDP uses 1 MB for its first bucket and 25 MB after; on CPU with gloo, where
+#: compute and communication share the cores, smaller buckets start the traffic earlier.
+BUCKET_BYTES = 1 << 20
+#: On gloo, buckets up to this size are summed from an all-gather instead of all-reduced: for 2
+#: ranks on loopback an all-gather of 28 KB took 0.6-0.85 ms against 1.3-1.6 ms for gloo's
+#: all_reduce (280 KB: 1.4 against 2.1 ms). Every rank adds the gathered tensors in rank order,
+#: so all ranks get bitwise the same sum, as with an all-reduce.
+GATHER_BYTES = 256 << 10
+
+
+class _GatherSum:
+    """An all-reduce (sum) of a small tensor as an all-gather plus a local sum in rank order."""
+
+    def __init__(self, data: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        self.data, self.parts = data, parts
+        self.work = dist.all_gather(parts, data, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        torch.add(self.parts[0], self.parts[1], out=self.data)
+        for part in self.parts[2:]:
+            self.data.add_(part)
+
+
+class GradientReducer:
+    """A flat ``[meta | gradients]`` buffer reduced across ranks in buckets during backward.
+
+    Parameters
+    ----------
+    model : FlatModel
+        Its parameters' ``.grad`` become views into :attr:`grad`.
+    bucket_bytes : int
+        Target bucket size in bytes (a bucket holds whole parameters, so one can be larger).
+    """
+
+    def __init__(self, model: FlatModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.buf = torch.zeros(META + model.n_params)
+        self.meta = self.buf[:META]
+        self.grad = self.buf[META:]
+        self._params = model.params
+        offsets, offset = [], 0
+        for p in self._params:
+            p.grad = self.grad[offset : offset + p.numel()].view_as(p)
+            offsets.append(offset)
+            offset += p.numel()
+        # Buckets over parameter indices, last parameter first; bucket -> (start, end) in buf.
+        limit = max(1, bucket_bytes // self.buf.element_size())
+        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
+        self._spans: list[tuple[int, int]] = []
+        members: list[list[int]] = []
+        filled = limit
+        for i in reversed(range(len(self._params))):
+            if filled >= limit:
+                members.append([])
+                filled = 0
+            members[-1].append(i)
+            filled += self._params[i].numel()
+        for b, idx in enumerate(members):
+            start, end = offsets[min(idx)], offsets[max(idx)] + self._params[max(idx)].numel()
+            # The bucket that holds the first parameter is reduced last: it carries the meta.
+            self._spans.append((0 if min(idx) == 0 else META + start, META + end))
+            for i in idx:
+                self._bucket_of[id(self._params[i])] = b
+        self._sizes = [len(idx) for idx in members]
+        world = dist.get_world_size()
+        gather = dist.get_backend() == "gloo" and world > 1
+        # Receive buffers for the small buckets, allocated once.
+        self._parts: list[list[torch.Tensor] | None] = [
+            [torch.empty(end - start) for _ in range(world)]
+            if gather and (end - start) * self.buf.element_size() <= GATHER_BYTES else None
+            for start, end in self._spans
+        ]
+        self._pending: list[int] = []
+        self._works: list[Any] = []
+        self._armed = False
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.reset()
+
+    @property
+    def n_buckets(self) -> int:
+        """Number of collectives per step."""
+        return len(self._spans)
+
+    def reset(self) -> None:
+        """Zero the buffer for the next step (the previous step's collectives must be done)."""
+        self.buf.zero_()
+        self._pending = list(self._sizes)
+        self._works = []
+        self._armed = False
+
+    def backward(self, loss: torch.Tensor, *, reduce: bool) -> None:
+        """Accumulate ``loss``'s gradients; with ``reduce``, start the buckets as they fill."""
+        self._armed = reduce
+        try:
+            loss.backward()
+        finally:
+            self._armed = False
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(param)]
+        self._pending[b] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while len(self._works) < len(self._spans) and self._pending[len(self._works)] <= 0:
+            b = len(self._works)
+            start, end = self._spans[b]
+            parts = self._parts[b]
+            if parts is not None:
+                self._works.append(_GatherSum(self.buf[start:end], parts))
+            else:
+                self._works.append(dist.all_reduce(self.buf[start:end], async_op=True))
+
+    def start_rest(self) -> None:
+        """Start every bucket not started yet: all of them when no backward reduced this step."""
+        for b in range(len(self._works), len(self._spans)):
+            self._pending[b] = 0
+        self._launch_ready()
+
+    def wait(self) -> None:
+        """Wait for every bucket's collective; the buffer then holds the sums over all ranks."""
+        for work in self._works:
+            work.wait()

@@ -1,0 +1,215 @@
+"""Synchronous data-parallel training: every rank steps together on the mean gradient.
+
+Each rank runs in a Dask worker process whose default torch process group was started by
+:func:`dask_train.start_torch`. Per step, the ranks' gradient sums, their sample counts and their
+stop and pause votes travel in one flat buffer, all-reduced in buckets that start during the
+backward pass (:class:`~dask_train.engines._reducer.GradientReducer`), so:
+
+* the update is the exact mean gradient over the union of the ranks' batches, even when batches
+  differ in size, and equals single-process training on the concatenated batches;
+* a rank whose data ran out contributes zeros and keeps stepping with the others, so uneven
+  blocks never deadlock an epoch's end (the job ends when every rank is out of data);
+* a stop requested on any rank reaches all ranks at the same step;
+* communication overlaps the backward pass of the earlier layers, as in DDP.
+
+DistributedDataParallel itself is not used: it would need a second collective per step for the
+counts and votes, and its ``join`` for uneven inputs. Every rank applies the same update with its
+own optimizer, reading the reduced buffer in place, so parameters stay identical; rank 0 publishes its
+parameters under index 0 of the job, where the shared scorer and the controller read them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed import get_worker, secede
+
+from dask_train.data._feed import FeedItem, FeedReader, batches
+from dask_train.engines._optim import FlatOptimizer
+from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._reducer import GradientReducer
+from dask_train.engines._worker import NanReporter, Pauser, read_slice, rng_state, seed_trainer
+from dask_train.models._torch import LOSSES, FlatModel
+from dask_train.runtime._plugin import JobState, worker_state
+
+_END = object()  # a block with no batch left
+
+
+class _RankFeed:
+    """A rank's batches across blocks, reporting each block to the controller once consumed."""
+
+    def __init__(self, reader: FeedReader, *, batch_size: int, report: Any) -> None:
+        self.reader, self.batch_size, self.report = reader, batch_size, report
+        self.item: FeedItem | None = None
+        self.it: Iterator[tuple[Any, Any]] | None = None
+        # A batch cut ahead of time (or _END when the block has none left); it counts as
+        # consumed only once next() hands it out, so positions and resumes ignore it.
+        self.ahead: tuple[torch.Tensor, torch.Tensor] | object | None = None
+        self.consumed = 0
+        self.ended = False
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next batch, or None once the feed has ended (or the job was stopped)."""
+        while not self.ended:
+            if self.it is not None:
+                batch = next(self.it, _END) if self.ahead is None else self.ahead
+                self.ahead = None
+                if isinstance(batch, tuple):
+                    self.consumed += len(batch[0])
+                    return torch.from_numpy(batch[0]), torch.from_numpy(batch[1])
+                self.close_block()
+            item = self.reader.next()
+            if item is None or item.x is None:
+                self.ended = True
+                return None
+            # Rows skipped after a resume count as consumed: they were applied before it.
+            self.item, self.consumed = item, item.skip
+            self.it = batches(item, self.batch_size)
+        return None
+
+    def prefetch(self) -> None:
+        """Cut the current block's next batch now, to overlap it with the step's all-reduce."""
+        if self.it is not None and self.ahead is None:
+            self.ahead = next(self.it, _END)
+
+    def close_block(self) -> None:
+        """Report the current block (in full or in part) and forget it."""
+        if self.item is not None:
+            self.report(self.item, self.consumed)
+        self.item, self.it, self.ahead = None, None, None
+
+    def position(self) -> list[int] | None:
+        """[epoch, block, rows consumed] of the block being read, None between blocks."""
+        if self.item is None:
+            return None
+        return [self.item.epoch, self.item.block, self.consumed]
+
+
+def run_rank(
+    module: torch.nn.Module,
+    *,
+    job: str,
+    index: int,
+    shards: Sequence[ShardRef],
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Dask task: one rank of a synchronous job, until every rank is out of data or told to stop."""
+    worker = get_worker()
+    worker_state(worker).configure_torch()
+    state = worker_state(worker).job(job)
+    secede()
+    if not dist.is_initialized() or dist.get_rank() != index:
+        raise RuntimeError(
+            f"rank {index} on {worker.address} has no torch process group for it; "
+            "start one with dt.start_torch on the job's workers"
+        )
+    seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
+    model = FlatModel(copy.deepcopy(module))
+    model.module.train()
+    dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
+    reducer = GradientReducer(model)
+    server = FlatOptimizer(model.flat, optimizer=config["optimizer"], lr=config["lr"],
+                         options=config["optimizer_options"], max_step=config["max_step"],
+                         grad=reducer.grad)
+    restore = config.get("restore")
+    if restore is not None:
+        # Every rank loads the same checkpoint: each applies the same updates with its own
+        # optimizer, so each needs the optimizer state too, not only the parameters.
+        state_ = read_slice(restore["files"], 0, model.n_params)
+        server.restore(state_, version=restore["step"], samples=restore["samples"])
+    if index == 0:
+        state.params[0] = server  # the scorer and the final pull read rank 0's parameters
+
+    def report(item: FeedItem, consumed: int) -> None:
+        worker.log_event(config["topic"], {
+            "kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
+            "rows": consumed - item.skip, "done": consumed == item.rows, "steps": server.version,
+        })
+
+    role = f"rank {index} on {worker.address}"
+    feed = _RankFeed(FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role),
+                     batch_size=config["batch_size"], report=report)
+    pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
+    nans = NanReporter(worker, topic=config["topic"], trainer=index)
+    result = _loop(model, server, reducer, feed, state, config, index=index,
+                   worker=worker.address, pauser=pauser, nans=nans)
+    # The last event: once the controller has it, it has every block report sent before it.
+    worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": server.version})
+    return result
+
+
+def _loop(
+    model: FlatModel, server: FlatOptimizer, reducer: GradientReducer, feed: _RankFeed,
+    state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
+    nans: NanReporter,
+) -> dict[str, Any]:
+    loss_fn = LOSSES[config["loss"]]
+    every = config["grad_accumulation"]
+    meta = reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
+    started, comm_s, samples = time.perf_counter(), 0.0, 0
+    stop_vote = False
+    while True:
+        reducer.reset()
+        k, count, reduced = 0, 0, False
+        while k < every:
+            batch = feed.next()
+            if batch is None:
+                break
+            xb, yb = batch
+            loss = loss_fn(model.module(xb), yb)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                # Left out of the step (a non-finite sum would poison every rank); counted
+                # neither as samples nor as one of the k batches.
+                nans.report(loss=value, step=server.version, epoch=-1, block=-1)
+                if config["on_nan"] == "stop":
+                    stop_vote = True
+                    break
+                continue
+            count += len(xb)
+            k += 1
+            reduced = k == every  # the step's last batch: its backward starts the all-reduce
+            if reduced:
+                _votes(meta, count, state, stop_vote, pauser)
+            # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
+            # when the ranks' batches differ in size.
+            reducer.backward(loss * len(xb), reduce=reduced)
+        if not reduced:
+            _votes(meta, count, state, stop_vote, pauser)
+        reducer.start_rest()
+        feed.prefetch()  # cut the next batch while the collectives run
+        t0 = time.perf_counter()
+        reducer.wait()
+        comm_s += time.perf_counter() - t0
+        samples += count
+        total = float(meta[0])
+        if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
+            break
+        at_limit = False
+        if total > 0:  # a non-finite batch was left out above, so the mean is finite
+            reducer.grad.div_(total)
+            at_limit = server.step(int(total))
+        if meta[1] > 0 or at_limit:
+            break
+        if meta[2] > 0:
+            # Some rank was asked to pause: all pause after this same step, so the checkpoint
+            # is one consistent state of every rank.
+            if not pauser.pause(feed.position(), steps=server.version, pause_id=pauser.handled + 1):
+                break
+    feed.close_block()
+    return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
+            "busy_s": time.perf_counter() - started, "allreduce_s": comm_s, "nonfinite": nans.count,
+            "rng": rng_state()}
+
+
+def _votes(meta: torch.Tensor, count: int, state: JobState, stop: bool, pauser: Pauser) -> None:
+    """Write this rank's samples and votes, before the collective that carries them starts."""
+    meta[0] = count
+    meta[1] = 1.0 if state.stop.is_set() or stop else 0.0
+    meta[2] = 1.0 if pauser.requested() else 0.0

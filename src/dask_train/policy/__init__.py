@@ -1,0 +1,42 @@
+"""Pure policies over plain records: stop conditions, callbacks, the failure policy, the data
+ledger, role placement. Nothing here imports Dask's distributed runtime or an ML framework, so
+every rule is tested without a cluster.
+"""
+
+from dask_train.policy._failure import Action, Decision, Failure, FailureConfig, JobStatus, decide
+from dask_train.policy._ledger import Assignment, Block, Ledger, LedgerEntry
+from dask_train.policy._placement import Roles, check_role_counts, plan_roles
+from dask_train.policy.callbacks import Callback, History, run_callbacks
+from dask_train.policy.stop import (
+    EarlyStopping,
+    StopAfter,
+    StopAtScore,
+    StopAtStep,
+    StopCondition,
+    check_stop,
+)
+
+__all__ = [
+    "Action",
+    "Assignment",
+    "Block",
+    "Callback",
+    "Decision",
+    "EarlyStopping",
+    "Failure",
+    "FailureConfig",
+    "History",
+    "JobStatus",
+    "Ledger",
+    "LedgerEntry",
+    "Roles",
+    "StopAfter",
+    "StopAtScore",
+    "StopAtStep",
+    "StopCondition",
+    "check_role_counts",
+    "check_stop",
+    "decide",
+    "plan_roles",
+    "run_callbacks",
+]

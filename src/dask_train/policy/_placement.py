@@ -1,0 +1,122 @@
+"""Role placement: which Dask worker runs each parameter server, trainer and scorer (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from dask_train.errors import InvalidInput
+
+# Relative load of a role on its process, used to spread roles when they must share workers:
+# a trainer computes all the time, a server applies updates, a scorer wakes once a second.
+_WEIGHT = {"worker": 1.0, "ps": 0.5, "scorer": 0.25}
+KINDS = ("worker", "ps", "scorer")
+
+
+class Roles(Mapping[str, list[str]]):
+    """Placement of a job's roles: role kind -> list of Dask worker addresses (one per instance).
+
+    A read-only mapping over the kinds it was given (``"ps"``, ``"worker"``, ``"scorer"``), with
+    ``in``, ``len``, iteration and ``items()``. Looking up a kind it does not hold raises
+    ``KeyError``, as any mapping does; use ``roles.get("ps", [])`` where a kind may be absent.
+
+    Examples
+    --------
+    >>> roles = Roles({"ps": ["tcp://a:1"], "worker": ["tcp://a:1", "tcp://b:2"], "scorer": []})
+    >>> roles["worker"][1], roles.addresses
+    ('tcp://b:2', ['tcp://a:1', 'tcp://b:2'])
+    >>> "ps" in roles, "chief" in roles, len(roles)
+    (True, False, 3)
+    """
+
+    def __init__(self, placement: Mapping[str, Sequence[str]] | None = None) -> None:
+        self._placement = {str(k): tuple(v) for k, v in (placement or {}).items()}
+
+    @property
+    def placement(self) -> dict[str, list[str]]:
+        """A plain ``dict`` copy: role kind -> worker addresses."""
+        return {k: list(v) for k, v in self._placement.items()}
+
+    def __getitem__(self, kind: str) -> list[str]:
+        return list(self._placement[kind])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._placement)
+
+    def __len__(self) -> int:
+        return len(self._placement)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Roles):
+            return self._placement == other._placement
+        return Mapping.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._placement.items())))
+
+    def replace(self, kind: str, addresses: Sequence[str]) -> Roles:
+        """A copy with ``kind`` placed on ``addresses``."""
+        return Roles({**self._placement, kind: tuple(addresses)})
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every worker address that holds at least one role, sorted."""
+        return sorted({a for addrs in self._placement.values() for a in addrs})
+
+    def names_on(self, address: str) -> list[str]:
+        """Role names (``"ps-0"``, ``"worker-1"``) placed on ``address``."""
+        return [
+            f"{kind}-{i}"
+            for kind, addrs in self._placement.items()
+            for i, a in enumerate(addrs)
+            if a == address
+        ]
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={list(v)}" for k, v in self._placement.items())
+        return f"Roles({body})"
+
+
+def plan_roles(
+    workers: Mapping[str, int], *, ps: int, worker: int, scorer: int
+) -> dict[str, list[str]]:
+    """Place roles on workers, spreading load; pure and deterministic.
+
+    Trainers are placed first, one per worker while there are free workers, so compute never
+    shares a process when it need not; then servers and the scorer go to the least-loaded workers.
+    With fewer workers than roles, roles share processes (the seed's "same host, other port").
+
+    Parameters
+    ----------
+    workers : mapping of str to int
+        Worker address -> number of Dask threads.
+    ps, worker, scorer : int
+        Number of parameter servers, trainers and scorers.
+
+    Examples
+    --------
+    >>> plan_roles({"a": 1, "b": 1}, ps=1, worker=2, scorer=1)
+    {'worker': ['a', 'b'], 'ps': ['a'], 'scorer': ['b']}
+    """
+    if not workers:
+        raise InvalidInput(["the cluster has no workers: start at least one Dask worker."])
+    load = {addr: 0.0 for addr in sorted(workers)}
+    placement: dict[str, list[str]] = {}
+    for kind, count in (("worker", worker), ("ps", ps), ("scorer", scorer)):
+        placement[kind] = []
+        for _ in range(count):
+            # Least loaded first; ties go to the worker with more threads, then to address order.
+            addr = min(load, key=lambda a: (load[a] / max(workers[a], 1), -workers[a], a))
+            placement[kind].append(addr)
+            load[addr] += _WEIGHT[kind]
+    return placement
+
+
+def check_role_counts(*, ps: object, worker: object, scorer: object, min_ps: int = 1) -> list[str]:
+    """Problems with role counts, one message each (empty when all are valid)."""
+    problems = []
+    for name, value, low in (("ps", ps, min_ps), ("workers", worker, 1), ("scorer", scorer, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            problems.append(f"{name}={value!r} is invalid: use an integer >= {low}.")
+    if isinstance(scorer, int) and scorer > 1:
+        problems.append(f"scorer={scorer!r} is invalid: use 0 (no scoring) or 1.")
+    return problems

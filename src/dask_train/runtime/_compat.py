@@ -1,0 +1,45 @@
+"""The private torch and distributed APIs dask-train needs, each in one place, each with the
+public API whose absence makes it necessary. ``tests/runtime/test_compat.py`` fails loudly when
+one of them changes shape in a new release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+
+def worker_data(worker: Any) -> MutableMapping[Any, Any]:
+    """The worker's in-memory task results (key -> value).
+
+    Missing public API: distributed has no call that reads a result a worker holds without a
+    task (``Worker.data`` is an attribute, described in the Worker docstring but not a stable
+    interface; it became a ``SpillBuffer`` in 2021). The feed handler reads a trainer's local
+    block from it so a block never moves or costs a task.
+    """
+    data: MutableMapping[Any, Any] = worker.data
+    return data
+
+
+def drop_topic_handler(client: Any, topic: str) -> None:
+    """Forget ``client``'s handler of event ``topic`` after ``unsubscribe_topic``.
+
+    Missing public API: ``Client.unsubscribe_topic`` tells the scheduler but keeps the handler in
+    ``Client._event_handlers``, and with it the controller and every future it references, for
+    as long as the client lives (found by the throughput benchmark's memory growth).
+    """
+    handlers = getattr(client, "_event_handlers", None)
+    if isinstance(handlers, dict):
+        handlers.pop(topic, None)
+
+
+def reset_torch_group_count() -> None:
+    """Reset torch's count of process groups created in this process.
+
+    Missing public API: a failed ``init_process_group`` leaves ``c10d._world.group_count`` raised
+    (only destroying a default group resets it), and the count names the group's keys in the
+    rendezvous store: a rank that failed once would wait under another name than its peers.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 0

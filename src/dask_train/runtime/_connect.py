@@ -1,0 +1,129 @@
+"""``connect()``: the embedded LocalCluster by default, any Dask scheduler by address."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import dask
+from distributed import Client
+
+from dask_train.errors import ClusterUnreachable, InvalidInput
+from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
+
+logger = logging.getLogger(__name__)
+
+# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=64 KiB so workers give memory back eagerly. For training
+# that means every optimizer step re-faults its temporaries from the kernel: on the large MLP it
+# doubled Adam's step time. These thresholds keep buffers of up to 64 MiB in the heap.
+_MALLOC_ENV = {
+    "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
+    "MALLOC_MMAP_THRESHOLD_": str(64 * 2**20),
+}
+
+
+def connect(
+    address: str | None = None,
+    *,
+    n_workers: int | None = None,
+    threads_per_worker: int = 1,
+    torch_threads: int | None = None,
+    timeout: float = 30.0,
+    dashboard: bool = True,
+    quiet: bool = False,
+    **cluster_kwargs: Any,
+) -> Client:
+    """Connect to a Dask cluster, or start an embedded one on this machine.
+
+    Parameters
+    ----------
+    address : str, optional
+        Scheduler address such as ``"tcp://10.0.0.5:8786"``. When omitted, ``DASK_SCHEDULER_ADDRESS``
+        is used if set; otherwise a LocalCluster with worker processes starts here and closes with
+        the returned client.
+    n_workers : int, optional
+        Embedded cluster only: number of worker processes (default: the number of cores).
+    threads_per_worker : int
+        Embedded cluster only: Dask threads per worker (default 1; training roles secede from the
+        thread pool, so one thread is enough to feed data).
+    torch_threads : int, optional
+        torch intra-op threads on each worker; default: the worker's thread count.
+    timeout : float
+        Seconds to wait for the scheduler before raising :class:`ClusterUnreachable`.
+    dashboard : bool
+        Embedded cluster only: serve the dashboard on a free port and log its link.
+    quiet : bool
+        Do not print the dashboard link.
+    **cluster_kwargs
+        Passed to :class:`distributed.LocalCluster` for the embedded cluster.
+
+    Returns
+    -------
+    distributed.Client
+
+    Examples
+    --------
+    >>> client = connect()                              # doctest: +SKIP
+    >>> client = connect("tcp://scheduler:8786")        # doctest: +SKIP
+    """
+    problems = []
+    if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 1):
+        problems.append(f"n_workers={n_workers!r} is invalid: use an integer >= 1 or None.")
+    if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+        problems.append(
+            f"threads_per_worker={threads_per_worker!r} is invalid: use an integer >= 1."
+        )
+    if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
+        problems.append(f"torch_threads={torch_threads!r} is invalid: use an integer >= 1 or None.")
+    if not timeout > 0:
+        problems.append(f"timeout={timeout!r} is invalid: use a number of seconds > 0.")
+    if problems:
+        raise InvalidInput(problems)
+
+    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+    if address is None:
+        client = _embedded(
+            n_workers=n_workers or os.cpu_count() or 1,
+            threads_per_worker=threads_per_worker,
+            dashboard=dashboard,
+            **cluster_kwargs,
+        )
+    else:
+        client = _remote(address, timeout=timeout)
+    client.register_plugin(DaskTrainPlugin(torch_threads), name=PLUGIN_NAME)
+    link = client.dashboard_link if dashboard or address else None
+    if link and not quiet:
+        print(f"dask-train: dashboard at {link}")
+    logger.info("connected to %s (dashboard %s)", client.scheduler.address, link)
+    return client
+
+
+def _embedded(
+    *, n_workers: int, threads_per_worker: int, dashboard: bool, **cluster_kwargs: Any
+) -> Client:
+    # ":0": a free port, never the fixed 8787 that another cluster on this host may hold.
+    dashboard_address = ":0" if dashboard else None
+    kwargs: dict[str, Any] = {
+        "n_workers": n_workers,
+        "threads_per_worker": threads_per_worker,
+        "processes": True,
+        "dashboard_address": dashboard_address,
+    }
+    kwargs.update(cluster_kwargs)
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    environ.update(_MALLOC_ENV)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
+        # No address: Client starts the LocalCluster itself and closes it when the client closes.
+        return Client(**kwargs)
+
+
+def _remote(address: str, *, timeout: float) -> Client:
+    try:
+        return Client(address, timeout=timeout)
+    except (OSError, TimeoutError) as exc:
+        raise ClusterUnreachable(
+            f"could not reach the Dask scheduler at {address!r} within {timeout:g} s ({exc}). "
+            "Check the address and that the scheduler is running, raise timeout=, or call "
+            "dt.connect() with no address for an embedded cluster on this machine."
+        ) from exc

@@ -1,0 +1,63 @@
+"""Placing a job's roles on a live cluster: the plan (pure, in ``policy``) plus the worker plugin."""
+
+from __future__ import annotations
+
+from distributed import Client
+
+from dask_train.errors import InvalidInput
+from dask_train.policy._placement import Roles, check_role_counts, plan_roles
+from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, handler_names
+
+
+def start_roles(client: Client, *, ps: int = 1, worker: int = 1, scorer: int = 1) -> Roles:
+    """Place a job's roles on the cluster's workers and install dask-train's plugin there.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    ps : int
+        Parameter servers (async-ps), >= 0.
+    worker : int
+        Trainers, >= 1.
+    scorer : int
+        Scorers, 0 or 1.
+
+    Returns
+    -------
+    Roles
+        A read-only mapping: role kind -> Dask worker addresses.
+
+    Examples
+    --------
+    >>> roles = start_roles(client, ps=2, worker=2, scorer=1)   # doctest: +SKIP
+    >>> roles["ps"]                                              # doctest: +SKIP
+    ['tcp://127.0.0.1:40233', 'tcp://127.0.0.1:41877']
+    """
+    problems = check_role_counts(ps=ps, worker=worker, scorer=scorer, min_ps=0)
+    if problems:
+        raise InvalidInput(problems)
+    ensure_plugin(client)
+    return Roles(plan_roles(worker_threads(client), ps=ps, worker=worker, scorer=scorer))
+
+
+def worker_threads(client: Client) -> dict[str, int]:
+    """Live worker address -> its number of Dask threads."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+
+
+def ensure_plugin(client: Client) -> None:
+    """Register the dask-train worker plugin unless every worker has it with every handler.
+
+    Engines register their RPC handlers when their module is imported (in the client), so a
+    plugin installed at ``connect`` may lack a handler of an engine used later: register again.
+    """
+    need = handler_names()
+    have = client.run(_installed_handlers, need)
+    if not have or not all(have.values()):
+        client.register_plugin(DaskTrainPlugin(), name=PLUGIN_NAME)
+
+
+def _installed_handlers(names: list[str], dask_worker: object) -> bool:
+    plugin = getattr(dask_worker, "plugins", {}).get(PLUGIN_NAME)
+    return plugin is not None and set(names) <= set(getattr(plugin, "handlers", {}))

@@ -1,0 +1,257 @@
+"""Surviving lost workers: real worker processes SIGKILLed mid-training, each on its own cluster.
+
+Each test asserts what was kept: every sample of every epoch applied exactly once (the servers'
+sample count and the ledger), the steps, and the accuracy still reached.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
+from _models import mlp  # noqa: E402
+
+
+@pytest.fixture()
+def own_client() -> Iterator[Client]:
+    # A cluster of its own: these tests kill its workers (the nanny restarts them).
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def _data(n: int = 12_000, chunks: int = 1000, n_in: int = 8, n_out: int = 3):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, n_in)).astype(np.float32)
+    y = (x @ rng.normal(size=(n_in, n_out))).argmax(axis=1)
+    X, Y = da.from_array(x, chunks=(chunks, n_in)), da.from_array(y, chunks=chunks)
+    return X, Y, (x[:2000], y[:2000])
+
+
+class _KillAt(dt.Callback):
+    """Kills a worker process once the servers have applied ``samples`` samples."""
+
+    def __init__(self, client: Client, victim: str, samples: int) -> None:
+        self.pid = client.run(os.getpid, workers=[victim])[victim]
+        self.samples = samples
+        self.killed_at: float | None = None
+
+    def on_score(self, record):
+        if self.killed_at is None and record["samples"] >= self.samples:
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+        return None
+
+
+def _trainer(client: Client, **kw) -> dt.Trainer:
+    options = dict(lr=1e-2, ps=1, workers=2, batch_size=32, epochs=2, score_every=0.2,
+                   timeout=30, progress=False, client=client)
+    options.update(kw)
+    return dt.Trainer(mlp(8, 16, 3), **options)
+
+
+def _assert_every_sample_once(result: dt.FitResult, rows: int, epochs: int) -> None:
+    ledger = result.ledger
+    assert result.epochs_completed == epochs
+    per_block = ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert len(per_block) == epochs * (rows // 1000)
+    assert (per_block == 1000).all()
+    assert result.samples == epochs * rows  # the servers applied each sample once
+
+
+def test_async_trainer_killed_mid_epoch_the_survivor_takes_its_rows(own_client: Client) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    # worker-1's process also holds the scorer: one kill, two lost roles.
+    victim = roles["worker"][1]
+    assert victim not in roles["ps"]
+    kill = _KillAt(own_client, victim, samples=3000)
+    started = time.monotonic()
+    result = _trainer(own_client, callbacks=[kill]).fit(X, Y, validation=validation)
+    assert kill.killed_at is not None, "the job ended before the kill"
+    actions = {f["role"]: f["action"] for f in result.failures}
+    assert actions == {"worker-1": "continue", "scorer-0": "replace"}
+    _assert_every_sample_once(result, 12_000, 2)
+    moved = result.ledger[result.ledger["moved_from"].notna()]
+    assert len(moved) and (moved["trainer"] != 1).all()
+    assert result.history["accuracy"].iloc[-1] > 0.85
+    assert time.monotonic() - started < 120
+
+
+def test_parameter_server_killed_restarts_from_the_checkpoint(own_client: Client, tmp_path: Path) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    victim = roles["ps"][0]
+    kill = _KillAt(own_client, victim, samples=6000)
+    config = dt.CheckpointConfig(str(tmp_path), every_seconds=None, every_steps=60, keep=3)
+    result = _trainer(own_client, callbacks=[kill], checkpoint=config).fit(X, Y, validation=validation)
+    assert kill.killed_at is not None
+    assert result.failures[0]["role"] == "ps-0"
+    assert result.failures[0]["action"] == "restart"
+    assert result.generations == 2
+    _assert_every_sample_once(result, 12_000, 2)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+    # The new generation was placed on the live workers, the restarted one (new address) included.
+    assert len(result.roles.addresses) == 2
+    assert set(result.roles.addresses) - set(roles.addresses)
+
+
+def test_sync_rank_killed_restarts_the_group_from_the_checkpoint(own_client: Client, tmp_path: Path) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=0, worker=2, scorer=1)
+    victim = roles["worker"][1]
+    kill = _KillAt(own_client, victim, samples=6000)
+    config = dt.CheckpointConfig(str(tmp_path), every_seconds=None, every_steps=40, keep=3)
+    result = _trainer(own_client, strategy="sync", callbacks=[kill], checkpoint=config,
+                      ).fit(X, Y, validation=validation)
+    assert kill.killed_at is not None
+    assert result.failures[0]["action"] == "restart"
+    assert result.generations == 2
+    _assert_every_sample_once(result, 12_000, 2)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+def test_losing_a_server_without_checkpoints_or_beyond_max_failures_raises(own_client: Client) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    victim = roles["ps"][0]
+    kill = _KillAt(own_client, victim, samples=4000)
+    started = time.monotonic()
+    with pytest.raises(dt.ParameterServerLost) as info:
+        _trainer(own_client, callbacks=[kill], epochs=20).fit(X, Y, validation=validation)
+    assert info.value.worker == victim and info.value.role == "ps-0"
+    assert "CheckpointConfig" in str(info.value)
+    assert time.monotonic() - kill.killed_at < 30  # type: ignore[operator]
+    assert time.monotonic() - started < 120
+
+
+class _EvalBomb(torch.nn.Module):
+    """Trains normally; raises when scored (eval mode, a full validation batch), as a buggy
+    metric would. The Trainer's up-front probe (two rows) passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and len(x) > 100:
+            raise ValueError("boom in eval")
+        return self.net(x)
+
+
+def test_a_raising_scorer_is_replaced_until_max_failures(client: Client) -> None:
+    X, Y, validation = _data(n=8000)
+    trainer = dt.Trainer(_EvalBomb(), lr=1e-3, ps=1, workers=2, batch_size=16, epochs=50,
+                         score_every=0.1, timeout=30, progress=False, client=client,
+                         failure=dt.FailureConfig(max_failures=2))
+    started = time.monotonic()
+    with pytest.raises(dt.WorkerLost) as info:
+        trainer.fit(X, Y, validation=validation)
+    assert "boom in eval" in str(info.value)
+    assert info.value.role == "scorer-0"
+    assert time.monotonic() - started < 60
+
+
+def test_a_worker_killed_with_max_failures_zero_raises_naming_it(own_client: Client) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    victim = roles["worker"][1]
+    kill = _KillAt(own_client, victim, samples=4000)
+    done = threading.Event()
+    with pytest.raises(dt.WorkerLost) as info:
+        _trainer(own_client, callbacks=[kill], epochs=20,
+                 failure=dt.FailureConfig(max_failures=0)).fit(X, Y, validation=validation)
+    done.set()
+    assert info.value.worker == victim
+    assert not isinstance(info.value, dt.ParameterServerLost)
+    assert "max_failures=0" in str(info.value)
+
+
+def _trainer_running(dask_worker) -> bool:
+    return any("dt-worker-" in str(key) for key in dask_worker.state.long_running)
+
+
+class _StopAfterRejoin(dt.Callback):
+    """Stops the job a few seconds after a trainer started on the restarted worker.
+
+    A thread watches the cluster: once the nanny's new worker is back and runs a long-running
+    task (a trainer secedes from the thread pool), the trainer has joined.
+    """
+
+    def __init__(self, client: Client, victim: str) -> None:
+        self.kill = _KillAt(client, victim, samples=1000)
+        self.before = set(client.scheduler_info()["workers"])
+        self.joined_at: float | None = None
+        self.client = client
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.joined_at is None:
+            time.sleep(0.2)
+            new = set(self.client.scheduler_info()["workers"]) - self.before
+            if self.kill.killed_at is None or not new:
+                continue
+            busy = self.client.run(_trainer_running, workers=sorted(new))
+            if any(busy.values()):
+                self.joined_at = time.monotonic()
+
+    def on_score(self, record):
+        self.kill.on_score(record)
+        return self.joined_at is not None and time.monotonic() - self.joined_at > 3
+
+
+def test_a_worker_that_comes_back_replaces_the_lost_trainer(own_client: Client) -> None:
+    X, Y, validation = _data()
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    victim = roles["worker"][1]
+    watch = _StopAfterRejoin(own_client, victim)
+    result = _trainer(own_client, callbacks=[watch], epochs=200).fit(X, Y, validation=validation)
+    assert watch.joined_at is not None, "no trainer started on the restarted worker"
+    assert result.stopped_by == "callback"
+    # The restarted worker (a new address) got a trainer: index 2, and it trained.
+    assert len(result.roles["worker"]) == 3
+    assert result.roles["worker"][2] not in roles.addresses
+    joined = [t for t in result.trainers if t["trainer"] == 2]
+    assert joined and joined[0]["samples"] > 0
+
+
+class _EvalNaN(torch.nn.Module):
+    """Trains normally; scores NaN (a full validation batch in eval mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out * float("nan") if not self.training and len(x) > 100 else out
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_nan_score_stops_or_is_left_out(client: Client, on_nan: str) -> None:
+    X, Y, validation = _data(n=4000)
+    result = dt.Trainer(_EvalNaN(), lr=1e-3, ps=1, workers=2, batch_size=32, epochs=2,
+                        score_every=0.1, timeout=30, progress=False, client=client,
+                        on_nan=on_nan).fit(X, Y, validation=validation)
+    assert result.nonfinite and result.nonfinite[0]["role"] == "scorer"
+    if on_nan == "stop":
+        assert result.stopped_by.startswith("non-finite score")
+    else:
+        assert result.stopped_by == "epochs=2"
+        assert result.history["loss"].notna().all()

@@ -1,0 +1,119 @@
+"""The failure policy as a table: job status after a loss -> CONTINUE, REPLACE, RESTART or RAISE."""
+
+from __future__ import annotations
+
+import pytest
+
+from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
+from dask_train.policy._failure import (
+    Action,
+    Decision,
+    Failure,
+    FailureConfig,
+    JobStatus,
+    decide,
+    failure_error,
+)
+
+ADDR = "tcp://10.1.2.3:40001"
+C, RP, RS, X = Action.CONTINUE, Action.REPLACE, Action.RESTART, Action.RAISE
+
+
+def _status(strategy: str = "async-ps", kind: str = "worker", *, failures: int = 1, live_trainers: int = 2,
+            live_workers: int = 3, has_checkpoint: bool = True, index: int = 0) -> JobStatus:
+    return JobStatus(strategy, Failure(kind, index, ADDR, "removed from the scheduler"), failures,
+                     live_trainers, live_workers, has_checkpoint)
+
+
+TABLE = [
+    # strategy, kind, failures, live_trainers, live_workers, has_checkpoint -> action, words in reason
+    ("async-ps", "worker", 1, 2, 3, True, C, "2 trainer(s) go on"),
+    ("async-ps", "worker", 1, 1, 1, False, C, "worker-0 had not consumed"),
+    ("async-ps", "worker", 3, 1, 1, False, C, ""),  # the last allowed failure
+    ("async-ps", "worker", 1, 0, 2, True, RS, "no trainer is left"),
+    ("async-ps", "worker", 1, 0, 2, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("async-ps", "ps", 1, 2, 3, True, RS, "new generation restarts from the last checkpoint"),
+    ("async-ps", "ps", 1, 2, 3, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("async-ps", "scorer", 1, 2, 3, False, RP, "started on another worker"),
+    ("async-ps", "scorer", 1, 0, 1, True, RP, ""),
+    ("sync", "worker", 1, 1, 3, True, RS, "sync group needs every rank"),
+    ("sync", "worker", 1, 3, 3, True, RS, ""),  # a sync rank never lets the group go on alone
+    ("sync", "worker", 1, 1, 3, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("sync", "scorer", 2, 2, 2, False, RP, ""),
+    ("full-batch", "worker", 1, 3, 3, True, RS, "full-batch group needs every rank"),
+    # beyond max_failures=3: always raise, whatever else holds
+    ("async-ps", "worker", 4, 5, 5, True, X, "failure 4 is more than max_failures=3"),
+    ("async-ps", "scorer", 4, 5, 5, True, X, "max_failures=3"),
+    ("async-ps", "ps", 4, 5, 5, True, X, "max_failures=3"),
+    ("sync", "worker", 4, 5, 5, True, X, "max_failures=3"),
+    # no live worker at all: raise, whatever else holds
+    ("async-ps", "worker", 1, 1, 0, True, X, "resume=True"),
+    ("async-ps", "scorer", 1, 1, 0, True, X, "no Dask worker is alive"),
+    ("sync", "worker", 1, 0, 0, False, X, "no Dask worker is alive"),
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kind", "failures", "live_trainers", "live_workers", "has_checkpoint", "action", "words"),
+    TABLE,
+)
+def test_decide(strategy: str, kind: str, failures: int, live_trainers: int, live_workers: int,
+                has_checkpoint: bool, action: Action, words: str) -> None:
+    status = _status(strategy, kind, failures=failures, live_trainers=live_trainers,
+                     live_workers=live_workers, has_checkpoint=has_checkpoint)
+    decision = decide(status, FailureConfig(max_failures=3))
+    assert decision.action is action
+    assert words in decision.reason
+
+
+@pytest.mark.parametrize("max_failures", [0, 1, 5])
+def test_max_failures_is_the_last_survived(max_failures: int) -> None:
+    config = FailureConfig(max_failures=max_failures)
+    if max_failures:
+        assert decide(_status(failures=max_failures), config).action is Action.CONTINUE
+    assert decide(_status(failures=max_failures + 1), config).action is Action.RAISE
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None, "3"])
+def test_failure_config_rejects(value: object) -> None:
+    with pytest.raises(InvalidInput, match=rf"FailureConfig\(max_failures={value!r}\): max_failures must be"):
+        FailureConfig(max_failures=value)  # type: ignore[arg-type]
+
+
+def test_records_reject_bad_values() -> None:
+    with pytest.raises(InvalidInput, match="kind must be one of"):
+        Failure("trainer", 0, ADDR, "x")
+    with pytest.raises(InvalidInput, match="index must be an integer >= 0"):
+        Failure("ps", -1, ADDR, "x")
+    with pytest.raises(InvalidInput) as info:
+        JobStatus("sync", Failure("ps", 0, ADDR, "x"), 0, -1, -1, True)
+    assert len(info.value.problems) == 3
+
+
+def test_failure_error_for_a_parameter_server() -> None:
+    status = _status(kind="ps", index=1, failures=2, has_checkpoint=False)
+    decision = decide(status, FailureConfig())
+    err = failure_error(status, decision)
+    assert type(err) is ParameterServerLost
+    assert isinstance(err, WorkerLost) and isinstance(err, RuntimeError)
+    assert (err.worker, err.role) == (ADDR, "ps-1")
+    message = str(err)
+    for words in ("ps-1", ADDR, "removed from the scheduler", "failure 2",
+                  "there is no checkpoint to restart from", "checkpoint=dt.CheckpointConfig(...)"):
+        assert words in message
+
+
+@pytest.mark.parametrize("kind", ["worker", "scorer"])
+def test_failure_error_for_other_roles(kind: str) -> None:
+    status = _status(kind=kind, index=2, failures=4)
+    err = failure_error(status, decide(status, FailureConfig(max_failures=3)))
+    assert type(err) is WorkerLost
+    assert err.role == f"{kind}-2"
+    assert "failure 4 is more than max_failures=3" in str(err)
+    assert "FailureConfig(max_failures=...)" in str(err)
+
+
+def test_decision_is_a_plain_record() -> None:
+    decision = decide(_status(kind="scorer"), FailureConfig())
+    assert decision == Decision(Action.REPLACE, decision.reason)
+    assert Action("restart") is Action.RESTART
