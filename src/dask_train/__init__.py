@@ -56,6 +56,9 @@ _LAZY = {
     "distributed_loss_grad": ".classical",
     "tree_reduce": ".classical",
     "datasets": ".datasets",
+    # the layers themselves, as modules (``dt.runtime.worker_state``)
+    **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
+                                         "classical", "api", "models", "checkpoint", "report")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import dask.array as da
 import numpy as np
@@ -11,8 +12,10 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.classical.full_batch import BlockData
-from dask_train.engines._array_loop import ArrayJob, start_array_sync
-from dask_train.engines.sync_array import _order
+from dask_train.controller._controller import Controller
+from dask_train.engines._array_engine import ArrayEngine
+from dask_train.engines._spec import JobSpec
+from dask_train.policy import FailureConfig, Roles
 
 
 def _least_squares(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
@@ -20,12 +23,42 @@ def _least_squares(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[fl
     return 0.5 * float(r @ r), X.T @ r
 
 
-def _job(**overrides: object) -> ArrayJob:
-    settings: dict = dict(optimizer="sgd", lr=0.01, optimizer_options={}, batch_size=7,
-                          grad_accumulation=1, epochs=2, shuffle=True, seed=3, score_every=1e9,
-                          stop=[], callbacks=[], on_nan="stop")
+def _job(**overrides: object) -> JobSpec:
+    settings: dict = dict(module=None, n_params=3, loss="", optimizer="sgd", lr=0.01,
+                          optimizer_options={}, batch_size=7, grad_accumulation=1, epochs=2,
+                          shuffle=True, seed=3, prefetch=0, blocks_ahead=1, score_every=1e9,
+                          timeout=60.0, stop=[], callbacks=[], progress=False, strategy="sync",
+                          scorer=0, failure=FailureConfig(), on_nan="stop")
     settings.update(overrides)
-    return ArrayJob(**settings)  # type: ignore[arg-type]
+    return JobSpec(**settings)
+
+
+class _Run:
+    """What the tests read of a run of the numpy engine under the one controller."""
+
+    def __init__(self, outcome) -> None:
+        self.steps, self.samples = outcome.ending.steps, outcome.ending.samples
+        self.params = outcome.ending.params
+        self.stopped_by, self.epochs_completed = outcome.stopped_by, outcome.epochs_completed
+        self.ledger, self.trainers = outcome.ledger, outcome.ending.trainers
+        self.nonfinite = outcome.log.nonfinite
+
+
+def _run(client: Client, model: dt.ArrayModel, data: BlockData, job: JobSpec) -> _Run:
+    job.module, job.n_params = model, model.params.size
+
+    def make_engine(roles, key, restore):
+        return ArrayEngine(client, job, data, None, job=key, restore=restore)
+
+    controller = Controller(client, job, make_engine=make_engine, plan_roles=lambda alive: Roles(),
+                            roles=Roles(), rows=data.n_rows)
+    return _Run(client.sync(controller.run))
+
+
+def _order(seed: int, epoch: int, group: int, rows: int) -> np.ndarray:
+    # The documented contract of a group's row order, written out here: a permutation seeded
+    # by (seed, epoch, group) with numpy's default generator.
+    return np.random.default_rng([seed, epoch, group]).permutation(rows)
 
 
 def _placed(client: Client, blocks: list[tuple[np.ndarray, np.ndarray]], where: list[int],
@@ -59,9 +92,7 @@ def test_two_workers_equal_one_process_sgd_on_the_concatenated_batches(
     data = _placed(client, blocks, [0, 1, 0, 1], threads)
     model = dt.ArrayModel(np.zeros(3), _least_squares)
     job = _job()
-    run = start_array_sync(client, model, data, job, None)
-    run.run()
-    got = run.result()
+    got = _run(client, model, data, job)
 
     # The same steps in one process: each group's rows end to end, in its epoch order.
     groups = data.groups()
@@ -73,7 +104,7 @@ def test_two_workers_equal_one_process_sgd_on_the_concatenated_batches(
         for s in range(n_steps):
             xs, ys = [], []
             for g, (x, y) in enumerate(group_xy):
-                idx = _order(job.seed, epoch, g, len(x), True)[s * 7 : (s + 1) * 7]
+                idx = _order(job.seed, epoch, g, len(x))[s * 7 : (s + 1) * 7]
                 xs.append(x[idx])
                 ys.append(y[idx])
             X, Y = np.concatenate(xs), np.concatenate(ys)
@@ -83,17 +114,15 @@ def test_two_workers_equal_one_process_sgd_on_the_concatenated_batches(
     longest = max(len(x) for x, _ in group_xy)
     assert got.steps == steps == 2 * math.ceil(longest / 7)
     assert got.samples == 2 * 74
-    np.testing.assert_allclose(got.model.params, params, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got.params, params, rtol=1e-10, atol=1e-12)
     assert got.stopped_by == "epochs=2"
 
 
 def test_uneven_groups_finish_every_epoch_and_read_each_row_once(client: Client) -> None:
     blocks = _problem([10, 10, 10, 10])
     data = _placed(client, blocks, [0, 0, 0, 1])  # 3 blocks against 1
-    run = start_array_sync(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
-                           _job(epochs=3, batch_size=4), None)
-    run.run()
-    got = run.result()
+    got = _run(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
+               _job(epochs=3, batch_size=4))
     assert got.epochs_completed == 3
     assert got.samples == 3 * 40
     assert got.steps == 3 * math.ceil(30 / 4)  # the longest group sets the steps
@@ -149,14 +178,12 @@ def test_a_nan_row_is_skipped_or_stops_the_job(client: Client) -> None:
     blocks[1][0][5, 1] = np.nan
     for on_nan, steps in (("skip", 2 * 3 - 2), ("stop", None)):
         data = _placed(client, [(x.copy(), y.copy()) for x, y in blocks], [0, 1])
-        run = start_array_sync(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
-                               _job(batch_size=4, shuffle=False, on_nan=on_nan), None)
-        run.run()
-        got = run.result()
+        got = _run(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
+                   _job(batch_size=4, shuffle=False, on_nan=on_nan))
         assert got.nonfinite and got.nonfinite[0]["step"] == 1  # rows 4-7: the second batch
         if on_nan == "skip":
             assert got.steps == steps and got.stopped_by == "epochs=2"
-            assert np.isfinite(got.model.params).all()
+            assert np.isfinite(got.params).all()
         else:
             assert got.steps == 1 and got.stopped_by.startswith("non-finite loss")
 
@@ -172,8 +199,6 @@ def _bad_shape(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float,
         (dt.ArrayModel(np.zeros((2, 3)), _least_squares), {}, "ArrayModel.params has shape (2, 3)"),
         (dt.ArrayModel(np.zeros(3), "nope"), {}, "ArrayModel.loss_grad='nope' is not callable"),
         (dt.softmax_regression(64, 10), {"strategy": "async-ps"}, "strategy='async-ps' cannot train"),
-        (dt.softmax_regression(64, 10), {"checkpoint": dt.CheckpointConfig("memory://x")},
-         "checkpoint= and resume= are not available"),
         (dt.ArrayModel(np.zeros(3), _least_squares), {},
          "loss_grad failed on 2 rows shaped like X (2, 64)"),
     ],
@@ -194,8 +219,60 @@ def test_grad_accumulation_multiplies_the_rows_of_a_step(client: Client) -> None
     steps = {}
     for k in (1, 4):
         data = _placed(client, blocks, [0, 1])
-        run = start_array_sync(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
-                               _job(batch_size=2, grad_accumulation=k, epochs=1), None)
-        run.run()
-        steps[k] = run.result().steps
+        steps[k] = _run(client, dt.ArrayModel(np.zeros(3), _least_squares), data,
+                        _job(batch_size=2, grad_accumulation=k, epochs=1)).steps
     assert steps == {1: 8, 4: 2}
+
+
+def test_checkpoints_and_an_exact_resume(client: Client, digits: tuple, tmp_path) -> None:
+    # A whole run that checkpoints about every 5 steps; then every checkpoint after the second is
+    # deleted and the job resumed from it: it ends on exactly the whole run's parameters.
+    X, y, _ = digits
+    ckpt = dt.CheckpointConfig(tmp_path / "ckpt", every_seconds=None, every_steps=5, keep=100)
+    base = dict(strategy="sync", optimizer="adam", lr=0.05, batch_size=256, epochs=2,
+                progress=False, client=client, score_every=1e9, checkpoint=ckpt)
+    whole = dt.Trainer(dt.softmax_regression(64, 10), **base).fit(X, y)
+    steps = [c["step"] for c in whole.checkpoints]
+    assert len(steps) >= 3 and steps[-1] == whole.steps and whole.checkpoints[-1]["final"]
+    for info in whole.checkpoints:
+        if info["step"] > steps[1]:
+            shutil.rmtree(info["directory"])
+    resumed = dt.Trainer(dt.softmax_regression(64, 10), **base).fit(X, y, resume=True)
+    assert resumed.steps == whole.steps and resumed.samples == whole.samples
+    assert resumed.epochs_completed == 2
+    np.testing.assert_array_equal(resumed.model.params, whole.model.params)
+
+
+def test_a_worker_killed_mid_training_is_survived(tmp_path) -> None:
+    # A cluster of its own: a worker holding blocks is SIGKILLed once training is under way. The
+    # job ends every epoch with every row applied once: Dask recomputes the lost blocks for the
+    # steps in flight, or the controller restarts from the newest checkpoint.
+    import os
+    import signal
+
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as own:
+        X, y = dt.datasets.digits(6_000, seed=0, chunks=1_500)
+        victim = sorted(own.scheduler_info()["workers"])[0]
+        pid = own.run(os.getpid, workers=[victim])[victim]
+
+        class KillOnce(dt.Callback):
+            killed = False
+
+            def on_score(self, record):
+                if not self.killed and record["step"] >= 10:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed = True
+
+        kill = KillOnce()
+        result = dt.Trainer(
+            dt.softmax_regression(64, 10), strategy="sync", optimizer="adam", lr=0.05,
+            batch_size=128, epochs=3, score_every=0.05, timeout=30, progress=False, client=own,
+            callbacks=[kill], checkpoint=dt.CheckpointConfig(tmp_path / "ckpt", every_steps=5),
+        ).fit(X, y, validation=dt.datasets.digits_test())
+    assert kill.killed
+    assert result.stopped_by == "epochs=3" and result.epochs_completed == 3
+    assert result.samples == 3 * 6_000
+    assert result.history["accuracy"].iloc[-1] > 0.7

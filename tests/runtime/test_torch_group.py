@@ -54,7 +54,7 @@ def _groups(client: Client) -> dict[str, list[str]]:
     """Open torch groups (not tombstones) per worker, and whether torch has a default group there."""
 
     def probe(dask_worker: Any) -> list[str]:
-        state = dt.cluster.worker_state(dask_worker)
+        state = dt.runtime.worker_state(dask_worker)
         open_ = [gid for gid, st in state.torch_groups.items() if not st.closing or st.busy]
         return open_ + (["<torch default group>"] if dist.is_initialized() else [])
 

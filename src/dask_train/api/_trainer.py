@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,10 +24,10 @@ from dask_train.api._validate import (
     probe_module,
 )
 from dask_train.checkpoint import CheckpointConfig
-from dask_train.controller._controller import JobSpec, history
+from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
-from dask_train.controller._recovery import run_job
 from dask_train.data._blocks import as_dask_array, persist_blocks
+from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.models._torch import CLASSIFICATION_LOSSES, flatten_parameters
@@ -227,52 +228,62 @@ class Trainer:
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)
+        engine_cls = _engine_class(self.strategy)  # first: its module registers RPC handlers
         roles = self._roles(client, has_validation=validation is not None)
         run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
+
+        def make_engine(roles: Roles, job: str, restore: Any) -> Any:
+            return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
+
+        def plan(alive: Mapping[str, int]) -> Roles:
+            sync = self.strategy == "sync"
+            return Roles(plan_roles(alive, ps=0 if sync else self.ps,
+                                    worker=min(self.workers, len(alive)) if sync else self.workers,
+                                    scorer=self.scorer if validation is not None else 0))
+
         with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
             started = time.time()
-            ctl, final, trainers, params = client.sync(
-                run_job, client, spec, roles, blocks, validation, progress, resume=resume
-            )
-            progress.close(ctl.stopped_by)
-        result = self._result(ctl, final, trainers, params, roles, wall_s=time.time() - started)
+            controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan,
+                                    roles=roles, rows=blocks.rows, progress=progress)
+            outcome = client.sync(controller.run, resume=resume)
+            progress.close(outcome.stopped_by)
+        result = self._result(outcome, wall_s=time.time() - started)
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
     def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool) -> FitResult:
-        """``fit`` for an ArrayModel: sync steps whose gradients a Dask tree reduction averages."""
+        """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.classical.full_batch import persist_data
-        from dask_train.engines._array_loop import ArrayJob, start_array_sync
+        from dask_train.engines._array_engine import ArrayEngine
 
         self._validate(X, y, validation, resume=resume)
         assert isinstance(self.module, ArrayModel)
         client = self._client()
         data = persist_data(X, y, client=client, dtype=np.float64)
-        job = ArrayJob(
-            optimizer=self.optimizer, lr=float(self.lr), optimizer_options=self.optimizer_options,
-            batch_size=self.batch_size, grad_accumulation=self.grad_accumulation,
-            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed,
-            score_every=float(self.score_every), stop=self.stop, callbacks=self.callbacks,
-            on_nan=self.on_nan,
-        )
+        spec = self._spec(n_params=int(self.module.params.size), module=self.module)
+        held = {"data": data}
+
+        def make_engine(roles: Roles, job: str, restore: Any) -> Any:
+            if any(f.status != "finished" for f in held["data"].futures):
+                # A lost worker took blocks that Dask cannot recompute (scattered numpy input):
+                # persist them again, from the collection the user passed.
+                held["data"].release()
+                held["data"] = persist_data(X, y, client=client, dtype=np.float64)
+            return ArrayEngine(client, spec, held["data"], validation, job=job, restore=restore)
+
+        first = make_engine(Roles(), "probe", None).roles  # where the groups and scorer will run
         try:
+            run_callbacks(self.callbacks, "on_fit_start", {"roles": first, "rows": data.n_rows})
             with Progress(total=self.epochs * data.n_rows, enabled=self.progress) as progress:
                 started = time.time()
-                loop = start_array_sync(client, self.module, data, job,
-                                        validation if self.scorer else None, progress)
-                run_callbacks(self.callbacks, "on_fit_start",
-                              {"roles": Roles({"ps": [], **loop.placement}), "rows": data.n_rows})
-                loop.run()
-                run = loop.result()
-                progress.close(run.stopped_by)
+                controller = Controller(client, spec, make_engine=make_engine,
+                                        plan_roles=lambda alive: Roles(), roles=first,
+                                        rows=data.n_rows, progress=progress)
+                outcome = client.sync(controller.run, resume=resume)
+                progress.close(outcome.stopped_by)
         finally:
-            data.release()
-        result = FitResult(
-            model=run.model, history=history_frame(run.records), stopped_by=run.stopped_by,
-            steps=run.steps, samples=run.samples, epochs_completed=run.epochs_completed,
-            wall_s=time.time() - started, ledger=pd.DataFrame(run.ledger),
-            roles=Roles({"ps": [], **run.placement}), trainers=run.trainers, nonfinite=run.nonfinite,
-        )
+            held["data"].release()
+        result = self._result(outcome, wall_s=time.time() - started)
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
@@ -316,10 +327,12 @@ class Trainer:
             self.client = connect()
             return self.client
 
-    def _spec(self) -> JobSpec:
+    def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
+        if n_params is None:
+            n_params = int(flatten_parameters(self.module).numel())
         return JobSpec(
-            module=copy.deepcopy(self.module),
-            n_params=int(flatten_parameters(self.module).numel()),
+            module=module if module is not None else copy.deepcopy(self.module),
+            n_params=n_params,
             loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
             optimizer_options=self.optimizer_options, batch_size=self.batch_size,
             epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=int(self.prefetch),
@@ -345,29 +358,44 @@ class Trainer:
             ])
         return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
 
-    def _result(
-        self, ctl: Any, final: Any, trainers: list[dict[str, Any]],
-        pulled: tuple[np.ndarray, int, int], roles: Roles, *, wall_s: float,
-    ) -> FitResult:
+    def _result(self, outcome: Outcome, *, wall_s: float) -> FitResult:
+        model = self._trained_model(outcome.ending.params)
+        log = outcome.log
+        return FitResult(
+            model=model, history=history_frame(log.records), stopped_by=outcome.stopped_by,
+            steps=outcome.ending.steps, samples=outcome.ending.samples,
+            epochs_completed=outcome.epochs_completed, wall_s=wall_s,
+            ledger=pd.DataFrame(outcome.ledger), roles=outcome.roles,
+            trainers=outcome.ending.trainers, failures=list(log.failures),
+            checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
+            generations=log.generations,
+        )
+
+
+    def _trained_model(self, params: Any) -> Any:
+        """A copy of the user's model holding ``params`` (never the user's object itself)."""
+        if isinstance(self.module, ArrayModel):
+            return dataclasses.replace(self.module, params=np.array(params, dtype=np.float64))
         from dask_train.models._torch import FlatModel
 
         model = copy.deepcopy(self.module)
         flat = FlatModel(model)
-        params, steps, samples = pulled
-        if final is not None and final["params"] is not None:
-            # A score stopped the job: return the parameters that earned it.
-            params = final["params"]
         flat.set_flat(params)
         # Detach the parameters from the shared flat buffer so the result is an ordinary module.
         for p in flat.params:
             p.data = p.data.clone()
-        return FitResult(
-            model=model, history=history(ctl.log), stopped_by=ctl.stopped_by, steps=steps,
-            samples=samples, epochs_completed=ctl.ledger.epochs_completed, wall_s=wall_s,
-            ledger=pd.DataFrame(ctl.ledger.records()), roles=ctl.roles, trainers=trainers,
-            failures=list(ctl.log.failures), checkpoints=list(ctl.log.checkpoints),
-            nonfinite=list(ctl.log.nonfinite), generations=ctl.log.generations,
-        )
+        return model
+
+
+def _engine_class(strategy: str) -> Any:
+    """The engine of a torch strategy (imported here: only the chosen one loads)."""
+    if strategy == "sync":
+        from dask_train.engines._sync_engine import TorchSyncEngine
+
+        return TorchSyncEngine
+    from dask_train.engines._ps_engine import AsyncPSEngine
+
+    return AsyncPSEngine
 
 
 def _materialize(validation: Any, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray] | Any:

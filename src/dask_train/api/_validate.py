@@ -113,11 +113,6 @@ def check_array_model(model: ArrayModel, settings: Mapping[str, Any], X: Any, y:
             f"strategy={settings['strategy']!r} cannot train a dt.ArrayModel: use strategy='sync' "
             "(its gradients are averaged by a Dask tree reduction; async-ps trains torch modules)."
         )
-    if settings.get("checkpoint") is not None or resume:
-        problems.append(
-            "checkpoint= and resume= are not available for a dt.ArrayModel yet: drop them, or "
-            "train a torch module to get checkpoints."
-        )
     if not problems and getattr(X, "ndim", 0) == 2:
         problems += model.check_on(int(X.shape[1]), y.dtype)
     return problems

@@ -1,13 +1,10 @@
-"""What a job is (its validated settings) and what outlives its generations (its log)."""
+"""What a job is: its validated settings, as every engine and the controller read them."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.policy._failure import FailureConfig
@@ -19,7 +16,7 @@ from dask_train.policy.stop import StopCondition
 class JobSpec:
     """Everything the controller needs, validated by the Trainer before it is built."""
 
-    module: torch.nn.Module
+    module: Any  # a torch.nn.Module (torch engines) or an ArrayModel (numpy engine)
     n_params: int
     loss: str
     optimizer: str
@@ -51,21 +48,3 @@ class JobSpec:
         """The tightest step limit among the stop conditions."""
         steps = [c.max_step for c in self.stop if c.max_step is not None]
         return min(steps) if steps else None
-
-
-@dataclass
-class JobLog:
-    """What outlives a generation: history, failures, checkpoints, time already trained."""
-
-    records: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    nonfinite: list[dict[str, Any]] = field(default_factory=list)
-    elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)
-    started: float = field(default_factory=time.time)
-    generations: int = 0
-
-    @property
-    def elapsed_offset(self) -> float:
-        """Seconds to add to ``time.time() - started`` for a continuous time axis."""
-        return self.elapsed_before

@@ -1,0 +1,105 @@
+"""The controller's explicit state: which phase a job is in, and what outlives its generations.
+
+Every change of phase happens in :meth:`JobState.enter`, which refuses the transitions the
+controller never makes, so a wrong one is a loud bug rather than a silent flag mix-up.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Phase(enum.Enum):
+    """Where a job is."""
+
+    STARTING = "starting"  # placing roles, starting servers and trainers of a generation
+    RUNNING = "running"  # training: events in, grants out, stop conditions checked
+    CHECKPOINTING = "checkpointing"  # trainers asked to pause; the checkpoint is written once all have
+    RESTARTING = "restarting"  # a lost role: this generation ends, the next starts from a checkpoint
+    FINISHING = "finishing"  # a stop fired: roles stop, final score, final parameters and checkpoint
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.ERRORED}),
+    Phase.RUNNING: frozenset({Phase.CHECKPOINTING, Phase.RESTARTING, Phase.FINISHING,
+                              Phase.ERRORED}),
+    Phase.CHECKPOINTING: frozenset({Phase.RUNNING, Phase.RESTARTING, Phase.FINISHING,
+                                    Phase.ERRORED}),
+    Phase.RESTARTING: frozenset({Phase.STARTING, Phase.ERRORED}),
+    Phase.FINISHING: frozenset({Phase.FINISHED, Phase.ERRORED}),
+    Phase.FINISHED: frozenset(),
+    Phase.ERRORED: frozenset(),
+}
+
+
+@dataclass
+class JobLog:
+    """What outlives a generation: history, failures, checkpoints, time already trained."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)
+    started: float = field(default_factory=time.time)
+    generations: int = 0
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Seconds of training in this job, resumed time included."""
+        return (now or time.time()) - self.started + self.elapsed_before
+
+
+@dataclass
+class JobState:
+    """The controller's whole mutable state, in one place.
+
+    Attributes
+    ----------
+    phase : Phase
+    generation : int
+        Generations started so far minus one (0 for the first).
+    stopped_by : str
+        Why the job is stopping ("" while it runs).
+    stop_step : int or None
+        The step of the score that stopped the job: its parameters are the result.
+    nan_stop : bool
+        A non-finite loss or score stopped the job: no checkpoint is written after it.
+    pause_id : int
+        The checkpoint pause in progress (0 when none).
+    pause_started : float
+    last_checkpoint_time, last_checkpoint_step : float, int
+    epochs_seen : int
+        Epochs whose ``on_epoch_end`` has been called.
+    """
+
+    phase: Phase = Phase.STARTING
+    generation: int = 0
+    stopped_by: str = ""
+    stop_step: int | None = None
+    nan_stop: bool = False
+    pause_id: int = 0
+    next_pause_id: int = 1
+    pause_started: float = 0.0
+    last_checkpoint_time: float = field(default_factory=time.time)
+    last_checkpoint_step: int = 0
+    epochs_seen: int = 0
+    history: list[Phase] = field(default_factory=list)
+
+    def enter(self, phase: Phase) -> None:
+        """Move to ``phase``; a transition the controller never makes raises ``RuntimeError``."""
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"job state: {self.phase.value} -> {phase.value} is not a transition")
+        self.history.append(self.phase)
+        self.phase = phase
+
+    def stop(self, reason: str) -> bool:
+        """Record why the job stops (the first reason wins); True when this call set it."""
+        if self.stopped_by:
+            return False
+        self.stopped_by = reason
+        return True

@@ -1,0 +1,146 @@
+"""The engine protocol: what the one controller needs from any way of training.
+
+An engine is one generation of a job on the cluster. The controller
+(:mod:`dask_train.controller`) owns everything that is the same for every engine: the score
+history, stop conditions and callbacks, non-finite handling, when to checkpoint and the manifest,
+the failure policy and the generations. An engine owns where its roles run and how data and
+gradients move. It talks back through one stream of plain-dict events (``emit``):
+
+* ``{"kind": "score", "step", "samples", <metrics>..., "nonfinite": [...]}``: a validation score;
+* ``{"kind": "nan", "trainer", "loss", "step", "epoch", "block"}``: a non-finite training loss;
+* ``{"kind": "epochs", "completed": int}``: epochs fully consumed so far (for ``on_epoch_end``);
+* ``{"kind": "progress", "step": int}``: the engine's step count moved (checkpoint scheduling).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_train.policy._failure import Failure
+from dask_train.policy._placement import Roles
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Snapshot:
+    """The engine's state at a consistent point, every trainer paused: what a manifest records.
+
+    ``ledger`` is the data position (a JSON-able ledger state), ``rng`` the RNG state per trainer.
+    """
+
+    step: int
+    ledger: dict[str, Any]
+    rng: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Ending:
+    """What an engine hands back when it stops.
+
+    ``final`` is the scorer's last answer (``{"record", "params"}``: the scored parameters when a
+    score stopped the job, else the final parameters' record and ``params=None``), or None.
+    """
+
+    params: Any
+    steps: int
+    samples: int
+    trainers: list[dict[str, Any]]
+    final: dict[str, Any] | None = None
+    rng: dict[str, str] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """One generation of a job: start, feed, pause and snapshot, stop, pull, close.
+
+    Every ``async`` method runs on the client's event loop and bounds each wait by the job's
+    timeout. Methods not marked abstract have the behaviour of an engine without that feature.
+    """
+
+    #: The failure policy's name of this engine's kind ("async-ps" or "sync").
+    strategy: str = "sync"
+    roles: Roles
+
+    @abstractmethod
+    async def start(self, emit: Emit) -> None:
+        """Place and start every role; events go to ``emit`` from now on."""
+
+    @abstractmethod
+    async def tick(self, now: float) -> str:
+        """Periodic work (about 5 times a second); the reason the engine ended on its own, or ""."""
+
+    @abstractmethod
+    def epochs_completed(self) -> int:
+        """Epochs whose every row has been consumed."""
+
+    @abstractmethod
+    def reported_step(self) -> int:
+        """The step count as best known without asking the workers."""
+
+    @abstractmethod
+    def ledger_state(self) -> dict[str, Any]:
+        """The data position as JSON-able state (a manifest's ``ledger``), every trainer stopped."""
+
+    async def exact_step(self) -> int:
+        """The step count, exact while every trainer is paused."""
+        return self.reported_step()
+
+    @abstractmethod
+    def ledger_records(self) -> list[dict[str, Any]]:
+        """One row per (epoch, block) handed out, for ``FitResult.ledger``."""
+
+    # -- failures ---------------------------------------------------------------------------------
+    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
+        """Roles whose worker left ``alive`` (address -> threads), or that raised."""
+        return []
+
+    def live_trainers(self) -> int:
+        """Trainers still taking part."""
+        return len(self.roles.get("worker", []))
+
+    async def retire_trainer(self, index: int) -> None:
+        """Go on without trainer ``index``; its unconsumed rows go to the survivors."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue without a trainer")
+
+    async def replace_scorer(self, alive: Mapping[str, int]) -> None:
+        """Start the scorer again on a live worker."""
+        raise NotImplementedError(f"{type(self).__name__} has no scorer to replace")
+
+    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
+        """Give workers that joined a role, where the engine can use them."""
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @abstractmethod
+    def running(self) -> bool:
+        """True while some trainer can still take part in a checkpoint pause."""
+
+    @abstractmethod
+    async def pause(self, pause_id: int) -> None:
+        """Ask every trainer to pause at its next consistent point."""
+
+    @abstractmethod
+    def paused(self, pause_id: int) -> Snapshot | None:
+        """The snapshot once every running trainer has paused for ``pause_id``, else None."""
+
+    @abstractmethod
+    async def resume(self, pause_id: int) -> None:
+        """Let the paused trainers go on."""
+
+    @abstractmethod
+    async def save(self, *, directory: str, paths: Callable[[int], str],
+                   metadata: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Write the parameters and optimizer state (paused or stopped), one record per file:
+        ``{"index", "start", "stop", "version", "samples", "finite"}``."""
+
+    # -- ending -----------------------------------------------------------------------------------
+    @abstractmethod
+    async def stop(self, *, keep_step: int | None) -> Ending:
+        """Stop every role and return the final parameters; ``keep_step`` is the step whose
+        scored parameters the result should hold (a score stopped the job), if any."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release everything the generation holds on the cluster (never raises)."""

@@ -1,0 +1,82 @@
+"""The async parameter-server engine, client side: servers, trainers, and what a lost trainer
+or a joining worker changes. Worker code: :mod:`.async_ps` (trainers), :mod:`._ps_server`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from dask_train.engines import _worker as worker_side
+from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._ps_server import start_shard_task
+from dask_train.engines._role_engine import RoleEngine
+from dask_train.engines.async_ps import run_trainer
+from dask_train.models._torch import split_shards
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncPSEngine(RoleEngine):
+    """Trainers push gradients to ``ps`` parameter servers holding balanced flat shards."""
+
+    strategy = "async-ps"
+    run_trainer = staticmethod(run_trainer)
+
+    def make_shards(self) -> list[ShardRef]:
+        """Balanced contiguous slices, one per server."""
+        servers = self.roles["ps"]
+        return [ShardRef(s.index, s.start, s.stop, servers[s.index])
+                for s in split_shards(self.spec.n_params, len(servers))]
+
+    async def start_servers(self) -> None:
+        """One shard per server, from the module or from the checkpoint's files."""
+        spec, restore = self.spec, self.restore
+        server_restore = None if restore is None else {
+            "files": restore["files"], "step": restore["step"], "samples": restore["samples"]}
+        starts = [
+            self.pinned(start_shard_task, self.module_f, address=ref.address,
+                        key=f"dt-ps-{ref.index}", job=self.job, shard=ref,
+                        optimizer=spec.optimizer, lr=spec.lr, options=spec.optimizer_options,
+                        max_step=spec.max_step, restore=server_restore)
+            for ref in self.shards
+        ]
+        await self.wait_for(starts, what="starting the parameter servers")
+
+    async def retire_trainer(self, index: int) -> None:
+        """Move a lost trainer's unconsumed rows to the survivors, minus the rows the servers
+        already applied (they remember each trainer's last few blocks)."""
+        ref = self.shards[0]
+        positions = await self.client.run(worker_side.shard_positions, self.job, ref.index, index,
+                                          workers=[ref.address], asynchronous=True)
+        applied = {(int(e), int(b)): int(rows) for e, b, rows in positions.get(ref.address, [])}
+        moved = self.ledger.retire(index, applied)
+        self.retired.add(index)
+        stale = [f for t, f in self.feeds if t == index and f.status == "pending"]
+        stale.append(self.trainer_futures[index])
+        await self.client.cancel(stale, asynchronous=True)
+        self.feeds = [(t, f) for t, f in self.feeds if t != index]
+        logger.warning("trainer %d retired; %d blocks moved to the survivors", index, len(moved))
+        for i in self.live():
+            if self.idle[i]:
+                self.idle[i] = False
+                self._grant(i)
+
+    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
+        """A worker that joined (a restarted one too) gets a trainer, up to ``workers``."""
+        live = self.live()
+        if self.stopping or len(live) >= self.spec.workers or \
+                all(self.ended[i] or self.idle[i] for i in live):
+            return
+        # Workers without a live trainer (a replaced scorer may already run on a new worker).
+        used = {self.roles["worker"][i] for i in live}
+        for address in [a for a in sorted(alive) if a not in used][: self.spec.workers - len(live)]:
+            index = self.ledger.add_trainer(address)
+            self.roles = self.roles.replace("worker", [*self.roles["worker"], address])
+            assert index == len(self.roles["worker"]) - 1
+            self.ended.append(False)
+            self.idle.append(False)
+            self.sequence.append(0)
+            self.trainer_futures.append(self._trainer_task(index, address))
+            for _ in range(self.spec.blocks_ahead):
+                self._grant(index)
+            logger.info("job %s: trainer %d joined on %s", self.job, index, address)

@@ -1,0 +1,502 @@
+"""Engines whose roles are long-running Dask tasks fed block by block: async-ps and sync torch.
+
+What they share: roles pinned to their workers, blocks granted from the ledger as trainers free
+queue slots (by one RPC for a local block, by a task otherwise), the shared scorer, pauses and
+shard writes for checkpoints, stopping and pulling, and watching the workers the roles live on.
+The two subclasses differ in their servers (parameter servers, or rank 0's own parameters) and in
+the trainer function they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distributed import Client, Future, wait
+from distributed.comm import CommClosedError
+
+from dask_train.data._blocks import BlockSet
+from dask_train.engines import _scorer
+from dask_train.engines import _worker as worker_side
+from dask_train.engines._base import Emit, Ending, Engine, Snapshot
+from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._ps_server import pull_params_task
+from dask_train.engines._spec import JobSpec
+from dask_train.errors import RoleFailed, TrainingTimeout
+from dask_train.policy._failure import Failure
+from dask_train.policy._ledger import Ledger
+from dask_train.policy._placement import Roles
+from dask_train.runtime._calls import alive_workers, run_on_live
+from dask_train.runtime._compat import drop_topic_handler
+from dask_train.runtime._feed import feed_block
+
+logger = logging.getLogger(__name__)
+
+
+class RoleEngine(Engine):
+    """Base of the engines whose trainers are pinned tasks reading per-trainer feed queues.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    spec : JobSpec
+    roles : Roles
+        Where each role runs in this generation.
+    blocks : BlockSet
+        The persisted training blocks.
+    validation : (numpy.ndarray, numpy.ndarray) or None
+    job : str
+        This generation's key on the workers: its state, tasks and events never mix with an
+        older generation's stragglers.
+    restore : mapping, optional
+        ``{"ledger", "rng", "files", "step", "samples"}`` of the checkpoint to start from.
+    """
+
+    #: The trainer task; set by subclasses.
+    run_trainer: Callable[..., Any]
+
+    def __init__(
+        self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, validation: Any,
+        *, job: str, restore: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.client, self.spec, self.roles, self.blocks = client, spec, roles, blocks
+        self.validation, self.job, self.restore = validation, job, restore
+        trainers = roles["worker"]
+        kwargs = {"epochs": spec.epochs, "shuffle": spec.shuffle, "seed": spec.seed}
+        self.ledger = (Ledger.from_state(blocks.blocks, trainers, state=restore["ledger"], **kwargs)
+                       if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
+        self.shards = self.make_shards()
+        self.emit: Emit = lambda event: None
+        self.feeds: list[tuple[int, Future]] = []
+        self.direct_feeds: set[asyncio.Task[None]] = set()
+        self.ended = [False] * len(trainers)
+        self.idle = [False] * len(trainers)  # out of blocks, waiting for the job's end (async)
+        self.retired: set[int] = set()
+        self.exited: set[int] = set()  # trainers whose last event has arrived
+        self.trainer_steps: dict[int, int] = {}
+        self.sequence = [0] * len(trainers)
+        self.trainer_futures: list[Future] = []
+        self.scorer_future: Future | None = None
+        self.scorer_restarts = 0
+        self.module_f: Future | None = None
+        self.config: dict[str, Any] = {}
+        self.finished_at = 0.0
+        self.last_heartbeat = 0.0
+        self.stopping = False
+        self.pauses: dict[int, dict[int, dict[str, Any]]] = {}
+
+    @property
+    def topic(self) -> str:
+        """The event topic of this generation's trainers and scorer."""
+        return f"dask-train-{self.job}"
+
+    def make_shards(self) -> list[ShardRef]:
+        """Where the job's parameters are held (and the scorer reads them)."""
+        raise NotImplementedError
+
+    async def start_servers(self) -> None:
+        """Start whatever holds the parameters before the trainers start."""
+
+    def trainer_config(self) -> dict[str, Any]:
+        """Settings every trainer (and the scorer) receives."""
+        spec = self.spec
+        restore = self.restore or {}
+        return {
+            "loss": spec.loss, "batch_size": spec.batch_size, "prefetch": spec.prefetch,
+            "grad_accumulation": spec.grad_accumulation, "timeout": spec.timeout,
+            "topic": self.topic, "score_every": spec.score_every, "optimizer": spec.optimizer,
+            "lr": spec.lr, "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
+            "seed": spec.seed, "on_nan": spec.on_nan, "rng": restore.get("rng") or {},
+        }
+
+    # -- starting ---------------------------------------------------------------------------------
+    def pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:
+        """Submit ``fn`` to run exactly once on ``address``.
+
+        Pinned with no fallback: a role's state lives on that worker. ``pure=False``: each call
+        has side effects. retries stay 0: a lost role is the controller's decision, not a silent
+        re-run elsewhere.
+        """
+        return self.client.submit(fn, *args, workers=[address], allow_other_workers=False,
+                                  pure=False, key=f"{key}-{self.job}", **kwargs)
+
+    async def start(self, emit: Emit) -> None:
+        """Start servers, the scorer and the trainers; grant every trainer its first blocks."""
+        self.emit = emit
+        self.module_f = await self.client.scatter(self.spec.module, hash=False, asynchronous=True)
+        await self.start_servers()
+        self.config = self.trainer_config()
+        self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
+        if self.validation is not None and self.roles["scorer"]:
+            await self.start_scorer(self.roles["scorer"][0])
+        for i, address in enumerate(self.roles["worker"]):
+            self.trainer_futures.append(self._trainer_task(i, address))
+        # Round-robin over the trainers, so the first cannot take every block of a small job
+        # before the others get one.
+        for _ in range(self.spec.blocks_ahead):
+            for i in range(len(self.roles["worker"])):
+                self._grant(i)
+
+    def _trainer_task(self, index: int, address: str) -> Future:
+        return self.pinned(type(self).run_trainer, self.module_f, address=address,
+                           key=f"dt-worker-{index}", job=self.job, index=index,
+                           shards=self.shards, config=self.config)
+
+    async def start_scorer(self, address: str) -> None:
+        """Start (or restart, on another worker) the scorer on ``address``."""
+        [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
+                                            asynchronous=True)
+        suffix = f"-r{self.scorer_restarts}" if self.scorer_restarts else ""
+        self.scorer_future = self.pinned(
+            _scorer.run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
+            job=self.job, shards=self.shards, config=self.config)
+        self.roles = self.roles.replace("scorer", [address])
+
+    async def wait_for(self, futures: list[Future], *, what: str) -> None:
+        """Wait for role tasks, bounded by the timeout; a task's error becomes RoleFailed."""
+        try:
+            await wait(futures, timeout=self.spec.timeout)
+        except TimeoutError:
+            raise TrainingTimeout(
+                f"{what} took longer than timeout={self.spec.timeout:g} s; check that the workers "
+                "are alive (dashboard) or raise timeout="
+            ) from None
+        for fut in futures:
+            if fut.status == "error":
+                await self.raise_role_error(fut, what)
+
+    async def raise_role_error(self, fut: Future, role: str) -> None:
+        """Raise :class:`RoleFailed` with the role's own exception and traceback as the cause."""
+        exc = await fut.exception()
+        tb = await fut.traceback()
+        raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
+
+    # -- feeding ----------------------------------------------------------------------------------
+    def _grant(self, trainer: int) -> None:
+        """Hand ``trainer`` its next block, or the end marker once every epoch is handed out."""
+        if self.ended[trainer] or trainer in self.retired or self.stopping:
+            return
+        a = self.ledger.next_for(trainer)
+        if a is None and self.strategy != "sync":
+            # Async: no end marker yet. Until every block is consumed, a lost trainer's blocks
+            # may still come back to this one (see _end_idle).
+            self.idle[trainer] = True
+            self._end_idle()
+            return
+        self.idle[trainer] = False
+        address = self.roles["worker"][trainer]
+        common = self._common(trainer)
+        if a is None:
+            self.ended[trainer] = True
+            fut = self.pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
+                              epoch=-1, block=-1, **common)
+        elif a.local and self._feed_direct(trainer, address, a, common):
+            return
+        else:
+            fut = self._feed_task(trainer, address, a, common)
+        self.feeds.append((trainer, fut))
+
+    def _common(self, trainer: int) -> dict[str, Any]:
+        common = {"job": self.job, "trainer": trainer, "seed": self.spec.seed,
+                  "shuffle": self.spec.shuffle, "seq": self.sequence[trainer]}
+        self.sequence[trainer] += 1
+        return common
+
+    def _feed_task(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> Future:
+        return self.pinned(
+            feed_block, self.blocks.futures[a.block], address=address,
+            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
+            skip=a.skip, **common)
+
+    def _feed_direct(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> bool:
+        """Queue a local block by one RPC to its worker; False when there is no loop to run it."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+
+        async def send() -> None:
+            try:
+                rows = await self.client.rpc(address).dask_train_feed(
+                    key=self.blocks.futures[a.block].key, epoch=a.epoch, block=a.block,
+                    skip=a.skip, **common)
+            except Exception:  # a lost worker or a broken connection: the task path decides
+                rows = -1
+            if rows < 0 and not self.stopping:
+                # The block left that worker (or never was there): a task brings it.
+                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
+
+        task = loop.create_task(send())
+        self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
+        task.add_done_callback(self.direct_feeds.discard)
+        return True
+
+    def _end_idle(self) -> None:
+        """Send end markers to idle trainers once every block handed out has been consumed."""
+        live = self.live()
+        if not all(self.idle[i] for i in live) or not self.ledger.all_reported():
+            return
+        for i in live:
+            self.idle[i] = False
+            self.ended[i] = True
+            fut = self.pinned(feed_block, None, address=self.roles["worker"][i],
+                              key=f"dt-end-{i}", epoch=-1, block=-1, **self._common(i))
+            self.feeds.append((i, fut))
+
+    def live(self) -> list[int]:
+        """Trainers not lost (retired)."""
+        return [i for i in range(len(self.roles["worker"])) if i not in self.retired]
+
+    def live_trainers(self) -> int:
+        """Trainers still taking part."""
+        return len(self.live())
+
+    # -- events -----------------------------------------------------------------------------------
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "block":
+            trainer = event["trainer"]
+            if trainer in self.retired:
+                return
+            self.trainer_steps[trainer] = int(event["steps"])
+            before = self.ledger.epochs_completed
+            self.ledger.consumed(epoch=event["epoch"], block=event["block"], trainer=trainer,
+                                 rows=event["rows"], done=event["done"])
+            self._grant(trainer)
+            self._end_idle()
+            if self.ledger.epochs_completed > before:
+                self.emit({"kind": "epochs", "completed": self.ledger.epochs_completed})
+            self.emit({"kind": "progress", "step": self.reported_step()})
+        elif kind == "paused":
+            self.trainer_steps[event["trainer"]] = int(event["steps"])
+            self.pauses.setdefault(int(event["id"]), {})[int(event["trainer"])] = dict(event)
+        elif kind == "exit":
+            self.exited.add(int(event["trainer"]))
+        else:  # score, nan: the controller's
+            self.emit(event)
+
+    def epochs_completed(self) -> int:
+        """Epochs whose every block was reported consumed."""
+        return int(self.ledger.epochs_completed)
+
+    def ledger_records(self) -> list[dict[str, Any]]:
+        """The ledger's rows."""
+        return list(self.ledger.records())
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The ledger's state (a manifest's ``ledger``)."""
+        state: dict[str, Any] = self.ledger.state()
+        return state
+
+    async def exact_step(self) -> int:
+        """The update count of the first parameter holder (every holder steps together)."""
+        ref = self.shards[0]
+        counts = await self.client.run(worker_side.shard_version, self.job, ref.index,
+                                       workers=[ref.address], asynchronous=True)
+        return int(counts[ref.address])
+
+    def reported_step(self) -> int:
+        """The servers' step as the trainers last reported it."""
+        base = int(self.restore["step"]) if self.restore is not None else 0
+        if self.strategy == "sync":
+            return max(self.trainer_steps.values(), default=base)
+        return base + sum(self.trainer_steps.values())
+
+    async def tick(self, now: float) -> str:
+        """Detect the natural end; keep idle trainers' feed waits alive."""
+        live = [self.trainer_futures[i] for i in self.live()]
+        if live and all(i in self.exited for i in self.live()):
+            return "trainers ended"
+        if live and all(f.status == "finished" for f in live):
+            # A trainer's last events and its task's completion travel separately: give the
+            # events a moment to arrive before deciding why the job ended.
+            self.finished_at = self.finished_at or now
+            if now - self.finished_at > 5.0:
+                return "trainers ended"
+        elif any(self.idle) and now - self.last_heartbeat > self.spec.timeout / 4:
+            # Idle trainers wait for the others' last blocks: keep their feed wait alive.
+            self.last_heartbeat = now
+            for i in self.live():
+                if self.idle[i]:
+                    self.feeds.append((i, self.pinned(
+                        feed_block, None, address=self.roles["worker"][i],
+                        key=f"dt-beat-{i}-{int(now * 1000)}", job=self.job, trainer=i,
+                        seed=0, shuffle=False, seq=-1, epoch=-1, block=-2)))
+        return ""
+
+    # -- failures ---------------------------------------------------------------------------------
+    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
+        """Roles on workers that left; then roles that raised (the scorer's error is a failure,
+        a trainer's is the user's and raises RoleFailed, unless a peer's death caused it)."""
+        lost = [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
+                for kind in ("ps", "worker", "scorer")
+                for i, address in enumerate(self.roles.get(kind, []))
+                if address not in alive and not (kind == "worker" and i in self.retired)]
+        if lost:
+            return lost
+        scorer = self.scorer_future
+        if scorer is not None and scorer.status == "error":
+            exc = await scorer.exception()
+            return [Failure("scorer", 0, self.roles["scorer"][0],
+                            f"the scorer raised {type(exc).__name__}: {exc}")]
+        for i in self.live():
+            fut = self.trainer_futures[i]
+            if fut.status != "error":
+                continue
+            exc = await fut.exception()
+            if isinstance(exc, (OSError, CommClosedError, TrainingTimeout)):
+                # Usually a peer's worker died (a server, a rank): wait for the scheduler to
+                # notice, so the root cause is what the policy sees.
+                for _ in range(20):
+                    await asyncio.sleep(0.1)
+                    now_alive = await alive_workers(self.client)
+                    if set(self.roles.addresses) - set(now_alive):
+                        return await self.failures(now_alive)
+            await self.raise_role_error(fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
+        for _trainer, fut in self.feeds:
+            if fut.status == "error":
+                await self.raise_role_error(fut, f"feeding block task {fut.key}")
+        self.feeds = [(t, f) for t, f in self.feeds if f.status != "finished"]
+        return []
+
+    async def replace_scorer(self, alive: Mapping[str, int]) -> None:
+        """Start the scorer on the least-loaded live worker."""
+        old = self.scorer_future
+        if old is not None and old.status == "pending":
+            await self.client.cancel([old], asynchronous=True)
+        used = {a: 0.0 for a in alive}
+        for kind, weight in (("worker", 1.0), ("ps", 0.5)):
+            for address in self.roles.get(kind, []):
+                if address in used:
+                    used[address] += weight
+        self.scorer_restarts += 1
+        await self.start_scorer(min(sorted(used), key=lambda a: used[a]))
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def running(self) -> bool:
+        """True while a live trainer's task is still running."""
+        return any(self.trainer_futures[i].status == "pending" for i in self.live())
+
+    def _running(self) -> list[int]:
+        return [i for i in self.live() if self.trainer_futures[i].status == "pending"]
+
+    async def pause(self, pause_id: int) -> None:
+        """Raise the pause id on every running trainer's worker."""
+        self.pauses[pause_id] = {}
+        workers = sorted({self.roles["worker"][i] for i in self._running()})
+        await run_on_live(self.client, worker_side.request_pause, self.job, pause_id,
+                          workers=workers)
+
+    def paused(self, pause_id: int) -> Snapshot | None:
+        """Every running trainer's pause report, as a snapshot (its step is the reported one;
+        the controller reads the exact step from the saved files)."""
+        reports = self.pauses.get(pause_id, {})
+        if not all(t in reports for t in self._running()):
+            return None
+        positions = {t: e.get("position") for t, e in reports.items()}
+        return Snapshot(step=self.reported_step(),
+                        ledger=patch_positions(self.ledger.state(), positions),
+                        rng={str(t): e["rng"] for t, e in reports.items()})
+
+    async def resume(self, pause_id: int) -> None:
+        """Let every trainer paused for ``pause_id`` go on."""
+        self.pauses.pop(pause_id, None)
+        await run_on_live(self.client, worker_side.resume, self.job, pause_id,
+                          workers=self.roles.addresses)
+
+    async def save(self, *, directory: str, paths: Callable[[int], str],
+                   metadata: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Each parameter holder writes its own file, in parallel, atomically."""
+        futures = [
+            self.pinned(worker_side.save_shard_task, address=ref.address,
+                        key=f"dt-save-{time.monotonic_ns()}-{ref.index}", job=self.job,
+                        index=ref.index, path=paths(ref.index),
+                        metadata={**metadata, "start": str(ref.start), "stop": str(ref.stop)})
+            for ref in self.shards
+        ]
+        await self.wait_for(futures, what=f"writing checkpoint {directory}")
+        results = await self.client.gather(futures, asynchronous=True)
+        return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
+                for ref, r in zip(self.shards, results)]
+
+    # -- ending -----------------------------------------------------------------------------------
+    async def stop(self, *, keep_step: int | None) -> Ending:
+        """Stop every role (each wait bounded by the timeout); pull the final parameters."""
+        self.stopping = True
+        for pause_id in list(self.pauses):
+            await self.resume(pause_id)
+        await run_on_live(self.client, worker_side.signal_stop, self.job,
+                          workers=self.roles.addresses)
+        live = [self.trainer_futures[i] for i in self.live()]
+        await self.wait_for(live, what="stopping the trainers")
+        trainers = [await f for f in live]
+        await self._drain_events()
+        final = None
+        if self.scorer_future is not None:
+            await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
+                              keep_step=keep_step, workers=self.roles["scorer"])
+            await self.wait_for([self.scorer_future], what="the final score")
+            final = await self.scorer_future
+        pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",
+                             job=self.job, index=ref.index) for ref in self.shards]
+        await self.wait_for(pulls, what="pulling the final parameters")
+        parts = await self.client.gather(pulls, asynchronous=True)
+        import numpy as np
+
+        return Ending(params=np.concatenate([p[0] for p in parts]),
+                      steps=min(p[1] for p in parts), samples=min(p[2] for p in parts),
+                      trainers=trainers, final=final,
+                      rng={str(t["trainer"]): t["rng"] for t in trainers if t.get("rng")})
+
+    async def _drain_events(self) -> None:
+        """Wait (briefly) for the trainers' last events, so the ledger holds every report."""
+        deadline = time.monotonic() + min(10.0, self.spec.timeout)
+        while not all(i in self.exited for i in self.live()):
+            if time.monotonic() > deadline:
+                logger.warning("job %s: the last events of trainers %s did not arrive", self.job,
+                               sorted(set(self.live()) - self.exited))
+                return
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        """Unsubscribe, cancel what still runs, and drop the job's state on its workers."""
+        try:
+            await asyncio.wait_for(self._close(), timeout=self.spec.timeout)
+        except Exception:  # closing must not hide the job's own error
+            logger.exception("cleaning up job %s failed", self.job)
+
+    async def _close(self) -> None:
+        self.stopping = True
+        self.client.unsubscribe_topic(self.topic)
+        # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with it
+        # this engine, its blocks and role futures, for as long as the client lives.
+        drop_topic_handler(self.client, self.topic)
+        pending = [f for f in self.trainer_futures if f.status == "pending"]
+        pending += [f for _, f in self.feeds if f.status == "pending"]
+        if self.scorer_future is not None and self.scorer_future.status == "pending":
+            pending.append(self.scorer_future)
+        if pending:
+            # Tasks pinned to a lost worker wait in no-worker forever: cancel them.
+            await self.client.cancel(pending, asynchronous=True)
+        self.trainer_futures, self.feeds, self.scorer_future = [], [], None
+        await run_on_live(self.client, worker_side.drop_job, self.job,
+                          workers=self.roles.addresses)
+
+
+def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:
+    """The ledger state with the paused trainers' partial blocks counted as consumed so far.
+
+    ``positions`` maps trainer -> [epoch, block, rows] (rows applied, skip included).
+    """
+    where = {(int(p[0]), int(p[1])): int(p[2]) for p in positions.values() if p is not None}
+    fields = list(ledger_state["entry_fields"])
+    epoch, block = fields.index("epoch"), fields.index("block")
+    consumed, done = fields.index("consumed"), fields.index("done")
+    for entry in ledger_state["entries"]:
+        key = (int(entry[epoch]), int(entry[block]))
+        if key in where and not entry[done]:
+            entry[consumed] = where[key]
+    return ledger_state

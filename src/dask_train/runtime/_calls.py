@@ -1,0 +1,29 @@
+"""Calls from the client to the workers that must never wait on a dead one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import Client
+
+
+async def alive_workers(client: Client) -> dict[str, int]:
+    """Live Dask workers and their thread counts, as the scheduler sees them now."""
+    info = (await client.scheduler.identity()).get("workers", {})
+    return {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+
+
+async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str],
+                      **kwargs: Any) -> Any:
+    """``client.run`` on those of ``workers`` still alive.
+
+    A call to a dead worker's address waits for the 30 s connect timeout even with
+    ``on_error="ignore"``: never send one.
+    """
+    alive = await alive_workers(client)
+    targets = [w for w in workers if w in alive]
+    if not targets:
+        return {}
+    return await client.run(fn, *args, workers=targets, asynchronous=True, on_error="ignore",
+                            **kwargs)
