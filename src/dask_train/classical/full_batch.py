@@ -28,12 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dask
 import dask.array as da
 import numpy as np
 from distributed import Client, Future, get_client, wait
 
-from dask_train.data._blocks import as_dask_array
+from dask_train.data._blocks import as_dask_array, as_pair, persist_pairs
 from dask_train.errors import InvalidInput
 
 BlockFn = Callable[..., Any]
@@ -181,12 +180,6 @@ class BlockData:
         return groups
 
 
-def _as_block(x: np.ndarray, y: np.ndarray | None, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    # One copy at most: to the solver's dtype and C order, so row slices are contiguous for BLAS.
-    x = np.ascontiguousarray(x, dtype=dtype)
-    return x, (None if y is None else np.ascontiguousarray(y))
-
-
 def _to_2d_dask(X: Any, y: Any) -> tuple[da.Array, da.Array | None]:
     X = as_dask_array(X)
     problems = []
@@ -235,22 +228,12 @@ def persist_data(
     >>> loss, grad = distributed_loss_grad(fn, w, data)        # doctest: +SKIP
     >>> data.release()                                         # doctest: +SKIP
     """
-    # Not dask_train.data.persist_blocks: that one is async, keeps the source dtype and computes
-    # label ranges; here the persisting task also converts to the solver's dtype (one copy at most)
-    # and the GLMs compute their own per-block statistics.
     client = client or default_client()
     if not hasattr(X, "dask") and not hasattr(y, "dask"):
         return _scatter_local(np.asarray(X), None if y is None else np.asarray(y), client, dtype)
     Xd, yd = _to_2d_dask(X, y)
-    x_parts = Xd.to_delayed().ravel()
-    y_parts = [None] * len(x_parts) if yd is None else list(yd.to_delayed().ravel())
-    # One task per block makes X and y one object, so they can never sit on different workers.
-    pairs = [dask.delayed(_as_block, pure=True)(xp, yp, dtype) for xp, yp in zip(x_parts, y_parts)]
-    futures = client.compute(pairs)
-    wait(futures)
-    failed = [f for f in futures if f.status == "error"]
-    if failed:
-        failed[0].result()  # re-raises the remote exception with its traceback
+    # The solver's dtype is applied by the persisting task itself: one copy at most.
+    futures = client.sync(persist_pairs, client, Xd, yd, dtype=dtype)
     who_has = client.who_has(futures)
     info = client.scheduler_info(n_workers=-1)["workers"]
     threads = {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
@@ -278,7 +261,7 @@ def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: A
     n_blocks = max(1, min(sum(threads.values()) or 1, X.nbytes // _LOCAL_BLOCK_BYTES, len(X)))
     bounds = np.linspace(0, len(X), n_blocks + 1).astype(int)
     blocks = [
-        _as_block(X[a:b], None if y is None else y[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])
+        as_pair(X[a:b], None if y is None else y[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])
     ]
     futures = client.scatter(blocks, hash=False, direct=True)
     who_has = client.who_has(futures)

@@ -48,9 +48,35 @@ def _label_range(pair: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
     return (float(y.min()), float(y.max())) if y.size else (np.inf, -np.inf)
 
 
-def _pair(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # Contiguous arrays so the trainer's per-batch gathers are cheap and torch.from_numpy works.
-    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+def as_pair(x: np.ndarray, y: np.ndarray | None, dtype: Any = None) -> tuple[np.ndarray, Any]:
+    """One block as a contiguous ``(X_block, y_block)`` pair, ``X`` in ``dtype`` (one copy at most).
+
+    Contiguous so row slices are cheap for BLAS and per-batch gathers, and torch.from_numpy works.
+    """
+    return np.ascontiguousarray(x, dtype=dtype), None if y is None else np.ascontiguousarray(y)
+
+
+async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
+                        dtype: Any = None) -> list[Future]:
+    """Persist ``X`` and ``y`` as co-located ``(X_block, y_block)`` pairs: one future per block.
+
+    The one way dask-train persists training data. One object per block holding both parts, so a
+    block's features and labels can never end up on different workers, and whatever moves a
+    block moves them together. ``X`` is rechunked to whole rows, ``y`` to ``X``'s row chunks.
+    """
+    X = X.rechunk({1: -1}) if X.ndim == 2 else X
+    x_parts = X.to_delayed().ravel()
+    y_parts = [None] * len(x_parts) if y is None else \
+        list(y.rechunk({0: X.chunks[0]}).to_delayed().ravel())
+    pairs = [dask.delayed(as_pair, pure=True)(xp, yp, dtype) for xp, yp in zip(x_parts, y_parts)]
+    futures = client.compute(pairs)
+    # Inside the client's event loop distributed.wait returns a coroutine; it waits without
+    # bringing any block to the client.
+    await wait(futures)
+    failed = [f for f in futures if f.status == "error"]
+    if failed:
+        await failed[0]  # re-raises the remote exception with its traceback
+    return list(futures)
 
 
 async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
@@ -59,18 +85,7 @@ async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
     One future per block, holding both parts, so a block's features and labels can never end up on
     different workers, and one feed task per block moves them together when a block must move.
     """
-    X = X.rechunk({1: -1}) if X.ndim == 2 else X
-    y = y.rechunk({0: X.chunks[0]})
-    x_parts = X.to_delayed().ravel()
-    y_parts = y.to_delayed().ravel()
-    pairs = [dask.delayed(_pair, pure=True)(xp, yp) for xp, yp in zip(x_parts, y_parts)]
-    futures = client.compute(pairs)
-    # Inside the client's event loop distributed.wait returns a coroutine; it waits without
-    # bringing any block to the client.
-    await wait(futures)
-    failed = [f for f in futures if f.status == "error"]
-    if failed:
-        await failed[0]  # re-raises the remote exception with its traceback
+    futures = await persist_pairs(client, X, y)
     # Label range from the persisted blocks themselves: one tiny result per block, and the source
     # graph is never recomputed.
     ranges = await client.gather(client.map(_label_range, futures, pure=False), asynchronous=True)
