@@ -7,6 +7,7 @@ import operator
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import dask.array as da
@@ -15,7 +16,6 @@ import pytest
 from distributed import Client, get_worker, wait
 
 import dask_train as dt
-from dask_train.classical import full_batch
 from dask_train.classical.full_batch import BlockData, persist_data
 
 
@@ -157,22 +157,32 @@ def _counted_block(block: np.ndarray) -> np.ndarray:
     return block
 
 
+def _held(client: Client) -> set[str]:
+    """Keys held in the memory of any worker."""
+    return {str(k) for keys in client.has_what().values() for k in keys}
+
+
 def test_blocks_are_read_from_the_source_once(client: Client, regression_data: Any) -> None:
     X, y = regression_data
     Xd = da.from_array(X, chunks=(250, 6)).map_blocks(_counted_block, dtype=X.dtype)
     yd = da.from_array(y, chunks=250)
     w = np.zeros(6)
+    before = _held(client)
     for _ in range(3):
         dt.distributed_loss_grad(_least_squares, w, Xd, yd, client=client)
     reads = client.get_events("test-full-batch-reads")
     assert sum(event["rows"] for _, event in reads) == len(X)  # each block once, not once per call
     assert len(reads) == Xd.numblocks[0]
 
-    # The cached blocks go when the arrays go.
-    assert any(entry[3].futures for entry in full_batch._CACHE.values())
+    # The cached blocks go when the arrays go: seen on the cluster, the keys its workers hold.
+    cached = _held(client) - before
+    assert len(cached) >= Xd.numblocks[0]  # the persisted blocks (and maybe a late reply)
     del Xd, yd
     gc.collect()
-    assert not full_batch._CACHE
+    deadline = time.monotonic() + 10  # the release reaches the scheduler a moment later
+    while _held(client) & cached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _held(client) & cached
 
 
 def test_client_receives_one_partial_result_per_call(client: Client) -> None:

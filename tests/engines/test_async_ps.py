@@ -13,7 +13,6 @@ from _models import Recorder, mlp
 from distributed import Client
 
 import dask_train as dt
-from dask_train.data import block_order
 
 
 def _data(n: int = 2000, chunks: int = 500, n_in: int = 8, n_out: int = 3, seed: int = 0):
@@ -24,27 +23,61 @@ def _data(n: int = 2000, chunks: int = 500, n_in: int = 8, n_out: int = 3, seed:
     return x, y, da.from_array(x, chunks=(chunks, n_in)), da.from_array(y, chunks=chunks)
 
 
-def _reference(module, x, y, ledger, *, lr, batch_size, shuffle, seed, accumulate=1):
-    """A plain single-process SGD loop over the blocks in the ledger's order.
+# The data contract of Trainer(shuffle=..., seed=...), written out here rather than imported, so
+# the expected answers below do not come from the code under test. Pinned on purpose: exact
+# resume and reproducible runs depend on it, so changing it must be a deliberate change of these
+# tests too.
+#   * shuffle=False: blocks in index order every epoch, rows of a block in their stored order.
+#   * shuffle=True: epoch e reads the blocks in the order
+#       default_rng(SeedSequence([seed, e, 0xB10C])).permutation(n_blocks)
+#     and block b's rows in epoch e in the order
+#       default_rng(SeedSequence([seed, e, b])).permutation(rows_of_b).
+#   * batches are cut from a block's row order, batch_size at a time, the last one smaller;
+#     a batch never spans two blocks.
+def _epoch_blocks(n_blocks: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n_blocks))
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xB10C]))
+    return [int(i) for i in rng.permutation(n_blocks)]
 
-    Batches are made as the trainer makes them; with ``accumulate`` k, each update averages the
-    gradients of k consecutive batches of one block.
+
+def _rows(rows: int, *, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(rows)
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch, block])).permutation(rows)
+
+
+def _one_trainer_plan(chunks, *, epochs: int, seed: int, shuffle: bool) -> list[tuple[int, int]]:
+    """(epoch, block) in the order the only trainer reads them: with one trainer nothing depends
+    on placement or timing, it reads every block of an epoch in the epoch's order."""
+    n = len(chunks)
+    return [(e, b) for e in range(epochs) for b in _epoch_blocks(n, seed=seed, epoch=e, shuffle=shuffle)]
+
+
+def _reference(module, x, y, chunks, plan, *, lr, batch_size, shuffle, seed, accumulate=1):
+    """A plain single-process SGD loop over the blocks in ``plan``'s order.
+
+    With ``accumulate`` k, each update averages the gradients of k consecutive batches of one block.
     """
+    starts = np.concatenate([[0], np.cumsum(chunks)[:-1]])
     opt = torch.optim.SGD(module.parameters(), lr=lr)
-    for row in ledger.itertuples():
-        start, rows = row.block * 500, row.rows
-        order = block_order(rows=rows, seed=seed, epoch=row.epoch, block=row.block, shuffle=shuffle)
-        starts = list(range(0, rows, batch_size))
-        for g in range(0, len(starts), accumulate):  # groups of batches, never across blocks
-            group = starts[g : g + accumulate]
+    for epoch, block in plan:
+        rows = chunks[block]
+        order = starts[block] + _rows(rows, seed=seed, epoch=epoch, block=block, shuffle=shuffle)
+        batches = [order[i : i + batch_size] for i in range(0, rows, batch_size)]
+        for g in range(0, len(batches), accumulate):  # groups of batches, never across blocks
+            group = batches[g : g + accumulate]
             opt.zero_grad()
-            for i in group:
-                idx = start + order[i : i + batch_size]
+            for idx in group:
                 out = module(torch.from_numpy(x[idx]))
                 loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y[idx])) / len(group)
                 loss.backward()
             opt.step()
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _read_order(ledger) -> list[tuple[int, int]]:
+    return [(int(e), int(b)) for e, b in zip(ledger["epoch"], ledger["block"])]
 
 
 @pytest.mark.parametrize("ps,shuffle", [(1, False), (3, True)])
@@ -68,8 +101,12 @@ def test_one_trainer_equals_a_plain_torch_loop(client: Client, ps: int, shuffle:
     )
     result = trainer.fit(X, Y)
     assert result.stopped_by == "epochs=2"
-    assert len(result.ledger) == 8  # 4 blocks x 2 epochs
-    expected = _reference(mlp(8, 16, 3), x, y, result.ledger, lr=0.05, batch_size=64, shuffle=shuffle, seed=7)
+    chunks = (500, 500, 500, 500)  # as _data chunks them
+    plan = _one_trainer_plan(chunks, epochs=2, seed=7, shuffle=shuffle)
+    assert len(plan) == 8  # 4 blocks x 2 epochs
+    assert _read_order(result.ledger) == plan  # the ledger reports the order the test expects
+    expected = _reference(mlp(8, 16, 3), x, y, chunks, plan, lr=0.05, batch_size=64, shuffle=shuffle,
+                          seed=7)
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     assert result.steps == 2 * 4 * 8  # ceil(500 / 64) = 8 batches per block
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
@@ -279,8 +316,11 @@ def test_grad_accumulation_equals_a_plain_loop_on_batch_groups(client: Client) -
     result = trainer.fit(X, Y)
     # 8 batches per block in groups of 3, 3 and 2: 3 updates per block, 4 blocks.
     assert result.steps == 12
+    chunks = (500, 500, 500, 500)
+    plan = _one_trainer_plan(chunks, epochs=1, seed=3, shuffle=True)
+    assert _read_order(result.ledger) == plan
     expected = _reference(
-        mlp(8, 16, 3), x, y, result.ledger, lr=0.05, batch_size=64, shuffle=True, seed=3, accumulate=3
+        mlp(8, 16, 3), x, y, chunks, plan, lr=0.05, batch_size=64, shuffle=True, seed=3, accumulate=3
     )
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

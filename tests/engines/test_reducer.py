@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,26 +26,64 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5 + rank, 8, generator=g), torch.randint(0, 4, (5 + rank,), generator=g)
 
 
+@contextmanager
+def _collectives() -> Iterator[list[str]]:
+    """Record every collective started through torch.distributed while the block runs.
+
+    The test's own hook on the public collective functions, so what the reducer starts, and when,
+    is observed from outside it; the reducer calls them as ``dist.<name>`` at call time.
+    """
+    started: list[str] = []
+    saved = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield started
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def _bucketed(bucket_bytes: int, idle_rank: int | None) -> dict[str, Any]:
     """Two steps with the reducer; ``idle_rank`` does no backward in step 1 (out of data)."""
     rank = dist.get_rank()
     model = FlatModel(_net())
     reducer = GradientReducer(model, bucket_bytes=bucket_bytes)
-    out: dict[str, Any] = {"n_buckets": reducer.n_buckets, "sums": [], "started_in_backward": []}
+    out: dict[str, Any] = {"n_buckets": reducer.n_buckets, "sums": [], "started_in_backward": [],
+                           "before_first_layer": [], "per_step": []}
+    # The test's own hooks, registered after the reducer's, so each runs once the reducer has seen
+    # that gradient: how many collectives had started when the first layer's gradients (the last
+    # that backward computes) began to arrive shows whether communication overlapped backward.
+    first_layer = {id(p) for p in model.module[0].parameters()}
+    seen: list[int] = []
+    for p in model.module.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: seen.append(len(started)) if id(p) in first_layer else None)
     for step in range(2):
         reducer.reset()
-        if step == 1 and rank == idle_rank:
-            reducer.meta[0] = 0
-            started = 0
-        else:
-            x, y = _batch(rank, step)
-            reducer.meta[0] = len(x)
-            loss = torch.nn.functional.cross_entropy(model.module(x), y)
-            reducer.backward(loss * len(x), reduce=True)
-            started = len(reducer._works)  # buckets whose all-reduce began during backward
-        reducer.start_rest()
-        reducer.wait()
-        out["started_in_backward"].append(started)
+        seen.clear()
+        with _collectives() as started:
+            if step == 1 and rank == idle_rank:
+                reducer.meta[0] = 0
+                in_backward = 0  # no backward at all
+            else:
+                x, y = _batch(rank, step)
+                reducer.meta[0] = len(x)
+                loss = torch.nn.functional.cross_entropy(model.module(x), y)
+                reducer.backward(loss * len(x), reduce=True)
+                in_backward = len(started)  # collectives begun before backward returned
+            reducer.start_rest()
+            reducer.wait()
+        out["started_in_backward"].append(in_backward)
+        out["before_first_layer"].append(seen[0] if seen else None)
+        out["per_step"].append(len(started))
         out["sums"].append(reducer.buf.clone())
     return out
 
@@ -78,6 +118,12 @@ def test_buckets_start_during_backward_and_sum_like_one_all_reduce(client: Clien
         assert got["n_buckets"] == 6
         # Every bucket began before backward returned, except on the rank that had no backward.
         assert got["started_in_backward"] == [6, 6 if rank == 0 else 0]
+        # Backward still had the first layer to do when the later layers' buckets (4 of the 6:
+        # the last two layers' weights and biases) were already on the wire.
+        # (5 when the first layer's bias comes in before its weight and starts its own bucket.)
+        assert all(n is not None and n >= 4 for n in got["before_first_layer"][: 2 if rank == 0 else 1])
+        assert rank == 0 or got["before_first_layer"][1] is None
+        assert got["per_step"] == [6, 6]  # the idle rank starts the same collectives over zeros
         for step in range(2):
             torch.testing.assert_close(got["sums"][step], reference[rank][step], rtol=1e-5,
                                        atol=1e-5)
@@ -89,14 +135,15 @@ def test_buckets_start_during_backward_and_sum_like_one_all_reduce(client: Clien
 def _inner_steps_start_nothing() -> list[int]:
     model = FlatModel(_net())
     reducer = GradientReducer(model, bucket_bytes=4)
-    started = []
+    counts = []
     x, y = _batch(dist.get_rank(), 0)
-    for reduce in (False, False, True):
-        loss = torch.nn.functional.cross_entropy(model.module(x), y)
-        reducer.backward(loss, reduce=reduce)
-        started.append(len(reducer._works))
-    reducer.wait()
-    return started
+    with _collectives() as started:
+        for reduce in (False, False, True):
+            loss = torch.nn.functional.cross_entropy(model.module(x), y)
+            reducer.backward(loss, reduce=reduce)
+            counts.append(len(started))  # collectives begun so far, all of them during backward
+        reducer.wait()
+    return counts
 
 
 def test_accumulation_steps_start_no_collective(client: Client) -> None:

@@ -9,7 +9,6 @@ from _models import mlp
 from distributed import Client
 
 import dask_train as dt
-from dask_train.data import block_order
 
 
 def _data(chunks, n_in: int = 8, n_out: int = 3, seed: int = 0):
@@ -20,26 +19,39 @@ def _data(chunks, n_in: int = 8, n_out: int = 3, seed: int = 0):
     return x, y, da.from_array(x, chunks=(tuple(chunks), n_in)), da.from_array(y, chunks=(tuple(chunks),))
 
 
-def _rank_batches(ledger, starts, *, batch_size, seed, shuffle, rank):
-    """Each batch (as row indices) that ``rank`` trained on, in order."""
+# The data contract of Trainer(shuffle=True, seed=...), written out here rather than imported, so
+# the expected answer does not come from the code under test (pinned on purpose: exact resume and
+# reproducible runs depend on it). Epoch e reads the blocks in the order
+#   default_rng(SeedSequence([seed, e, 0xB10C])).permutation(n_blocks),
+# block b's rows in epoch e in the order default_rng(SeedSequence([seed, e, b])).permutation(rows),
+# cut into batches of batch_size (the last smaller), never spanning two blocks. Each rank reads
+# the blocks held on its own worker.
+def _epoch_blocks(n_blocks: int, *, seed: int, epoch: int) -> list[int]:
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 0xB10C]))
+    return [int(i) for i in rng.permutation(n_blocks)]
+
+
+def _stream(mine, chunks, *, epochs, batch_size, seed):
+    """The batches (row indices) of the rank that holds the blocks ``mine``, in reading order."""
+    starts = np.concatenate([[0], np.cumsum(chunks)[:-1]])
     out = []
-    for row in ledger[ledger["trainer"] == rank].itertuples():
-        order = block_order(rows=row.rows, seed=seed, epoch=row.epoch, block=row.block, shuffle=shuffle)
-        for i in range(0, row.rows, batch_size):
-            out.append(starts[row.block] + order[i : i + batch_size])
+    for epoch in range(epochs):
+        for block in _epoch_blocks(len(chunks), seed=seed, epoch=epoch):
+            if block not in mine:
+                continue
+            rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, block]))
+            order = starts[block] + rng.permutation(chunks[block])
+            out += [order[i : i + batch_size] for i in range(0, chunks[block], batch_size)]
     return out
 
 
-def _reference(module, x, y, ledger, starts, *, lr, batch_size, seed, shuffle):
-    """Single-process SGD where step i trains on the concatenation of every rank's i-th batch."""
-    per_rank = [
-        _rank_batches(ledger, starts, batch_size=batch_size, seed=seed, shuffle=shuffle, rank=r)
-        for r in sorted(set(ledger["trainer"]))
-    ]
+def _reference(module, x, y, streams, *, lr):
+    """Single-process SGD where step i trains on the concatenation of every rank's i-th batch;
+    a rank out of data adds nothing to the steps after its last batch."""
     opt = torch.optim.SGD(module.parameters(), lr=lr)
-    steps = max(len(b) for b in per_rank)
+    steps = max(len(b) for b in streams)
     for i in range(steps):
-        idx = np.concatenate([b[i] for b in per_rank if i < len(b)])
+        idx = np.concatenate([b[i] for b in streams if i < len(b)])
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x[idx])), torch.from_numpy(y[idx]))
         loss.backward()
@@ -47,10 +59,30 @@ def _reference(module, x, y, ledger, starts, *, lr, batch_size, seed, shuffle):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]), steps
 
 
+def _on_worker(client: Client, address: str, *arrays):
+    return client.persist(list(arrays), workers=[address], allow_other_workers=False)
+
+
 def test_two_ranks_equal_single_process_training_on_concatenated_batches(client: Client) -> None:
-    chunks = (500, 500, 300, 700)
-    x, y, X, Y = _data(chunks)
-    starts = np.concatenate([[0], np.cumsum(chunks)[:-1]])
+    # Which rank reads which block depends on where the blocks live, so the test places them:
+    # blocks 0 and 1 on one worker, blocks 2 and 3 on the other. Each rank (one per worker) then
+    # reads exactly the blocks on its worker, in each epoch's order: with blocks_ahead=4 every
+    # one of the 2 x 4 assignments is granted at the start, round-robin over the ranks, so no rank
+    # runs dry and takes a block of the other's while it still has some. Which rank holds which
+    # pair does not matter: a step's update is the mean gradient over the union of the ranks'
+    # batches, the same whichever order the batches are concatenated in.
+    # The two sides hold 1000 and 800 rows: the second rank runs out of data 6 steps before the
+    # first and contributes nothing to those steps.
+    chunks = (500, 500, 300, 500)
+    x, y, _, _ = _data(chunks)
+    a, b = sorted(client.scheduler_info()["workers"])
+    left = _on_worker(client, a, da.from_array(x[:1000], chunks=(500, 8)),
+                      da.from_array(y[:1000], chunks=500))
+    right = _on_worker(client, b, da.from_array(x[1000:], chunks=((300, 500), 8)),
+                       da.from_array(y[1000:], chunks=((300, 500),)))
+    X = da.concatenate([left[0], right[0]])
+    Y = da.concatenate([left[1], right[1]])
+    assert X.chunks[0] == chunks
     trainer = dt.Trainer(
         mlp(8, 16, 3),
         strategy="sync",
@@ -61,14 +93,19 @@ def test_two_ranks_equal_single_process_training_on_concatenated_batches(client:
         batch_size=64,
         epochs=2,
         seed=5,
+        blocks_ahead=4,
         progress=False,
         client=client,
     )
     result = trainer.fit(X, Y)
     assert result.stopped_by == "epochs=2"
-    expected, steps = _reference(
-        mlp(8, 16, 3), x, y, result.ledger, starts, lr=0.1, batch_size=64, seed=5, shuffle=True
-    )
+    # The premise of the reference: every block was read on the worker it was placed on.
+    assert result.ledger["local"].all()
+    streams = [_stream({0, 1}, chunks, epochs=2, batch_size=64, seed=5),
+               _stream({2, 3}, chunks, epochs=2, batch_size=64, seed=5)]
+    assert [len(s) for s in streams] == [32, 26]  # (8 + 8) and (5 + 8) batches per epoch
+    expected, steps = _reference(mlp(8, 16, 3), x, y, streams, lr=0.1)
+    assert steps == 32
     assert result.steps == steps
     assert [t["steps"] for t in result.trainers] == [steps, steps]  # every rank took every step
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])

@@ -15,6 +15,7 @@ from distributed import Client, Event, LocalCluster, Nanny, Scheduler, SpecClust
 from distributed.comm import get_address_host
 
 import dask_train as dt
+from dask_train.runtime import worker_state
 from dask_train.runtime._torch_rank import gloo_interface
 
 
@@ -25,9 +26,11 @@ def _all_reduce(value: float) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item()}
 
 
-def _fail_on_rank_0(delay: float) -> int:
+def _fail_on_rank_0() -> int:
+    # A barrier first: both ranks are inside the group, so rank 1 goes straight on into an
+    # all-reduce that rank 0 never joins, and can only leave it by rank 0 destroying the group.
+    dist.barrier()
     if dist.get_rank() == 0:
-        time.sleep(delay)  # rank 1 is blocked in the all-reduce by then
         raise ValueError("bad batch 17 on rank 0")
     dist.all_reduce(torch.ones(3))
     return 1
@@ -39,9 +42,9 @@ def _raise_on_rank_0() -> int:
     return 1
 
 
-def _sleep_on_rank_0(seconds: float) -> int:
+def _hold_rank_0(name: str) -> int:
     if dist.get_rank() == 0:
-        time.sleep(seconds)
+        Event(name).wait(30)  # released by the test once it has seen the timeout
     return dist.get_rank()
 
 
@@ -54,7 +57,7 @@ def _groups(client: Client) -> dict[str, list[str]]:
     """Open torch groups (not tombstones) per worker, and whether torch has a default group there."""
 
     def probe(dask_worker: Any) -> list[str]:
-        state = dt.runtime.worker_state(dask_worker)
+        state = worker_state(dask_worker)
         open_ = [gid for gid, st in state.torch_groups.items() if not st.closing or st.busy]
         return open_ + (["<torch default group>"] if dist.is_initialized() else [])
 
@@ -138,7 +141,7 @@ def test_user_exception_is_reraised_and_peers_fail_fast(client: Client) -> None:
     group = dt.start_torch(client, workers=2, timeout=30)
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
-        group.gather(group.run(_fail_on_rank_0, 0.5))
+        group.gather(group.run(_fail_on_rank_0))
     elapsed = time.monotonic() - start
     # The original exception, not rank 1's "Connection closed by peer"; and rank 1 did not wait for
     # the 30 s timeout: rank 0 destroyed its process group before re-raising.
@@ -168,8 +171,19 @@ def test_a_rank_destroyed_by_an_error_explains_itself(client: Client) -> None:
 
 def test_gather_timeout_names_the_slow_rank(client: Client) -> None:
     group = dt.start_torch(client, workers=2, timeout=30)
-    with pytest.raises(dt.TrainingTimeout) as info:
-        group.gather(group.run(_sleep_on_rank_0, 2.0), timeout=0.5)
+    name = f"hold-{uuid.uuid4().hex}"
+    futures = group.run(_hold_rank_0, name)
+    # Rank 0 is held until the timeout has closed the group, which cancels its future: then it is
+    # released, so the close finds it no longer busy (a done callback runs in a thread of its own).
+    futures[0].add_done_callback(lambda _: Event(name, client=client).set())
+    try:
+        # Rank 1 has finished and rank 0 is held: the timeout can only name rank 0, however slow
+        # the machine.
+        assert futures[1].result(timeout=30) == 1
+        with pytest.raises(dt.TrainingTimeout) as info:
+            group.gather(futures, timeout=0.5)
+    finally:
+        Event(name).set()
     assert f"rank 0 on {group.ranks[0]} did not finish within 0.5 s" in str(info.value)
     assert "rank 1" not in str(info.value) and group.closed
 
