@@ -9,16 +9,20 @@ import posixpath
 import struct
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import safetensors.torch
-import torch
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from dask_train.errors import InvalidInput
+
+# torch and safetensors.torch load inside the functions that touch tensors: the controller and
+# the report import this package for CheckpointConfig and the store's paths, and a client or
+# worker that never writes a tensor must not pay torch's import (about 2 s).
+if TYPE_CHECKING:
+    import torch
 
 PathLike = str | os.PathLike[str]
 
@@ -27,6 +31,8 @@ _MAX_HEADER_BYTES = 100_000_000
 
 
 def _to_tensor(*, name: str, value: object, problems: list[str]) -> torch.Tensor | None:
+    import torch
+
     if isinstance(value, np.ndarray):
         try:
             # Native byte order: torch cannot wrap big-endian arrays.
@@ -137,6 +143,8 @@ def write_remote_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
 
 
 def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: str) -> None:
+    import safetensors.torch
+
     write_local_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
 
 
@@ -147,6 +155,8 @@ def _write_remote(
     metadata: dict[str, str] | None,
     path: str,
 ) -> None:
+    import safetensors.torch
+
     write_remote_atomic(fs, path, safetensors.torch.save(tensors, metadata=metadata))
 
 
@@ -222,6 +232,8 @@ def load_tensors(path: PathLike) -> dict[str, torch.Tensor]:
     >>> sorted(load_tensors(path))
     ['b']
     """
+    import safetensors.torch
+
     fs, fs_path = url_to_fs(os.fspath(path))
     if isinstance(fs, LocalFileSystem):
         return safetensors.torch.load_file(fs_path)

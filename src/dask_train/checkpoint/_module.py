@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from dask_train.checkpoint._io import PathLike, load_tensors, save_tensors
 
-ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+if TYPE_CHECKING:  # only the type hints need torch; the module arguments bring it loaded
+    import torch
+
+# A string bound: evaluated by type checkers only, so importing this module does not import torch.
+ModuleT = TypeVar("ModuleT", bound="torch.nn.Module")
 
 
 def save_module(module: torch.nn.Module, path: PathLike, *, metadata: Mapping[str, str] | None = None) -> str:

@@ -11,11 +11,8 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import safetensors
-import safetensors.torch
-import torch
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -28,6 +25,11 @@ from dask_train.checkpoint._io import (
     _write_remote,
 )
 from dask_train.errors import InvalidInput
+
+# torch and safetensors load inside the functions (see _io): importing the checkpoint package for
+# its config or store must not import torch.
+if TYPE_CHECKING:
+    import torch
 
 PARAM = "param"
 OPTIM_PREFIX = "optim."
@@ -114,6 +116,8 @@ def save_shard(
     >>> load_shard(path).optimizer_name
     'Adam'
     """
+    import torch
+
     opt_param = _only_param(optimizer, where=f"save_shard({os.fspath(path)!r})")
     problems: list[str] = []
     tensors: dict[str, object] = {PARAM: param}
@@ -176,6 +180,9 @@ def load_shard(path: PathLike, *, storage_options: Mapping[str, Any] | None = No
     >>> state.param, state.metadata
     (tensor([1., 1.]), {'shard': '0'})
     """
+    import safetensors
+    import safetensors.torch
+
     shown = os.fspath(path)
     fs, fs_path = url_to_fs(shown, **dict(storage_options or {}))
     # The header first: a file that is not safetensors fails here with a clear message.
@@ -203,6 +210,8 @@ def load_shard(path: PathLike, *, storage_options: Mapping[str, Any] | None = No
 
 
 def _copy_for(value: Any, *, shape: torch.Size) -> Any:
+    import torch
+
     if not isinstance(value, torch.Tensor):
         return value
     copy = value.detach().clone()
@@ -239,6 +248,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: ShardState) -> No
     >>> int(fresh.state[new]["step"])
     1
     """
+    import torch
+
     param = _only_param(optimizer, where="restore_optimizer")
     problems = []
     name = type(optimizer).__name__

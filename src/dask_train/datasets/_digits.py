@@ -10,8 +10,6 @@ import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from dask_train.errors import InvalidInput
 
@@ -32,6 +30,11 @@ _Y_META = np.empty((0,), dtype=np.int64)
 @functools.lru_cache(maxsize=1)
 def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Load scikit-learn's bundled digits (no download) and split them once, scaled to [0, 1]."""
+    # Imported here, not at module level: scikit-learn (with SciPy) takes ~1 s to import, and
+    # ``digits()`` only builds a graph in the client; the blocks call this on the workers.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     X = (bunch.data / 16.0).astype(np.float32)
     y = bunch.target.astype(np.int64)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from dask_train.errors import InvalidInput
+
+# matplotlib (about 0.5 s) loads in plot_history only: the controller imports this package for
+# its history table, and most runs never draw.
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 _PANEL_HEIGHT_IN = 3.0
 _WIDTH_IN = 8.0
@@ -73,6 +76,9 @@ def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
         raise InvalidInput([f"history is a {kind}: pass the DataFrame from history_frame()."])
     if len(history) and "time_s" not in history.columns:
         raise InvalidInput(["history has no 'time_s' column: build it with history_frame()."])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     panels = [("loss", "loss", "min")]
     if _has_values(history=history, column="accuracy"):
         panels.insert(0, ("accuracy", "held-out accuracy", "max"))

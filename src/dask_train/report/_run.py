@@ -7,14 +7,16 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from dask_train.checkpoint import save_module
 from dask_train.report._plot import plot_history
+
+if TYPE_CHECKING:  # the module argument arrives with torch loaded; only its hint needs the name
+    import torch
 
 
 def _jsonable(value: Any) -> Any:
