@@ -12,6 +12,7 @@ from dask_train.engines._ps_server import start_shard_task
 from dask_train.engines._role_engine import RoleEngine
 from dask_train.engines.async_ps import run_trainer
 from dask_train.models._torch import split_shards
+from dask_train.runtime._calls import run_on_live
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ class AsyncPSEngine(RoleEngine):
         """Move a lost trainer's unconsumed rows to the survivors, minus the rows the servers
         already applied (they remember each trainer's last few blocks)."""
         ref = self.shards[0]
-        positions = await self.client.run(worker_side.shard_positions, self.job, ref.index, index,
-                                          workers=[ref.address], asynchronous=True)
-        applied = {(int(e), int(b)): int(rows) for e, b, rows in positions.get(ref.address, [])}
+        positions = await run_on_live(self.client, worker_side.shard_positions, self.job,
+                                      ref.index, index, workers=[ref.address])
+        seen = positions.get(ref.address)
+        applied = {(int(e), int(b)): int(rows) for e, b, rows in
+                   (seen if isinstance(seen, list) else [])}
         moved = self.ledger.retire(index, applied)
         self.retired.add(index)
         stale = [f for t, f in self.feeds if t == index and f.status == "pending"]

@@ -292,11 +292,13 @@ class RoleEngine(Engine):
         return state
 
     async def exact_step(self) -> int:
-        """The update count of the first parameter holder (every holder steps together)."""
+        """The update count of the first parameter holder (every holder steps together); -1
+        when its worker is gone (the controller's failure check handles that next)."""
         ref = self.shards[0]
-        counts = await self.client.run(worker_side.shard_version, self.job, ref.index,
-                                       workers=[ref.address], asynchronous=True)
-        return int(counts[ref.address])
+        counts = await run_on_live(self.client, worker_side.shard_version, self.job, ref.index,
+                                   workers=[ref.address])
+        count = counts.get(ref.address, -1)
+        return count if isinstance(count, int) else -1
 
     def reported_step(self) -> int:
         """The servers' step as the trainers last reported it."""
