@@ -2,7 +2,8 @@
 
 Calls are coroutines on the worker's event loop, started from the role's thread with
 ``run_coroutine_threadsafe`` so the next batch's computation overlaps the exchange. A shard on the
-role's own worker is called directly, skipping serialization.
+role's own worker is called directly, skipping serialization; its update or copy still runs off
+the event loop when the shard is large (see ``FlatOptimizer.run``).
 """
 
 from __future__ import annotations
@@ -78,50 +79,56 @@ class PSClient:
         return None
 
     async def _push(self, grad: torch.Tensor, samples: int, position: list[int] | None) -> Exchange:
-        remote, out, stop = [], [], False
+        # Every shard's exchange is started before any is awaited: remote shards and local large
+        # ones (each on its own thread) update in parallel.
+        calls = []
         for ref in self.shards:
-            if self._local(ref) is None:
-                part = grad[ref.start : ref.stop].numpy()
+            part = grad[ref.start : ref.stop].numpy()
+            shard = self._local(ref)
+            if shard is not None:
+                calls.append((ref, asyncio.ensure_future(
+                    shard.run(shard.apply, part, samples, position)
+                )))
+            else:
                 call = self.worker.rpc(ref.address).dask_train_push(
                     job=self.job, shard=ref.index, grad=to_serialize(part), samples=samples,
                     position=position,
                 )
-                remote.append((ref, asyncio.ensure_future(call)))
-        versions = []
-        for ref in self.shards:
-            shard = self._local(ref)
-            if shard is not None:
-                params, version, s = shard.apply(
-                    grad[ref.start : ref.stop].numpy(), samples, position
-                )
-                out.append((ref, params))
-                versions.append(version)
-                stop |= s
-        for ref, fut in remote:
-            reply = _reply(await fut)
-            out.append((ref, reply["params"]))
-            versions.append(reply["version"])
-            stop |= bool(reply["stop"])
+                calls.append((ref, asyncio.ensure_future(call)))
+        out, versions, stop = [], [], False
+        for ref, fut in calls:
+            got = await fut
+            if isinstance(got, tuple):  # a local shard's (params, version, stop)
+                params, version, s = got
+            else:
+                reply = _reply(got)
+                params, version, s = reply["params"], reply["version"], reply["stop"]
+            out.append((ref, params))
+            versions.append(version)
+            stop |= bool(s)
         return Exchange(out, min(versions), 0, stop)
 
     async def _pull(self) -> Exchange:
-        out, versions, samples = [], [], []
         calls = []
         for ref in self.shards:
             shard = self._local(ref)
             if shard is not None:
-                params, version, n = shard.pull()
-                out.append((ref, params))
-                versions.append(version)
-                samples.append(n)
+                calls.append((ref, asyncio.ensure_future(shard.run(shard.pull))))
             else:
                 rpc = self.worker.rpc(ref.address)
-                calls.append((ref, rpc.dask_train_pull(job=self.job, shard=ref.index)))
-        for ref, call in calls:
-            reply = _reply(await call)
-            out.append((ref, reply["params"]))
-            versions.append(reply["version"])
-            samples.append(reply["samples"])
+                call = rpc.dask_train_pull(job=self.job, shard=ref.index)
+                calls.append((ref, asyncio.ensure_future(call)))
+        out, versions, samples = [], [], []
+        for ref, fut in calls:
+            got = await fut
+            if isinstance(got, tuple):  # a local holder's (params, version, samples)
+                params, version, n = got
+            else:
+                reply = _reply(got)
+                params, version, n = reply["params"], reply["version"], reply["samples"]
+            out.append((ref, params))
+            versions.append(version)
+            samples.append(n)
         return Exchange(out, min(versions), min(samples), False)
 
     def push(

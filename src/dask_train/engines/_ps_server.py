@@ -119,7 +119,9 @@ def make_push_handler(worker: Worker) -> Any:
         server = _holder(worker, job, shard)
         if isinstance(server, str):
             return {"missing": server}
-        params, version, stop = server.apply(grad, samples, position)
+        # Off the event loop for a large shard (see FlatOptimizer.run): a step of a big model
+        # blocks for far longer than a heartbeat may wait.
+        params, version, stop = await server.run(server.apply, grad, samples, position)
         return {"params": to_serialize(params), "version": version, "stop": stop}
 
     return dask_train_push
@@ -132,7 +134,7 @@ def make_pull_handler(worker: Worker) -> Any:
         holder = _holder(worker, job, shard)
         if isinstance(holder, str):
             return {"missing": holder}
-        params, version, samples = holder.pull()
+        params, version, samples = await holder.run(holder.pull)
         return {"params": to_serialize(params), "version": version, "samples": samples}
 
     return dask_train_pull

@@ -127,6 +127,11 @@ class WorkerState:
         if state is not None:
             state.stop.set()
             state.scorer_stop.set()
+            for holder in state.params.values():
+                # A large holder owns a thread for its updates (engines' FlatOptimizer.run).
+                close = getattr(holder, "close", None)
+                if close is not None:
+                    close()
 
     def configure_torch(self) -> None:
         """Set torch's intra-op threads once per process; called by the roles that use torch.
