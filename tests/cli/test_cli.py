@@ -55,7 +55,8 @@ def test_demo_writes_the_four_files(tmp_path: Path) -> None:
     assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "accuracy" in proc.stdout and "stopped_by" in proc.stdout
     # The final checkpoint: its manifest records the servers' step.
-    manifests = list((tmp_path / "ckpt").glob("ckpt-*/manifest.json"))
+    # Sorted: directory names carry the step, and glob's order is the file system's.
+    manifests = sorted((tmp_path / "ckpt").glob("ckpt-*/manifest.json"))
     assert manifests and json.loads(manifests[-1].read_text())["step"] == summary["steps"]
 
 

@@ -225,17 +225,17 @@ def test_grad_accumulation_multiplies_the_rows_of_a_step(client: Client) -> None
 
 
 def test_checkpoints_and_an_exact_resume(client: Client, digits: tuple, tmp_path) -> None:
-    # A whole run that checkpoints about every 5 steps; then every checkpoint after the second is
+    # A whole run that checkpoints about every 10 steps; then every checkpoint after the first is
     # deleted and the job resumed from it: it ends on exactly the whole run's parameters.
     X, y, _ = digits
-    ckpt = dt.CheckpointConfig(tmp_path / "ckpt", every_seconds=None, every_steps=5, keep=100)
-    base = dict(strategy="sync", optimizer="adam", lr=0.05, batch_size=256, epochs=2,
+    ckpt = dt.CheckpointConfig(tmp_path / "ckpt", every_seconds=None, every_steps=10, keep=100)
+    base = dict(strategy="sync", optimizer="adam", lr=0.05, batch_size=64, epochs=2,
                 progress=False, client=client, score_every=1e9, checkpoint=ckpt)
     whole = dt.Trainer(dt.softmax_regression(64, 10), **base).fit(X, y)
     steps = [c["step"] for c in whole.checkpoints]
-    assert len(steps) >= 3 and steps[-1] == whole.steps and whole.checkpoints[-1]["final"]
+    assert len(steps) >= 2 and steps[-1] == whole.steps and whole.checkpoints[-1]["final"]
     for info in whole.checkpoints:
-        if info["step"] > steps[1]:
+        if info["step"] > steps[0]:
             shutil.rmtree(info["directory"])
     resumed = dt.Trainer(dt.softmax_regression(64, 10), **base).fit(X, y, resume=True)
     assert resumed.steps == whole.steps and resumed.samples == whole.samples
