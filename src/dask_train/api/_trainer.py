@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,7 +21,9 @@ from dask_train.api._validate import (
     check_labels,
     check_module_output,
     check_settings,
+    check_stop_metrics,
     check_validation,
+    job_metrics,
     probe_module,
 )
 from dask_train.checkpoint import CheckpointConfig
@@ -30,13 +33,15 @@ from dask_train.data._blocks import as_dask_array, persist_blocks
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
-from dask_train.models._torch import CLASSIFICATION_LOSSES, flatten_parameters
+from dask_train.models._torch import flatten_parameters, is_classification
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
 from dask_train.report import history_frame
 from dask_train.runtime._roles import ensure_plugin, worker_threads
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -46,7 +51,11 @@ class Trainer:
     ----------
     module : torch.nn.Module
         The model; it is copied, never modified in place. ``fit`` returns the trained copy.
-    loss : {"cross_entropy", "nll", "mse", "l1"}
+    loss : {"cross_entropy", "nll", "mse", "l1"}, torch.nn.Module or callable
+        A name, a loss module such as ``torch.nn.CrossEntropyLoss(label_smoothing=0.1)``, or a
+        function ``fn(output, target) -> scalar tensor`` (a batch mean). Scores report
+        ``accuracy`` for the classification losses (the names ``cross_entropy``/``nll``,
+        ``CrossEntropyLoss``/``NLLLoss`` modules).
     optimizer : {"adam", "sgd", "adamw", "rmsprop", "adagrad"}
         Applied on the parameter servers, which hold its state.
     lr : float
@@ -121,7 +130,7 @@ class Trainer:
         self,
         module: torch.nn.Module,
         *,
-        loss: str = "cross_entropy",
+        loss: Any = "cross_entropy",
         optimizer: str = "adam",
         lr: float = 1e-3,
         optimizer_options: Mapping[str, Any] | None = None,
@@ -216,15 +225,15 @@ class Trainer:
         X, y = as_dask_array(X), as_dask_array(y)
         if isinstance(self.module, ArrayModel):
             return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume)
-        validation = _materialize(validation)
+        validation = _materialize(validation, dtype=self._float_dtype())
         self._validate(X, y, validation, resume=resume)
         client = self._client()
         spec = self._spec()
-        X = X.astype(np.float32) if X.dtype != np.float32 else X
+        X = self._input_dtype(X)
         blocks = client.sync(persist_blocks, client, X, y)
-        if self.loss in CLASSIFICATION_LOSSES:
+        if is_classification(self.loss):
             low, high = blocks.label_range
-            n_out = int(probe_module(self.module, tuple(X.shape[1:])).shape[1])
+            n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)
@@ -308,13 +317,18 @@ class Trainer:
                 f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
             )
         if not problems and isinstance(self.module, torch.nn.Module):
-            problems += check_module_output(self.module, X, y, self.loss)
+            problems += check_module_output(self.module, self._input_dtype(X, log=False), y,
+                                            self.loss)
+        if not problems:
+            problems += check_stop_metrics(self.stop, job_metrics(self.module, self.loss))
         if isinstance(self.module, ArrayModel):
             problems += check_array_model(self.module, settings, X, y, resume=resume)
         if problems:
             raise InvalidInput(problems)
 
     def _client(self) -> Client:
+        """The client given, the current one, or an embedded cluster started once and kept
+        privately: ``fit`` never changes ``self.client`` (a hyper-parameter, as in get_params)."""
         if self.client is not None:
             return self.client
         try:
@@ -324,8 +338,25 @@ class Trainer:
         except ValueError:  # no client yet: the embedded default
             from dask_train.runtime import connect
 
-            self.client = connect()
-            return self.client
+            if getattr(self, "_embedded", None) is None:
+                self._embedded = connect()
+            embedded: Client = self._embedded
+            return embedded
+
+    def _float_dtype(self) -> Any:
+        """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""
+        params = [p for p in self.module.parameters() if p.is_floating_point()]
+        return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
+
+    def _input_dtype(self, X: Any, *, log: bool = True) -> Any:
+        """X with floating data in the parameters' dtype; integer data (token ids) kept."""
+        want = self._float_dtype()
+        if X.dtype.kind != "f" or X.dtype == want:
+            return X
+        if log:
+            logger.info("X is %s and the module's parameters are %s: X is converted to %s",
+                        X.dtype, want, want)
+        return X.astype(want)
 
     def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
         if n_params is None:
@@ -408,7 +439,7 @@ def _materialize(validation: Any, dtype: Any = np.float32) -> tuple[np.ndarray, 
         part = compute() if callable(compute) else part
         out.append(np.ascontiguousarray(np.asarray(part)))
     xv, yv = out
-    if xv.dtype != dtype and np.issubdtype(xv.dtype, np.number):
+    if xv.dtype != dtype and xv.dtype.kind == "f":  # integer inputs (token ids) are kept
         xv = xv.astype(dtype)
     return xv, yv
 

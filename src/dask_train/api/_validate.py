@@ -11,7 +11,14 @@ import numpy as np
 import torch
 
 from dask_train.models._array import ArrayModel
-from dask_train.models._torch import CLASSIFICATION_LOSSES, LOSSES, OPTIMIZERS, build_optimizer
+from dask_train.models._torch import (
+    LOSSES,
+    OPTIMIZERS,
+    build_optimizer,
+    is_classification,
+    loss_name,
+    resolve_loss,
+)
 from dask_train.policy._placement import check_role_counts
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
@@ -42,8 +49,16 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
         )
     if s["strategy"] not in STRATEGIES:
         problems.append(f"strategy={s['strategy']!r} is unknown: use one of {list(STRATEGIES)}.")
-    if s["loss"] not in LOSSES:
-        problems.append(f"loss={s['loss']!r} is unknown: use one of {sorted(LOSSES)}.")
+    loss = s["loss"]
+    if isinstance(loss, str) and loss not in LOSSES:
+        problems.append(
+            f"loss={loss!r} is unknown: use one of {sorted(LOSSES)}, a torch.nn loss module "
+            "(e.g. torch.nn.CrossEntropyLoss(label_smoothing=0.1)) or a function "
+            "fn(output, target) -> scalar tensor.")
+    elif not isinstance(loss, str) and not callable(loss):
+        problems.append(
+            f"loss={loss!r} is invalid: pass a loss name, a torch.nn loss module or a function "
+            "fn(output, target) -> scalar tensor.")
     if s["optimizer"] not in OPTIMIZERS:
         problems.append(
             f"optimizer={s['optimizer']!r} is unknown: use one of {sorted(OPTIMIZERS)}."
@@ -180,9 +195,10 @@ def check_validation(validation: Any, X: Any) -> list[str]:
     return problems
 
 
-def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...]) -> torch.Tensor:
-    """The module's output on two zero samples, in eval mode and without gradients."""
-    sample = torch.zeros((2, *sample_shape), dtype=torch.float32)
+def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...],
+                 dtype: Any = np.float32) -> torch.Tensor:
+    """The module's output on two zero samples of ``dtype``, in eval mode, without gradients."""
+    sample = torch.from_numpy(np.zeros((2, *sample_shape), dtype=dtype))
     was_training = module.training
     module.eval()
     try:
@@ -193,11 +209,11 @@ def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...]) -> torc
     return out
 
 
-def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: str) -> list[str]:
+def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: Any) -> list[str]:
     """Run the module on two zero samples and check its output fits the loss and y."""
-    sample = torch.zeros((2, *X.shape[1:]), dtype=torch.float32)
+    sample = np.zeros((2, *X.shape[1:]), dtype=X.dtype)
     try:
-        out = probe_module(module, tuple(X.shape[1:]))
+        out = probe_module(module, tuple(X.shape[1:]), X.dtype)
     except Exception as exc:  # any failure here is the user's module not fitting X
         return [
             f"module failed on a batch shaped like X {tuple(sample.shape)}: "
@@ -205,7 +221,9 @@ def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss:
         ]
     if not isinstance(out, torch.Tensor):
         return [f"module returned {type(out).__name__}: return one tensor of predictions."]
-    if loss in CLASSIFICATION_LOSSES:
+    if not isinstance(loss, str):
+        return _check_custom_loss(loss, out, y)
+    if is_classification(loss):
         if out.ndim != 2 or out.shape[1] < 2:
             return [
                 f"module output shape {tuple(out.shape)} does not fit loss={loss!r}: it needs "
@@ -227,9 +245,41 @@ def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss:
     return []
 
 
-def check_labels(low: int, high: int, module_output: int, loss: str) -> list[str]:
+def _check_custom_loss(loss: Any, out: torch.Tensor, y: da.Array) -> list[str]:
+    """Call a loss module or function on the probe's output and two targets shaped like y's."""
+    target = torch.from_numpy(np.zeros((2, *y.shape[1:]), dtype=y.dtype))
+    try:
+        value = resolve_loss(loss)(out, target)
+    except Exception as exc:  # the user's loss does not fit the module's output and y
+        return [f"loss={loss_name(loss)} failed on the module's output {tuple(out.shape)} and "
+                f"targets shaped like y {tuple(target.shape)} ({y.dtype}): {type(exc).__name__}: "
+                f"{exc}. Make the loss take (output, target) as the module and y give them."]
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        return [f"loss={loss_name(loss)} returned {type(value).__name__} "
+                f"{tuple(getattr(value, 'shape', ()))}: return a scalar tensor (a batch mean)."]
+    return []
+
+
+def job_metrics(module: Any, loss: Any) -> list[str]:
+    """The metrics a job's scores will hold."""
+    if isinstance(module, ArrayModel):
+        return ["loss"] + (["accuracy"] if module.predict is not None else [])
+    return ["loss"] + (["accuracy"] if is_classification(loss) else [])
+
+
+def check_stop_metrics(stop: Any, metrics: list[str]) -> list[str]:
+    """Stop conditions watching a metric the job never produces would never fire: refuse them."""
+    return [
+        f"stop={cond!r} watches {cond.metric!r}, which this job's scores do not hold: they hold "
+        f"{metrics}; use one of those (a typo?)."
+        for cond in stop if isinstance(getattr(cond, "metric", None), str)
+        and cond.metric not in metrics
+    ]
+
+
+def check_labels(low: int, high: int, module_output: int, loss: Any) -> list[str]:
     """Problems with the label range for classification losses."""
-    if loss not in CLASSIFICATION_LOSSES:
+    if not is_classification(loss):
         return []
     if low < 0 or high >= module_output:
         return [

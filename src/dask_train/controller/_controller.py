@@ -85,6 +85,8 @@ class Controller:
     # -- the whole job ----------------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> Outcome:
         """Run generation after generation until one ends; always closes the last engine."""
+        for condition in self.spec.stop:  # a fit starts from fresh stop conditions
+            condition.reset()
         if resume and self.checkpoints is not None:
             self.restore = self.checkpoints.load(n_params=self.spec.n_params,
                                                  strategy=self.spec.strategy)

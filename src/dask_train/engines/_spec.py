@@ -18,7 +18,7 @@ class JobSpec:
 
     module: Any  # a torch.nn.Module (torch engines) or an ArrayModel (numpy engine)
     n_params: int
-    loss: str
+    loss: Any  # a name, an nn.Module or a callable (models._torch.resolve_loss)
     optimizer: str
     lr: float
     optimizer_options: dict[str, Any]

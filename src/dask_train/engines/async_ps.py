@@ -23,7 +23,7 @@ from distributed import get_worker, secede
 from dask_train.data._feed import FeedReader, batches
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
 from dask_train.engines._worker import NanReporter, Pauser, rng_state, seed_trainer
-from dask_train.models._torch import LOSSES, FlatModel
+from dask_train.models._torch import FlatModel, resolve_loss
 from dask_train.runtime._plugin import worker_state
 
 
@@ -52,7 +52,7 @@ def run_trainer(
     model.module.train()
     write_params(model.flat, ps.pull())
     pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"])
-    loss_fn = LOSSES[config["loss"]]
+    loss_fn = resolve_loss(config["loss"])
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
     stopped = False

@@ -35,7 +35,7 @@ from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._reducer import GradientReducer
 from dask_train.engines._worker import NanReporter, Pauser, read_slice, rng_state, seed_trainer
-from dask_train.models._torch import LOSSES, FlatModel
+from dask_train.models._torch import FlatModel, resolve_loss
 from dask_train.runtime._plugin import JobState, worker_state
 
 _END = object()  # a block with no batch left
@@ -149,7 +149,7 @@ def _loop(
     state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
     nans: NanReporter,
 ) -> dict[str, Any]:
-    loss_fn = LOSSES[config["loss"]]
+    loss_fn = resolve_loss(config["loss"])
     every = config["grad_accumulation"]
     meta = reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
     started, comm_s, samples = time.perf_counter(), 0.0, 0

@@ -35,6 +35,36 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
+def resolve_loss(loss: Any) -> LossFn:
+    """The loss function of a Trainer's ``loss=``: a name, an ``nn.Module``, or a callable.
+
+    Examples
+    --------
+    >>> resolve_loss("mse") is torch.nn.functional.mse_loss
+    True
+    """
+    if isinstance(loss, str):
+        return LOSSES[loss]
+    fn: LossFn = loss
+    return fn
+
+
+def is_classification(loss: Any) -> bool:
+    """Whether ``loss`` takes class labels (so accuracy is reported): the names
+    ``cross_entropy``/``nll``, or a ``CrossEntropyLoss``/``NLLLoss`` module."""
+    if isinstance(loss, str):
+        return loss in CLASSIFICATION_LOSSES
+    return isinstance(loss, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+
+
+def loss_name(loss: Any) -> str:
+    """A short name for messages and manifests: the name, or the object's class or function."""
+    if isinstance(loss, str):
+        return loss
+    return type(loss).__name__ if isinstance(loss, torch.nn.Module) else \
+        getattr(loss, "__qualname__", type(loss).__name__)
+
+
 #: Optimizers with a fused kernel in torch, used unless the options choose an implementation.
 _FUSED = frozenset({"sgd", "adam", "adamw"})
 
@@ -164,11 +194,18 @@ def evaluate(
     x: np.ndarray,
     y: np.ndarray,
     *,
-    loss: str,
+    loss: Any,
     batch_size: int = 4096,
 ) -> dict[str, float]:
-    """Mean loss (and accuracy for classification losses) of ``module`` on ``(x, y)``."""
-    loss_fn = LOSSES[loss]
+    """Mean loss (and accuracy for classification losses) of ``module`` on ``(x, y)``.
+
+    ``loss`` is a name, an ``nn.Module`` or a callable (see :func:`resolve_loss`). A named loss is
+    summed exactly (``reduction="sum"``); a module or callable is taken as a batch mean and
+    weighted by the batch's rows.
+    """
+    loss_fn = resolve_loss(loss)
+    named = isinstance(loss, str)
+    classify = is_classification(loss)
     was_training = module.training
     module.eval()
     total_loss, correct, n = 0.0, 0, len(x)
@@ -178,15 +215,18 @@ def evaluate(
                 xb = torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))
                 yb = torch.from_numpy(np.ascontiguousarray(y[i : i + batch_size]))
                 out = module(xb)
-                total_loss += float(loss_fn(out, yb, reduction="sum"))  # type: ignore[call-arg]
-                if loss in CLASSIFICATION_LOSSES:
+                if named:
+                    total_loss += float(loss_fn(out, yb, reduction="sum"))  # type: ignore[call-arg]
+                else:
+                    total_loss += float(loss_fn(out, yb)) * len(xb)
+                if classify:
                     correct += int((out.argmax(dim=1) == yb).sum())
     finally:
         module.train(was_training)
-    if loss in ("mse", "l1") and n:
+    if named and loss in ("mse", "l1") and n:
         # reduction="sum" adds over every output element; report the per-element mean like torch.
         total_loss /= max(1, int(np.prod(y.shape[1:]))) if y.ndim > 1 else 1
     result = {"loss": total_loss / n if n else math.nan}
-    if loss in CLASSIFICATION_LOSSES:
+    if classify:
         result["accuracy"] = correct / n if n else math.nan
     return result

@@ -1,0 +1,107 @@
+"""The Trainer with the models, losses and inputs PyTorch users bring (beyond the demo's MLP)."""
+
+from __future__ import annotations
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+
+import dask_train as dt
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple:
+    X, y = dt.datasets.digits(20_000, seed=0, chunks=5_000)
+    return X, y, dt.datasets.digits_test()
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def _trainer(client: Client, module: torch.nn.Module, **kw) -> dt.Trainer:
+    options = dict(lr=3e-3, ps=1, workers=2, batch_size=64, epochs=1, score_every=0.2,
+                   progress=False, client=client)
+    options.update(kw)
+    return dt.Trainer(module, **options)
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+def test_a_loss_module_with_options_trains_and_scores(client: Client, digits: tuple,
+                                                      strategy: str) -> None:
+    X, y, validation = digits
+    loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    result = _trainer(client, _mlp(), loss=loss, strategy=strategy, epochs=3).fit(
+        X, y, validation=validation)
+    assert result.history["accuracy"].iloc[-1] > 0.9
+    # The scores' loss is the smoothed loss of the returned model (not plain cross-entropy).
+    net = result.model.eval()
+    with torch.no_grad():
+        out = net(torch.from_numpy(validation[0]))
+        smoothed = float(loss(out, torch.from_numpy(validation[1])))
+        plain = float(torch.nn.functional.cross_entropy(out, torch.from_numpy(validation[1])))
+    assert result.history["loss"].iloc[-1] == pytest.approx(smoothed, rel=1e-4)
+    assert abs(smoothed - plain) > 1e-3
+
+
+def test_a_loss_function_trains_a_regression(client: Client) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8_000, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0, -1.0], [0.5, 0.0], [0.0, 2.0], [1.0, 1.0]], dtype=np.float32))
+
+    def huber(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.huber_loss(out, target)
+
+    X, Y = da.from_array(x, chunks=(2_000, 4)), da.from_array(y, chunks=(2_000, 2))
+    result = _trainer(client, torch.nn.Linear(4, 2), loss=huber, lr=0.05, epochs=3).fit(
+        X, Y, validation=(x[:1000], y[:1000]))
+    assert "accuracy" not in result.history or result.history["accuracy"].isna().all()
+    assert result.history["loss"].iloc[-1] < 0.01
+
+
+def test_int64_token_ids_reach_an_embedding(client: Client) -> None:
+    # The class is the token at position 0; an Embedding model must see the ids unconverted.
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 20, size=(6_000, 3)).astype(np.int64)
+    labels = (ids[:, 0] % 4).astype(np.int64)
+    net = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Flatten(), torch.nn.Linear(24, 4))
+    X, Y = da.from_array(ids, chunks=(1_500, 3)), da.from_array(labels, chunks=1_500)
+    result = _trainer(client, net, lr=0.02, epochs=3).fit(X, Y, validation=(ids[:1000], labels[:1000]))
+    assert result.history["accuracy"].iloc[-1] > 0.95
+
+
+def test_a_metric_typo_is_refused_before_any_work(client: Client, digits: tuple) -> None:
+    X, y, validation = digits
+    before = set(client.futures)
+    with pytest.raises(dt.InvalidInput) as info:
+        _trainer(client, _mlp(), stop=[dt.StopAtScore("acc", 0.5), dt.EarlyStopping("los")]).fit(
+            X, y, validation=validation)
+    text = str(info.value)
+    assert "StopAtScore(acc>=0.5) watches 'acc'" in text and "'los'" in text
+    assert "['loss', 'accuracy']" in text
+    assert not set(client.futures) - before
+    regression = _trainer(client, torch.nn.Linear(64, 1), loss="mse",
+                          stop=[dt.StopAtScore("accuracy", 0.5)])
+    with pytest.raises(dt.InvalidInput, match=r"hold \['loss'\]"):
+        regression.fit(X, y.astype(np.float32)[:, None], validation=(validation[0],
+                       validation[1].astype(np.float32)[:, None]))
+
+
+def test_stop_conditions_start_fresh_at_each_fit(client: Client, digits: tuple) -> None:
+    X, y, validation = digits
+    stop = dt.EarlyStopping("accuracy", patience=3)
+    trainer = _trainer(client, _mlp(), stop=[stop], score_every=0.05)
+    first = trainer.fit(X, y, validation=validation)
+    stop.wait = 3  # as a stopped condition would leave it
+    second = trainer.fit(X, y, validation=validation)
+    # A condition that kept its state would fire at the second fit's first score.
+    assert len(second.history) > 1 or second.stopped_by != first.stopped_by
+
+
+def test_fit_does_not_change_the_client_parameter(client: Client, digits: tuple) -> None:
+    X, y, validation = digits
+    trainer = dt.Trainer(_mlp(), ps=1, workers=2, progress=False)  # no client= given
+    trainer.fit(X[:5_000], y[:5_000], validation=validation)  # the session's default client
+    assert trainer.client is None and trainer.get_params()["client"] is None
