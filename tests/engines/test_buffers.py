@@ -94,3 +94,30 @@ def test_checkpoint_carries_buffers_and_resume_starts_from_them(
     # And training on from them moves them on: the counter continues from the checkpoint's.
     further = trainer(90).fit(X, y, resume=True)
     assert int(further.model[1].num_batches_tracked) > int(checkpointed[-1])
+
+
+def test_buffer_vector_round_trips_int64_counters_exactly() -> None:
+    from dask_train.models._buffers import BufferSet
+
+    src, dst = bn_mlp(), bn_mlp(seed=1)
+    src[1].running_mean.uniform_()
+    src[1].num_batches_tracked.fill_(2**40 + 1)  # past float32's 2**24, within float64's 2**53
+    values = BufferSet(src).gather()
+    assert values is not None and values.dtype == np.float64
+    BufferSet(dst).scatter(values)
+    assert dst[1].num_batches_tracked.dtype == torch.int64
+    assert int(dst[1].num_batches_tracked) == 2**40 + 1
+    torch.testing.assert_close(dst[1].running_mean, src[1].running_mean, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="another model"):
+        BufferSet(dst).scatter(values[:-1])
+
+
+def test_a_model_without_buffers_sends_and_keeps_nothing() -> None:
+    from dask_train.engines._ps_server import ShardServer
+    from dask_train.models._buffers import BufferSet
+
+    linear = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
+    assert not BufferSet(linear) and BufferSet(linear).gather() is None
+    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="sgd", lr=0.1, options={})
+    server.apply(np.ones(10, dtype=np.float32), 1, None, BufferSet(linear).gather())
+    assert server.pull()[3] is None
