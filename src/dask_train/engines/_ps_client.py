@@ -143,7 +143,8 @@ class PSClient:
             out.append((ref, params))
             versions.append(version)
             samples.append(n)
-            buffers = held if held is not None else buffers
+            if ref.index == BUFFER_SHARD:
+                buffers = held
         return Exchange(out, min(versions), min(samples), False, buffers)
 
     def push(

@@ -16,7 +16,7 @@ from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.engines._optim import FlatOptimizer
-from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
 from dask_train.engines._worker import read_slice
 from dask_train.models._buffers import BufferSet
 from dask_train.models._torch import flatten_parameters
@@ -93,13 +93,18 @@ def start_shard_task(
         flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
         max_step=max_step,
     )
-    if shard.index == 0:
-        # One holder keeps the buffers (see BUFFER_SHARD in _ps_client); a model without any
+    if shard.index == BUFFER_SHARD:
+        # One holder keeps the buffers (see BUFFER_SHARD); a model without any
         # leaves None, and its messages and files carry nothing more.
         server.buffers = BufferSet(module).gather()
     if restore is not None:
         state = read_slice(restore["files"], shard.start, shard.stop)
         server.restore(state, version=restore["step"], samples=restore["samples"])
+        if shard.index != BUFFER_SHARD:
+            # Its slice overlapped the file holding the buffers (the servers may be cut otherwise
+            # than the checkpoint's); only the buffer holder keeps them, or a stale copy would
+            # linger here.
+            server.buffers = None
     worker_state(worker).job(job).params[shard.index] = server
     return worker.address
 
