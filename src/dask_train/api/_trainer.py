@@ -390,7 +390,7 @@ class Trainer:
         return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
 
     def _result(self, outcome: Outcome, *, wall_s: float) -> FitResult:
-        model = self._trained_model(outcome.ending.params)
+        model = self._trained_model(outcome.ending.params, outcome.ending.buffers)
         log = outcome.log
         return FitResult(
             model=model, history=history_frame(log.records), stopped_by=outcome.stopped_by,
@@ -403,10 +403,12 @@ class Trainer:
         )
 
 
-    def _trained_model(self, params: Any) -> Any:
-        """A copy of the user's model holding ``params`` (never the user's object itself)."""
+    def _trained_model(self, params: Any, buffers: Any = None) -> Any:
+        """A copy of the user's model holding ``params`` and ``buffers`` (running statistics),
+        never the user's object itself."""
         if isinstance(self.module, ArrayModel):
             return dataclasses.replace(self.module, params=np.array(params, dtype=np.float64))
+        from dask_train.models._buffers import BufferSet
         from dask_train.models._torch import FlatModel
 
         model = copy.deepcopy(self.module)
@@ -415,6 +417,7 @@ class Trainer:
         # Detach the parameters from the shared flat buffer so the result is an ordinary module.
         for p in flat.params:
             p.data = p.data.clone()
+        BufferSet(model).scatter(buffers)
         return model
 
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 PARAM = "param"
+#: The model's trained buffers (float64, see ``models._buffers``), in the one shard holding them.
+BUFFERS = "buffers"
 OPTIM_PREFIX = "optim."
 _OPTIMIZER_KEY = "optimizer"
 _SCALARS_KEY = "optim_scalars"
@@ -53,12 +55,15 @@ class ShardState:
         The optimizer's class name, e.g. ``"Adam"``.
     metadata : dict of str to str
         The caller's own metadata given to :func:`save_shard`.
+    buffers : torch.Tensor or None
+        The model's buffers as a flat float64 vector, when this shard holds them.
     """
 
     param: torch.Tensor
     optimizer_state: dict[str, Any] = field(default_factory=dict)
     optimizer_name: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    buffers: torch.Tensor | None = None
 
 
 def _only_param(optimizer: torch.optim.Optimizer, *, where: str) -> torch.Tensor:
@@ -78,6 +83,7 @@ def save_shard(
     optimizer: torch.optim.Optimizer,
     metadata: Mapping[str, str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    buffers: torch.Tensor | None = None,
 ) -> str:
     """Write a shard's parameters and optimizer state to one safetensors file, atomically.
 
@@ -95,6 +101,9 @@ def save_shard(
         ``"optimizer"`` and ``"optim_scalars"`` are reserved.
     storage_options : mapping, optional
         Passed to fsspec (object-store credentials).
+    buffers : torch.Tensor, optional
+        The model's buffers (running statistics) as one flat vector, stored as the ``buffers``
+        tensor of the same file, so parameters and buffers are written in one atomic step.
 
     Returns
     -------
@@ -121,6 +130,8 @@ def save_shard(
     opt_param = _only_param(optimizer, where=f"save_shard({os.fspath(path)!r})")
     problems: list[str] = []
     tensors: dict[str, object] = {PARAM: param}
+    if buffers is not None:
+        tensors[BUFFERS] = buffers
     scalars: dict[str, Any] = {}
     for key, value in optimizer.state.get(opt_param, {}).items():
         if isinstance(value, torch.Tensor):
@@ -206,7 +217,8 @@ def load_shard(path: PathLike, *, storage_options: Mapping[str, Any] | None = No
         {name[len(OPTIM_PREFIX):]: t for name, t in tensors.items() if name.startswith(OPTIM_PREFIX)}
     )
     name = text.pop(_OPTIMIZER_KEY)
-    return ShardState(param=tensors[PARAM], optimizer_state=state, optimizer_name=name, metadata=text)
+    return ShardState(param=tensors[PARAM], optimizer_state=state, optimizer_name=name, metadata=text,
+                      buffers=tensors.get(BUFFERS))
 
 
 def _copy_for(value: Any, *, shape: torch.Size) -> Any:

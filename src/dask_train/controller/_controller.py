@@ -338,6 +338,7 @@ class Controller:
         final = ending.final
         if final is not None and final["params"] is not None:
             ending.params = final["params"]  # a score stopped the job: the parameters that earned it
+            ending.buffers = final.get("buffers")  # and the buffers they were scored with
         elif final is not None:
             self.on_score(final["record"])  # the final parameters' score closes the history
         if self.checkpoints is not None and not self.state.nan_stop:

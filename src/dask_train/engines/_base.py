@@ -51,6 +51,8 @@ class Ending:
     trainers: list[dict[str, Any]]
     final: dict[str, Any] | None = None
     rng: dict[str, str] = field(default_factory=dict)
+    #: The model's trained buffers (a float64 vector, see ``models._buffers``), None without any.
+    buffers: Any = None
 
 
 class Engine(ABC):

@@ -71,6 +71,9 @@ class FlatOptimizer:
         self.param.grad = self.grad
         self.optimizer = build_optimizer(optimizer, [self.param], lr=lr, options=options)
         self.max_step = max_step
+        # The model's trained buffers (a float64 vector, see models._buffers) on the one holder
+        # that keeps them, else None: handed out with the parameters by pull, saved with them.
+        self.buffers: np.ndarray | None = None
         self.version = 0
         self.samples = 0
         self._lock = threading.Lock()
@@ -128,10 +131,19 @@ class FlatOptimizer:
         self.version += 1
         self.samples += int(samples)
 
-    def pull(self) -> tuple[np.ndarray, int, int]:
-        """Return (parameters copy, version, samples)."""
+    def pull(self) -> tuple[np.ndarray, int, int, np.ndarray | None]:
+        """Return (parameters copy, version, samples, buffers).
+
+        The buffers array is never written in place (a new one replaces it), so it needs no copy.
+        """
         with self._lock:
-            return self.param.detach().numpy().copy(), self.version, self.samples
+            return self.param.detach().numpy().copy(), self.version, self.samples, self.buffers
+
+    def set_buffers(self, values: np.ndarray | None) -> None:
+        """Keep ``values`` (a float64 buffer vector this holder may keep as is) as the buffers."""
+        if values is not None:
+            with self._lock:
+                self.buffers = values
 
     def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
         """Write the slice and its optimizer state to ``path`` (atomic); return what was saved."""
@@ -144,7 +156,9 @@ class FlatOptimizer:
                 # Never overwrite good checkpoints with bad parameters: the last good one stays.
                 return {**saved, "path": None, "finite": False}
             meta = {"version": str(self.version), "samples": str(self.samples), **metadata}
-            save_shard(path, param=self.param.detach(), optimizer=self.optimizer, metadata=meta)
+            buffers = None if self.buffers is None else torch.from_numpy(self.buffers)
+            save_shard(path, param=self.param.detach(), optimizer=self.optimizer, metadata=meta,
+                       buffers=buffers)
             return saved
 
     def restore(self, state: Any, *, version: int, samples: int) -> None:
@@ -154,4 +168,6 @@ class FlatOptimizer:
         with self._lock:
             self.param.data.copy_(state.param)
             restore_optimizer(self.optimizer, state)
+            if getattr(state, "buffers", None) is not None:
+                self.buffers = state.buffers.numpy().astype(np.float64)
             self.version, self.samples = int(version), int(samples)

@@ -21,6 +21,12 @@ from distributed.protocol import to_serialize
 
 from dask_train.runtime._plugin import JobState
 
+#: The shard whose holder keeps the model's buffers. One holder, not a split across shards: the
+#: buffers are small (BatchNorm statistics are a few values per channel, a tiny fraction of the
+#: parameters), so splitting would balance nothing, and one holder keeps them as one consistent
+#: vector, from one trainer's one push, and in one checkpoint file.
+BUFFER_SHARD = 0
+
 
 def _reply(reply: dict[str, Any]) -> dict[str, Any]:
     if "missing" in reply:
@@ -46,6 +52,7 @@ class Exchange:
     version: int
     samples: int
     stop: bool
+    buffers: np.ndarray | None = None  # the model's buffers (pulls only), None without any
 
 
 class PSClient:
@@ -78,21 +85,27 @@ class PSClient:
             return self.state.params.get(ref.index)
         return None
 
-    async def _push(self, grad: torch.Tensor, samples: int, position: list[int] | None) -> Exchange:
+    async def _push(
+        self, grad: torch.Tensor, samples: int, position: list[int] | None,
+        buffers: np.ndarray | None,
+    ) -> Exchange:
         # Every shard's exchange is started before any is awaited: remote shards and local large
         # ones (each on its own thread) update in parallel.
         calls = []
         for ref in self.shards:
             part = grad[ref.start : ref.stop].numpy()
+            # Only to the holder that keeps them; a model without buffers sends nothing more.
+            extra = buffers if ref.index == BUFFER_SHARD else None
             shard = self._local(ref)
             if shard is not None:
                 calls.append((ref, asyncio.ensure_future(
-                    shard.run(shard.apply, part, samples, position)
+                    shard.run(shard.apply, part, samples, position, extra)
                 )))
             else:
+                kwargs = {} if extra is None else {"buffers": to_serialize(extra)}
                 call = self.worker.rpc(ref.address).dask_train_push(
                     job=self.job, shard=ref.index, grad=to_serialize(part), samples=samples,
-                    position=position,
+                    position=position, **kwargs,
                 )
                 calls.append((ref, asyncio.ensure_future(call)))
         out, versions, stop = [], [], False
@@ -118,28 +131,34 @@ class PSClient:
                 rpc = self.worker.rpc(ref.address)
                 call = rpc.dask_train_pull(job=self.job, shard=ref.index)
                 calls.append((ref, asyncio.ensure_future(call)))
-        out, versions, samples = [], [], []
+        out, versions, samples, buffers = [], [], [], None
         for ref, fut in calls:
             got = await fut
-            if isinstance(got, tuple):  # a local holder's (params, version, samples)
-                params, version, n = got
+            if isinstance(got, tuple):  # a local holder's (params, version, samples, buffers)
+                params, version, n, held = got
             else:
                 reply = _reply(got)
                 params, version, n = reply["params"], reply["version"], reply["samples"]
+                held = reply.get("buffers")
             out.append((ref, params))
             versions.append(version)
             samples.append(n)
-        return Exchange(out, min(versions), min(samples), False)
+            if ref.index == BUFFER_SHARD:
+                buffers = held
+        return Exchange(out, min(versions), min(samples), False, buffers)
 
     def push(
-        self, grad: torch.Tensor, samples: int, position: list[int] | None = None
+        self, grad: torch.Tensor, samples: int, position: list[int] | None = None,
+        buffers: np.ndarray | None = None,
     ) -> concurrent.futures.Future[Exchange]:
         """Start pushing a flat gradient to every shard; the future holds the new parameters.
 
         ``grad`` must not be modified until the future is done (callers double-buffer it).
         ``position`` (trainer, epoch, block, rows) lets the servers record what they have applied.
+        ``buffers`` (a new array, from ``BufferSet.gather``) go to the holder that keeps them.
         """
-        return asyncio.run_coroutine_threadsafe(self._push(grad, samples, position), self.loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._push(grad, samples, position, buffers), self.loop)
 
     def pull(self) -> Exchange:
         """Pull the current parameters of every shard (blocking, with the timeout)."""

@@ -16,8 +16,9 @@ from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.engines._optim import FlatOptimizer
-from dask_train.engines._ps_client import ShardRef
+from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
 from dask_train.engines._worker import read_slice
+from dask_train.models._buffers import BufferSet
 from dask_train.models._torch import flatten_parameters
 from dask_train.runtime._plugin import register_handler, worker_state
 
@@ -39,12 +40,18 @@ class ShardServer(FlatOptimizer):
         self.positions: dict[int, dict[tuple[int, int], int]] = {}
 
     def apply(
-        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None
+        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None,
+        buffers: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int, bool]:
         """Apply one gradient; return (parameters copy, version, stop).
 
         ``position`` is ``(trainer, epoch, block, rows)``: the pushing trainer's place in its data
-        once this gradient is applied.
+        once this gradient is applied. ``buffers`` are the pusher's buffers (the first shard's
+        pushes only carry them): the latest received replace the ones kept.
+
+        Why the latest, not a mean: each trainer's running statistics are already an average
+        (an exponential one over its recent batches), so averaging them again would double-average
+        and lag; and the latest is what a single-process run would hold after its latest batch.
         """
         with self._lock:
             if self.at_limit():
@@ -52,6 +59,9 @@ class ShardServer(FlatOptimizer):
             # Copy into a grad buffer we own: received frames may be read-only.
             self.grad.numpy()[:] = grad
             self._step(samples)
+            if buffers is not None:
+                # A copy: a received frame may be read-only or share memory with the message.
+                self.buffers = np.array(buffers, dtype=np.float64)
             if position is not None:
                 seen = self.positions.setdefault(int(position[0]), {})
                 seen[(int(position[1]), int(position[2]))] = int(position[3])
@@ -83,20 +93,30 @@ def start_shard_task(
         flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
         max_step=max_step,
     )
+    if shard.index == BUFFER_SHARD:
+        # One holder keeps the buffers (see BUFFER_SHARD); a model without any
+        # leaves None, and its messages and files carry nothing more.
+        server.buffers = BufferSet(module).gather()
     if restore is not None:
         state = read_slice(restore["files"], shard.start, shard.stop)
         server.restore(state, version=restore["step"], samples=restore["samples"])
+        if shard.index != BUFFER_SHARD:
+            # Its slice overlapped the file holding the buffers (the servers may be cut otherwise
+            # than the checkpoint's); only the buffer holder keeps them, or a stale copy would
+            # linger here.
+            server.buffers = None
     worker_state(worker).job(job).params[shard.index] = server
     return worker.address
 
 
-def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int]:
-    """Dask task: (parameters, version, samples) of the parameter holder ``index`` here."""
+def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int, np.ndarray | None]:
+    """Dask task: (parameters, version, samples, buffers) of the parameter holder ``index`` here."""
     worker = get_worker()
     state = worker_state(worker).jobs.get(job)
     if state is None:
         raise KeyError(f"job {job!r} is not on worker {worker.address}")
-    result: tuple[np.ndarray, int, int] = state.holder(index, address=worker.address, job=job).pull()
+    holder = state.holder(index, address=worker.address, job=job)
+    result: tuple[np.ndarray, int, int, np.ndarray | None] = holder.pull()
     return result
 
 
@@ -114,14 +134,15 @@ def make_push_handler(worker: Worker) -> Any:
     """The ``dask_train_push`` handler: apply a gradient to a shard, reply with its parameters."""
 
     async def dask_train_push(
-        job: str, shard: int, grad: np.ndarray, samples: int, position: Any = None
+        job: str, shard: int, grad: np.ndarray, samples: int, position: Any = None,
+        buffers: np.ndarray | None = None,
     ) -> dict[str, Any]:
         server = _holder(worker, job, shard)
         if isinstance(server, str):
             return {"missing": server}
         # Off the event loop for a large shard (see FlatOptimizer.run): a step of a big model
         # blocks for far longer than a heartbeat may wait.
-        params, version, stop = await server.run(server.apply, grad, samples, position)
+        params, version, stop = await server.run(server.apply, grad, samples, position, buffers)
         return {"params": to_serialize(params), "version": version, "stop": stop}
 
     return dask_train_push
@@ -134,8 +155,11 @@ def make_pull_handler(worker: Worker) -> Any:
         holder = _holder(worker, job, shard)
         if isinstance(holder, str):
             return {"missing": holder}
-        params, version, samples = await holder.run(holder.pull)
-        return {"params": to_serialize(params), "version": version, "samples": samples}
+        params, version, samples, buffers = await holder.run(holder.pull)
+        reply = {"params": to_serialize(params), "version": version, "samples": samples}
+        if buffers is not None:
+            reply["buffers"] = to_serialize(buffers)
+        return reply
 
     return dask_train_pull
 

@@ -451,7 +451,8 @@ class RoleEngine(Engine):
         return Ending(params=np.concatenate([p[0] for p in parts]),
                       steps=min(p[1] for p in parts), samples=min(p[2] for p in parts),
                       trainers=trainers, final=final,
-                      rng={str(t["trainer"]): t["rng"] for t in trainers if t.get("rng")})
+                      rng={str(t["trainer"]): t["rng"] for t in trainers if t.get("rng")},
+                      buffers=next((p[3] for p in parts if p[3] is not None), None))
 
     async def _drain_events(self) -> None:
         """Wait (briefly) for the trainers' last events, so the ledger holds every report."""

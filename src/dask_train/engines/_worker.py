@@ -90,12 +90,15 @@ def read_slice(files: Sequence[Mapping[str, Any]], start: int, stop: int) -> Any
     params: list[Any] = []
     pieces: dict[str, list[Any]] = {}
     first: Any = None
+    buffers: Any = None  # in the one shard file that holds them (the first holder's)
     for record in sorted(files, key=lambda r: int(r["start"])):
         lo, hi = max(start, int(record["start"])), min(stop, int(record["stop"]))
         if lo >= hi:
             continue
         shard = load_shard(record["path"])
         first = first or shard
+        if shard.buffers is not None:
+            buffers = shard.buffers
         a, b = lo - int(record["start"]), hi - int(record["start"])
         params.append(shard.param.reshape(-1)[a:b])
         n = shard.param.numel()
@@ -110,7 +113,8 @@ def read_slice(files: Sequence[Mapping[str, Any]], start: int, stop: int) -> Any
     state = dict(first.optimizer_state)
     state.update({key: torch.cat(parts) for key, parts in pieces.items()})
     return ShardState(param=torch.cat(params), optimizer_state=state,
-                      optimizer_name=first.optimizer_name, metadata=dict(first.metadata))
+                      optimizer_name=first.optimizer_name, metadata=dict(first.metadata),
+                      buffers=buffers)
 
 
 def rng_state() -> str:

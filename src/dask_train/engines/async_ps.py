@@ -23,6 +23,7 @@ from distributed import get_worker, secede
 from dask_train.data._feed import FeedReader, batches
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
 from dask_train.engines._worker import NanReporter, Pauser, rng_state, seed_trainer
+from dask_train.models._buffers import BufferSet
 from dask_train.models._torch import FlatModel, resolve_loss
 from dask_train.runtime._plugin import worker_state
 
@@ -50,6 +51,14 @@ def run_trainer(
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
     model = FlatModel(copy.deepcopy(module))
     model.module.train()
+    buffers = BufferSet(model.module)
+    start = ps.pull()
+    write_params(model.flat, start)
+    # Start from the kept buffers too: after a resume, or when joining a running job, they carry
+    # the statistics of every batch trained so far.
+    buffers.scatter(start.buffers)
+    pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"],
+                     buffers=buffers)
     write_params(model.flat, ps.pull())
     pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"])
     loss_fn = resolve_loss(config["loss"])
@@ -125,8 +134,14 @@ class _Pusher:
     overlapping communication with computation. With 0 the trainer is a plain sequential loop.
     """
 
-    def __init__(self, ps: PSClient, model: FlatModel, *, every: int, depth: int) -> None:
+    def __init__(
+        self, ps: PSClient, model: FlatModel, *, every: int, depth: int, buffers: BufferSet
+    ) -> None:
         self.ps, self.model, self.every, self.depth = ps, model, every, depth
+        # Sent with every push (a new small array each time, so one in flight is never
+        # rewritten); the replies do not bring them back: this trainer's running statistics go
+        # on from its own batches, which a reply computed before them would overwrite.
+        self.bufset = buffers
         # A buffer being filled plus one per push in flight: a push's buffer is never rewritten
         # while it is still being sent.
         self.buffers = [torch.empty(model.n_params) for _ in range(depth + 1)]
@@ -164,7 +179,7 @@ class _Pusher:
         stop = False
         while len(self.pending) >= max(self.depth, 1):
             stop = self._receive() or stop
-        self.pending.append(self.ps.push(grad, self.samples, self.position))
+        self.pending.append(self.ps.push(grad, self.samples, self.position, self.bufset.gather()))
         self.pushes += 1
         self.count = self.samples = 0
         if self.depth == 0:

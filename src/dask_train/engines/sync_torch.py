@@ -16,6 +16,10 @@ DistributedDataParallel itself is not used: it would need a second collective pe
 counts and votes, and its ``join`` for uneven inputs. Every rank applies the same update with its
 own optimizer, reading the reduced buffer in place, so parameters stay identical; rank 0 publishes its
 parameters under index 0 of the job, where the shared scorer and the controller read them.
+
+Module buffers (BatchNorm running statistics) change in every rank's forward pass from that rank's
+own batches. After each step rank 0 broadcasts its buffers to the others, as DDP's
+``broadcast_buffers`` does, and publishes them with its parameters (:class:`_BufferSync`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._reducer import GradientReducer
 from dask_train.engines._worker import NanReporter, Pauser, read_slice, rng_state, seed_trainer
+from dask_train.models._buffers import BufferSet
 from dask_train.models._torch import FlatModel, resolve_loss
 from dask_train.runtime._plugin import JobState, worker_state
 
@@ -123,6 +128,8 @@ def run_rank(
         # optimizer, so each needs the optimizer state too, not only the parameters.
         state_ = read_slice(restore["files"], 0, model.n_params)
         server.restore(state_, version=restore["step"], samples=restore["samples"])
+    buffers = _BufferSync(BufferSet(model.module), server, rank=index)
+    buffers.start(restored=restore is not None)
     if index == 0:
         state.params[0] = server  # the scorer and the final pull read rank 0's parameters
 
@@ -138,7 +145,7 @@ def run_rank(
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
     result = _loop(model, server, reducer, feed, state, config, index=index,
-                   worker=worker.address, pauser=pauser, nans=nans)
+                   worker=worker.address, pauser=pauser, nans=nans, buffers=buffers)
     # The last event: once the controller has it, it has every block report sent before it.
     worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": server.version})
     return result
@@ -147,7 +154,7 @@ def run_rank(
 def _loop(
     model: FlatModel, server: FlatOptimizer, reducer: GradientReducer, feed: _RankFeed,
     state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
-    nans: NanReporter,
+    nans: NanReporter, buffers: _BufferSync,
 ) -> dict[str, Any]:
     loss_fn = resolve_loss(config["loss"])
     every = config["grad_accumulation"]
@@ -194,7 +201,13 @@ def _loop(
         at_limit = False
         if total > 0:  # a non-finite batch was left out above, so the mean is finite
             reducer.grad.div_(total)
+            before = server.version
             at_limit = server.step(int(total))
+            if server.version > before:
+                # Only with an applied step (every rank sees the same versions, so all ranks
+                # take part or none): a step refused at the limit must not publish the
+                # statistics of batches whose gradients were never applied.
+                buffers.step()
         if meta[1] > 0 or at_limit:
             break
         if meta[2] > 0:
@@ -206,6 +219,46 @@ def _loop(
     return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
             "busy_s": time.perf_counter() - started, "allreduce_s": comm_s, "nonfinite": nans.count,
             "rng": rng_state()}
+
+
+class _BufferSync:
+    """Keeps a model's buffers identical on every rank: rank 0's, broadcast after each step.
+
+    Broadcast, not averaged (DDP's ``broadcast_buffers`` choice): one collective with no
+    arithmetic, exact for the int64 ``num_batches_tracked`` counter, and the result is what DDP
+    users expect. Every rank's running statistics are an average over its own recent batches;
+    an average of those would not be the statistics of the union batch either (a mean of
+    per-rank variances misses the spread between the ranks' means). Rank 0 also publishes them
+    with its parameters for the scorer, the final pull and checkpoints. A model without buffers
+    sends nothing.
+    """
+
+    def __init__(self, buffers: BufferSet, server: FlatOptimizer, *, rank: int) -> None:
+        self.buffers, self.server, self.rank = buffers, server, rank
+        self.received = torch.zeros(buffers.size, dtype=torch.float64) if rank else None
+
+    def start(self, *, restored: bool) -> None:
+        """Load the checkpoint's buffers (every rank reads the same), else publish the module's."""
+        if not self.buffers:
+            return
+        if restored and self.server.buffers is not None:
+            self.buffers.scatter(self.server.buffers)
+        elif self.rank == 0:
+            self.server.set_buffers(self.buffers.gather())
+
+    def step(self) -> None:
+        """Broadcast rank 0's buffers after a step and publish them (rank 0)."""
+        if not self.buffers:
+            return
+        if self.rank == 0:
+            values = self.buffers.gather()
+            assert values is not None
+            dist.broadcast(torch.from_numpy(values), src=0)
+            self.server.set_buffers(values)  # a new array each step: kept as is
+        else:
+            assert self.received is not None
+            dist.broadcast(self.received, src=0)
+            self.buffers.scatter(self.received)
 
 
 def _votes(meta: torch.Tensor, count: int, state: JobState, stop: bool, pauser: Pauser) -> None:
