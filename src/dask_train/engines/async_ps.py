@@ -59,8 +59,6 @@ def run_trainer(
     buffers.scatter(start.buffers)
     pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"],
                      buffers=buffers)
-    write_params(model.flat, ps.pull())
-    pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"])
     loss_fn = resolve_loss(config["loss"])
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
