@@ -105,3 +105,54 @@ def test_fit_does_not_change_the_client_parameter(client: Client, digits: tuple)
     trainer = dt.Trainer(_mlp(), ps=1, workers=2, progress=False)  # no client= given
     trainer.fit(X[:5_000], y[:5_000], validation=validation)  # the session's default client
     assert trainer.client is None and trainer.get_params()["client"] is None
+
+
+def test_metrics_functions_objects_and_aliases_are_scored_and_watched(client: Client,
+                                                                      digits: tuple) -> None:
+    X, y, validation = digits
+
+    def top3(out: torch.Tensor, target: torch.Tensor) -> float:
+        return float((out.topk(3, dim=1).indices == target[:, None]).any(dim=1).float().mean())
+
+    class Errors:  # the torchmetrics protocol: reset, update per batch, compute
+        def reset(self) -> None:
+            self.wrong = self.n = 0
+
+        def update(self, out: torch.Tensor, target: torch.Tensor) -> None:
+            self.wrong += int((out.argmax(dim=1) != target).sum())
+            self.n += len(target)
+
+        def compute(self) -> float:
+            return self.wrong / self.n
+
+    result = _trainer(client, _mlp(), metrics={"top3": top3, "errors": Errors(), "acc": "accuracy"},
+                      stop=[dt.StopAtScore("top3", 0.95)], epochs=3).fit(X, y, validation=validation)
+    last = result.history.iloc[-1]
+    assert last["top3"] >= last["acc"] == last["accuracy"]
+    assert last["errors"] == pytest.approx(1 - last["accuracy"])
+    assert result.stopped_by == "StopAtScore(top3>=0.95)"
+    with pytest.raises(dt.InvalidInput, match="metrics\\['x'\\]='f1' is not a metric"):
+        _trainer(client, _mlp(), metrics={"x": "f1"}).fit(X, y, validation=validation)
+
+
+def test_an_optimizer_class_with_options(client: Client, digits: tuple) -> None:
+    X, y, validation = digits
+    result = _trainer(client, _mlp(), optimizer=torch.optim.SGD, lr=0.02,
+                      optimizer_options={"momentum": 0.9, "nesterov": True}, epochs=3).fit(
+        X, y, validation=validation)
+    assert result.history["accuracy"].iloc[-1] > 0.9
+    with pytest.raises(dt.InvalidInput, match="optimizer=LBFGS is invalid"):
+        _trainer(client, _mlp(), optimizer=torch.optim.LBFGS).fit(X, y, validation=validation)
+
+
+def test_warm_start_continues_from_the_last_fit_and_predict_is_local(client: Client,
+                                                                     digits: tuple) -> None:
+    X, y, validation = digits
+    trainer = _trainer(client, _mlp(), epochs=1, lr=1e-3)
+    first = trainer.fit(X, y, validation=validation)
+    cold = trainer.fit(X, y, validation=validation)
+    warm = trainer.fit(X, y, validation=validation, warm_start=True)
+    assert warm.history["loss"].iloc[0] < cold.history["loss"].iloc[0]
+    assert warm.history["accuracy"].iloc[-1] >= first.history["accuracy"].iloc[-1] - 0.01
+    labels = warm.predict(validation[0]).argmax(axis=1)
+    assert np.mean(labels == validation[1]) == pytest.approx(warm.history["accuracy"].iloc[-1])

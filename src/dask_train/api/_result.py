@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import torch
 
+from dask_train.errors import InvalidInput
 from dask_train.policy._placement import Roles
 
 if TYPE_CHECKING:  # only for the annotation: importing models here would be circular
@@ -88,6 +90,34 @@ class FitResult:
             "epochs_completed": int(self.epochs_completed),
             "stopped_by": self.stopped_by,
         }
+
+    def predict(self, X: Any, *, batch_size: int = 4096) -> Any:
+        """The trained model's outputs on ``X``, computed here (a dask input is computed first).
+
+        For a torch module: its outputs in eval mode, batch by batch, as a numpy array (class
+        scores for a classifier: take ``argmax(axis=1)`` for labels). For an ArrayModel: its
+        ``predict(params, X)``. For predictions over a large dask collection on the cluster, see
+        the prediction API.
+        """
+        compute = getattr(X, "compute", None)
+        x = np.asarray(compute() if callable(compute) else X)
+        if not isinstance(self.model, torch.nn.Module):
+            if self.model.predict is None:
+                raise InvalidInput(["this ArrayModel has no predict function: pass "
+                                    "predict= to dt.ArrayModel to use result.predict."])
+            return np.asarray(self.model.predict(self.model.params, x))
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        if x.dtype.kind == "f" and dtype is not None:
+            x = x.astype(str(dtype).removeprefix("torch."), copy=False)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                parts = [self.model(torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size])))
+                         for i in range(0, len(x), batch_size)]
+        finally:
+            self.model.train(was_training)
+        return torch.cat(parts).numpy() if parts else np.empty((0,))
 
     def plot(self, path: str | Path = "scores.png") -> Path:
         """Write accuracy and loss against time to a PNG and return its path."""

@@ -56,7 +56,14 @@ class Trainer:
         function ``fn(output, target) -> scalar tensor`` (a batch mean). Scores report
         ``accuracy`` for the classification losses (the names ``cross_entropy``/``nll``,
         ``CrossEntropyLoss``/``NLLLoss`` modules).
-    optimizer : {"adam", "sgd", "adamw", "rmsprop", "adagrad"}
+    metrics : dict, optional
+        Extra scores, by name: a built-in name (``"accuracy"``, ``"loss"``), a function
+        ``fn(output, target) -> number`` over the whole validation set, or an object with
+        ``reset``/``update``/``compute`` such as a torchmetrics metric. Stop conditions and
+        callbacks may watch any of them.
+    optimizer : {"adam", "sgd", "adamw", "rmsprop", "adagrad"} or torch.optim.Optimizer subclass
+        A name or a class such as ``torch.optim.SGD`` (with ``optimizer_options``). It must
+        update each parameter element by element (as these do): servers hold flat slices.
         Applied on the parameter servers, which hold its state.
     lr : float
         Learning rate.
@@ -131,7 +138,8 @@ class Trainer:
         module: torch.nn.Module,
         *,
         loss: Any = "cross_entropy",
-        optimizer: str = "adam",
+        metrics: Mapping[str, Any] | None = None,
+        optimizer: Any = "adam",
         lr: float = 1e-3,
         optimizer_options: Mapping[str, Any] | None = None,
         strategy: str = "async-ps",
@@ -157,6 +165,7 @@ class Trainer:
     ) -> None:
         self.module = module
         self.loss = loss
+        self.metrics = metrics
         self.optimizer = optimizer
         self.lr = lr
         self.optimizer_options = dict(optimizer_options or {})
@@ -200,7 +209,8 @@ class Trainer:
         return self
 
     def fit(
-        self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False
+        self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False,
+        warm_start: bool = False,
     ) -> FitResult:
         """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
 
@@ -216,6 +226,9 @@ class Trainer:
             Continue from the newest complete checkpoint under ``checkpoint.path`` (parameters,
             optimizer state, data position, RNG and stop state, history). With none there yet,
             training starts from the module. Needs ``checkpoint=``.
+        warm_start : bool
+            Start from the model the previous ``fit`` of this Trainer returned (parameters and
+            buffers) instead of ``module``; the first fit starts from ``module`` either way.
 
         Raises
         ------
@@ -224,11 +237,12 @@ class Trainer:
         """
         X, y = as_dask_array(X), as_dask_array(y)
         if isinstance(self.module, ArrayModel):
-            return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume)
+            return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume,
+                                   warm_start=warm_start)
         validation = _materialize(validation, dtype=self._float_dtype())
         self._validate(X, y, validation, resume=resume)
         client = self._client()
-        spec = self._spec()
+        spec = self._spec(module=self._start_model(warm_start))
         X = self._input_dtype(X)
         blocks = client.sync(persist_blocks, client, X, y)
         if is_classification(self.loss):
@@ -257,10 +271,12 @@ class Trainer:
             outcome = client.sync(controller.run, resume=resume)
             progress.close(outcome.stopped_by)
         result = self._result(outcome, wall_s=time.time() - started)
+        self._last_model = result.model
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
-    def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool) -> FitResult:
+    def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
+                   warm_start: bool = False) -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.classical.full_batch import persist_data
         from dask_train.engines._array_engine import ArrayEngine
@@ -269,7 +285,8 @@ class Trainer:
         assert isinstance(self.module, ArrayModel)
         client = self._client()
         data = persist_data(X, y, client=client, dtype=np.float64)
-        spec = self._spec(n_params=int(self.module.params.size), module=self.module)
+        spec = self._spec(n_params=int(self.module.params.size),
+                          module=self._start_model(warm_start))
         held = {"data": data}
 
         def make_engine(roles: Roles, job: str, restore: Any) -> Any:
@@ -293,6 +310,7 @@ class Trainer:
         finally:
             held["data"].release()
         result = self._result(outcome, wall_s=time.time() - started)
+        self._last_model = result.model
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
@@ -320,7 +338,8 @@ class Trainer:
             problems += check_module_output(self.module, self._input_dtype(X, log=False), y,
                                             self.loss)
         if not problems:
-            problems += check_stop_metrics(self.stop, job_metrics(self.module, self.loss))
+            problems += check_stop_metrics(self.stop,
+                                           job_metrics(self.module, self.loss, self.metrics))
         if isinstance(self.module, ArrayModel):
             problems += check_array_model(self.module, settings, X, y, resume=resume)
         if problems:
@@ -358,6 +377,11 @@ class Trainer:
                         X.dtype, want, want)
         return X.astype(want)
 
+    def _start_model(self, warm_start: bool) -> Any:
+        """What a fit starts from: a copy of ``module``, or of the last fit's model."""
+        last = getattr(self, "_last_model", None)
+        return copy.deepcopy(last if warm_start and last is not None else self.module)
+
     def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
         if n_params is None:
             n_params = int(flatten_parameters(self.module).numel())
@@ -373,6 +397,7 @@ class Trainer:
             progress=self.progress, strategy=self.strategy, ps=self.ps, workers=self.workers,
             scorer=self.scorer, checkpoint=self.checkpoint,
             failure=self.failure or FailureConfig(), on_nan=self.on_nan,
+            metrics=dict(self.metrics) if self.metrics else None,
         )
 
     def _roles(self, client: Client, *, has_validation: bool) -> Roles:

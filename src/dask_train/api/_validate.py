@@ -17,6 +17,7 @@ from dask_train.models._torch import (
     build_optimizer,
     is_classification,
     loss_name,
+    metric_names,
     resolve_loss,
 )
 from dask_train.policy._placement import check_role_counts
@@ -59,12 +60,21 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
         problems.append(
             f"loss={loss!r} is invalid: pass a loss name, a torch.nn loss module or a function "
             "fn(output, target) -> scalar tensor.")
-    if s["optimizer"] not in OPTIMIZERS:
+    optimizer = s["optimizer"]
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        if optimizer in (torch.optim.LBFGS,):
+            problems.append(
+                f"optimizer={optimizer.__name__} is invalid: it needs a closure over the whole "
+                "model; use an element-wise optimizer such as torch.optim.SGD or Adam.")
+        else:
+            problems += _check_optimizer_options(optimizer, s["lr"], s["optimizer_options"])
+    elif optimizer not in OPTIMIZERS:
         problems.append(
-            f"optimizer={s['optimizer']!r} is unknown: use one of {sorted(OPTIMIZERS)}."
+            f"optimizer={optimizer!r} is unknown: use one of {sorted(OPTIMIZERS)} or a "
+            "torch.optim.Optimizer subclass such as torch.optim.SGD."
         )
     else:
-        problems += _check_optimizer_options(s["optimizer"], s["lr"], s["optimizer_options"])
+        problems += _check_optimizer_options(optimizer, s["lr"], s["optimizer_options"])
     problems += _positive("lr", s["lr"])
     # Servers exist only in async-ps; sync ignores ps.
     min_ps = 0 if s["strategy"] == "sync" else 1
@@ -91,6 +101,7 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
         if not isinstance(cb, Callback):
             problems.append(f"callbacks[{i}]={cb!r} is invalid: subclass dt.Callback.")
     problems += _check_recovery(s)
+    problems += check_metrics(s.get("metrics"), s["module"], s["loss"])
     return problems
 
 
@@ -133,7 +144,7 @@ def check_array_model(model: ArrayModel, settings: Mapping[str, Any], X: Any, y:
     return problems
 
 
-def _check_optimizer_options(name: str, lr: Any, options: Mapping[str, Any]) -> list[str]:
+def _check_optimizer_options(name: Any, lr: Any, options: Mapping[str, Any]) -> list[str]:
     try:
         build_optimizer(name, [torch.nn.Parameter(torch.zeros(1))], lr=lr, options=options)
     except (TypeError, ValueError) as exc:
@@ -260,11 +271,35 @@ def _check_custom_loss(loss: Any, out: torch.Tensor, y: da.Array) -> list[str]:
     return []
 
 
-def job_metrics(module: Any, loss: Any) -> list[str]:
+def job_metrics(module: Any, loss: Any, metrics: Mapping[str, Any] | None = None) -> list[str]:
     """The metrics a job's scores will hold."""
     if isinstance(module, ArrayModel):
         return ["loss"] + (["accuracy"] if module.predict is not None else [])
-    return ["loss"] + (["accuracy"] if is_classification(loss) else [])
+    return metric_names(loss, metrics)
+
+
+def check_metrics(metrics: Any, module: Any, loss: Any) -> list[str]:
+    """Problems with ``metrics=``: a mapping of names to built-in names, functions of
+    (output, target), or objects with update/compute/reset."""
+    if metrics is None:
+        return []
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        return [f"metrics={metrics!r} is invalid: pass a dict of name -> 'accuracy', a function "
+                "fn(output, target) -> number, or a torchmetrics metric object."]
+    if isinstance(module, ArrayModel):
+        return [f"metrics={sorted(metrics)} is not available for a dt.ArrayModel: its scores hold "
+                "loss (and accuracy with a predict function); drop metrics=."]
+    problems = []
+    for name, metric in metrics.items():
+        if isinstance(metric, str):
+            if metric not in metric_names(loss, None):
+                problems.append(
+                    f"metrics[{name!r}]={metric!r} is not a metric of loss={loss_name(loss)}: "
+                    f"use one of {metric_names(loss, None)}, a function or a metric object.")
+        elif not (callable(metric) or all(hasattr(metric, a) for a in ("update", "compute", "reset"))):
+            problems.append(f"metrics[{name!r}]={metric!r} is invalid: use a function "
+                            "fn(output, target) -> number or an object with update/compute/reset.")
+    return problems
 
 
 def check_stop_metrics(stop: Any, metrics: list[str]) -> list[str]:

@@ -110,6 +110,7 @@ class RoleEngine(Engine):
             "topic": self.topic, "score_every": spec.score_every, "optimizer": spec.optimizer,
             "lr": spec.lr, "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
             "seed": spec.seed, "on_nan": spec.on_nan, "rng": restore.get("rng") or {},
+            "metrics": spec.metrics,
         }
 
     # -- starting ---------------------------------------------------------------------------------

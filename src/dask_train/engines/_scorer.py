@@ -49,7 +49,8 @@ def run_scorer(
     snapshots: dict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = {}
     while not state.scorer_stop.wait(config["score_every"]):
         try:
-            record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"])
+            record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"],
+                            metrics=config.get("metrics"))
         except KeyError:
             # The parameters are not published yet (a sync job's rank 0 is still starting);
             # a worker that vanished instead is the controller's to report.
@@ -62,7 +63,8 @@ def run_scorer(
     if state.scorer_keep in snapshots:
         record, params, kept = snapshots[state.scorer_keep]
         return {"record": record, "params": params, "buffers": kept}
-    record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"])
+    record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"],
+                    metrics=config.get("metrics"))
     return {"record": record, "params": None, "buffers": None}
 
 
@@ -71,12 +73,13 @@ _SNAPSHOTS = 4
 
 
 def _score(
-    ps: PSClient, model: FlatModel, buffers: BufferSet, x: np.ndarray, y: np.ndarray, *, loss: str
+    ps: PSClient, model: FlatModel, buffers: BufferSet, x: np.ndarray, y: np.ndarray, *,
+    loss: Any, metrics: Any = None,
 ) -> dict[str, Any]:
     exchange = ps.pull()
     write_params(model.flat, exchange)
     buffers.scatter(exchange.buffers)
-    scores = evaluate(model.module, x, y, loss=loss)
+    scores = evaluate(model.module, x, y, loss=loss, metrics=metrics)
     bad = {k: v for k, v in scores.items() if not math.isfinite(v)}
     return {
         "step": exchange.version,

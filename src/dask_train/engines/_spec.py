@@ -41,6 +41,7 @@ class JobSpec:
     checkpoint: CheckpointConfig | None = None
     failure: FailureConfig = field(default_factory=FailureConfig)
     on_nan: str = "stop"
+    metrics: dict[str, Any] | None = None  # extra scores: name -> function or metric object
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property

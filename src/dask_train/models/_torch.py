@@ -174,10 +174,13 @@ class FlatModel:
 
 
 def build_optimizer(
-    name: str, params: Sequence[torch.Tensor], *, lr: float, options: Mapping[str, Any]
+    name: Any, params: Sequence[torch.Tensor], *, lr: float, options: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """Build the named torch optimizer over ``params`` (a server's flat shard)."""
-    cls: Any = OPTIMIZERS[name]
+    """Build the optimizer ``name`` (a name, or a ``torch.optim.Optimizer`` subclass) over
+    ``params`` (a server's flat shard)."""
+    cls: Any = OPTIMIZERS[name] if isinstance(name, str) else name
+    name = name if isinstance(name, str) else \
+        {c: n for n, c in OPTIMIZERS.items()}.get(cls, cls.__name__)
     opts = dict(options)
     if name in _FUSED and not {"fused", "foreach", "differentiable"} & opts.keys():
         # One kernel over the flat shard instead of a dozen tensor ops: Adam on 1.1M parameters
@@ -189,6 +192,35 @@ def build_optimizer(
     return cls(params, lr=lr, **opts)  # type: ignore[no-any-return]
 
 
+#: Built-in metric names: what every torch job's scores can hold without ``metrics=``.
+BUILTIN_METRICS = ("loss", "accuracy")
+
+
+def metric_names(loss: Any, metrics: Mapping[str, Any] | None) -> list[str]:
+    """The keys a torch job's score records hold: loss, accuracy for classification, extras."""
+    names = ["loss"] + (["accuracy"] if is_classification(loss) else [])
+    return names + [n for n in (metrics or {}) if n not in names]
+
+
+def _extra_metrics(metrics: Mapping[str, Any] | None, outputs: list[torch.Tensor],
+                   targets: list[torch.Tensor]) -> dict[str, float]:
+    """``metrics`` over the whole validation set: a function of (output, target) -> number, or
+    an object with ``reset``/``update``/``compute`` (a torchmetrics metric), fed batch by batch."""
+    out: dict[str, float] = {}
+    for name, metric in (metrics or {}).items():
+        if isinstance(metric, str):
+            continue  # a built-in name: computed by evaluate itself
+        if all(hasattr(metric, a) for a in ("reset", "update", "compute")):
+            metric.reset()
+            for o, t in zip(outputs, targets):
+                metric.update(o, t)
+            value = metric.compute()
+        else:
+            value = metric(torch.cat(outputs), torch.cat(targets))
+        out[name] = float(value)
+    return out
+
+
 def evaluate(
     module: torch.nn.Module,
     x: np.ndarray,
@@ -196,13 +228,17 @@ def evaluate(
     *,
     loss: Any,
     batch_size: int = 4096,
+    metrics: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """Mean loss (and accuracy for classification losses) of ``module`` on ``(x, y)``.
 
     ``loss`` is a name, an ``nn.Module`` or a callable (see :func:`resolve_loss`). A named loss is
     summed exactly (``reduction="sum"``); a module or callable is taken as a batch mean and
-    weighted by the batch's rows.
+    weighted by the batch's rows. ``metrics`` adds named metrics (see ``Trainer(metrics=)``).
     """
+    extra = {k: m for k, m in (metrics or {}).items() if not isinstance(m, str)}
+    outputs: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     loss_fn = resolve_loss(loss)
     named = isinstance(loss, str)
     classify = is_classification(loss)
@@ -221,6 +257,9 @@ def evaluate(
                     total_loss += float(loss_fn(out, yb)) * len(xb)
                 if classify:
                     correct += int((out.argmax(dim=1) == yb).sum())
+                if extra:
+                    outputs.append(out)
+                    targets.append(yb)
     finally:
         module.train(was_training)
     if named and loss in ("mse", "l1") and n:
@@ -229,4 +268,9 @@ def evaluate(
     result = {"loss": total_loss / n if n else math.nan}
     if classify:
         result["accuracy"] = correct / n if n else math.nan
+    if extra and n:
+        result.update(_extra_metrics(extra, outputs, targets))
+    for name, builtin in (metrics or {}).items():  # aliases of built-in metrics
+        if isinstance(builtin, str) and builtin in result:
+            result[name] = result[builtin]
     return result
