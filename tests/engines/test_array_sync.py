@@ -171,6 +171,7 @@ def test_stop_at_step_is_exact_and_a_score_stop_returns_the_scored_parameters(
     accuracy = np.mean(result.model.predict(result.model.params, validation[0]) == validation[1])
     hit = result.history[result.history["accuracy"] >= 0.6]
     assert len(hit) and accuracy == pytest.approx(hit["accuracy"].iloc[0])
+    assert result.model_step == hit["step"].iloc[0] <= result.steps
 
 
 def test_a_nan_row_is_skipped_or_stops_the_job(client: Client) -> None:

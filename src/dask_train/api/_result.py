@@ -49,6 +49,10 @@ class FitResult:
         Each checkpoint written: directory, step, seconds to write.
     nonfinite : list of dict
         Non-finite losses and scores seen (role, step).
+    model_step : int
+        The step whose parameters ``model`` holds: the scored step when a score stopped the job
+        (the servers may have gone a few asynchronous steps further, see ``steps``), else
+        ``steps``.
     generations : int
         1, plus one per restart from a checkpoint.
     """
@@ -67,6 +71,7 @@ class FitResult:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     generations: int = 1
+    model_step: int = -1
 
     @property
     def samples_per_s(self) -> float:

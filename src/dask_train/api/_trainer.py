@@ -424,7 +424,7 @@ class Trainer:
             ledger=pd.DataFrame(outcome.ledger), roles=outcome.roles,
             trainers=outcome.ending.trainers, failures=list(log.failures),
             checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
-            generations=log.generations,
+            generations=log.generations, model_step=outcome.model_step,
         )
 
 

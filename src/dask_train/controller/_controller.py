@@ -50,6 +50,7 @@ class Outcome:
     roles: Roles
     ledger: list[dict[str, Any]]
     epochs_completed: int
+    model_step: int = -1  # the step of the parameters returned (the scored one, or the last)
 
 
 class Controller:
@@ -111,9 +112,12 @@ class Controller:
                 raise
             await engine.close()
             self.state.enter(Phase.FINISHED)
+            kept = ending.final is not None and ending.final.get("params") is not None
             return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
                            roles=engine.roles, ledger=engine.ledger_records(),
-                           epochs_completed=engine.epochs_completed())
+                           epochs_completed=engine.epochs_completed(),
+                           model_step=int(self.state.stop_step) if kept and
+                           self.state.stop_step is not None else ending.steps)
 
     async def _run_generation(self, engine: Engine) -> Failure | None:
         """Drive a generation until it stops (None) or must restart (the failure that caused it)."""
