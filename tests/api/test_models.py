@@ -140,7 +140,7 @@ def test_an_optimizer_class_with_options(client: Client, digits: tuple) -> None:
     result = _trainer(client, _mlp(), optimizer=torch.optim.SGD, lr=0.02,
                       optimizer_options={"momentum": 0.9, "nesterov": True}, epochs=3).fit(
         X, y, validation=validation)
-    assert result.history["accuracy"].iloc[-1] > 0.9
+    assert result.history["accuracy"].iloc[-1] > 0.85  # chance is 0.1; the MLP tops out near 0.95
     with pytest.raises(dt.InvalidInput, match="optimizer=LBFGS is invalid"):
         _trainer(client, _mlp(), optimizer=torch.optim.LBFGS).fit(X, y, validation=validation)
 
