@@ -47,7 +47,11 @@ def run_scorer(
     buffers = BufferSet(model.module)
     x_val, y_val = validation
     snapshots: dict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = {}
-    while not state.scorer_stop.wait(config["score_every"]):
+    # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
+    # one evaluation takes longer (a large model), never score_every plus the evaluation time.
+    due = time.monotonic() + config["score_every"]
+    while not state.scorer_stop.wait(max(0.0, due - time.monotonic())):
+        due = max(due + config["score_every"], time.monotonic())
         try:
             record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"],
                             metrics=config.get("metrics"))
