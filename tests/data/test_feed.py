@@ -29,9 +29,12 @@ def test_the_feed_handler_queues_held_blocks_and_declines_the_rest(client: Clien
     try:
         feed = client.rpc(address).dask_train_feed
         assert client.sync(feed, job="feed-test", key=block.key, **args) == 3
-        # Not held here, or a job this worker does not run: declined, the caller uses a task.
+        # Not held here, or a job that ended on this worker: declined, the caller uses a task.
         assert client.sync(feed, job="feed-test", key="no-such-key", **args) == -1
-        assert client.sync(feed, job="no-such-job", key=block.key, **args) == -1
+        client.run(lambda dask_worker: worker_state(dask_worker).drop("ended-job"), workers=[address])
+        assert client.sync(feed, job="ended-job", key=block.key, **args) == -1
+        assert client.run(lambda dask_worker: "ended-job" in worker_state(dask_worker).jobs,
+                          workers=[address]) == {address: False}
 
         def queued(dask_worker: Any) -> list[tuple[int, int]]:
             q = worker_state(dask_worker).job("feed-test").feed(0)
@@ -57,6 +60,7 @@ def test_local_blocks_reach_the_trainers_without_a_task_each(client: Client) -> 
     assert len(result.ledger) == 32
     moved = int((~result.ledger["local"]).sum())  # sync evens out the ranks' blocks
     assert moved <= 4
-    # A task per moved block (Dask brings it over), and for the grants made before a trainer's
-    # state exists on its worker: at most the first blocks_ahead (2) per trainer.
-    assert moved <= tasks <= moved + 4
+    # A task per moved block (Dask brings it over). Dask's active memory manager may then
+    # drop the block's first copy, so the next epoch's local grant of it also needs a task:
+    # at most one more per moved block over the 2 epochs. Every other grant is one RPC.
+    assert moved <= tasks <= 2 * moved

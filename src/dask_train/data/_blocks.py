@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,9 @@ import numpy as np
 from distributed import Client, Future, wait
 
 from dask_train.policy._ledger import Block
+from dask_train.policy._placement import balance_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,7 +80,38 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
     failed = [f for f in futures if f.status == "error"]
     if failed:
         await failed[0]  # re-raises the remote exception with its traceback
-    return list(futures)
+    rows = [int(r) for r in X.chunks[0]]
+    return await spread_blocks(client, list(futures), rows)
+
+
+def _same(pair: Any) -> Any:
+    return pair
+
+
+async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) -> list[Future]:
+    """Move blocks so every worker holds rows in proportion to its threads (see
+    :func:`~dask_train.policy.balance_blocks`); the futures of the blocks, moved or not.
+
+    A moved block is a new task on its target worker that takes the old block as its input, so
+    Dask can still recompute it from the collection's graph if that worker is lost. The
+    restriction is loose (``allow_other_workers``): a target that dies meanwhile must not leave
+    the task waiting forever.
+    """
+    info = await client.scheduler.identity()
+    workers = {a: int(w.get("nthreads", 1)) for a, w in info.get("workers", {}).items()}
+    if len(workers) < 2 or len(futures) < 2:
+        return futures
+    who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
+    holders = [sorted(who_has.get(f.key, ()) or ("",))[0] for f in futures]
+    targets = balance_blocks(rows, holders, workers)
+    moved = {i: client.submit(_same, futures[i], workers=[t], allow_other_workers=True,
+                              pure=False, key=f"dt-spread-{futures[i].key!s}")
+             for i, (t, h) in enumerate(zip(targets, holders)) if t != h}
+    if not moved:
+        return futures
+    await wait(list(moved.values()))
+    logger.info("moved %d of %d blocks to even out the rows per worker", len(moved), len(futures))
+    return [moved.get(i, f) for i, f in enumerate(futures)]
 
 
 async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:

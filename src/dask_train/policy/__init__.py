@@ -5,7 +5,7 @@ every rule is tested without a cluster.
 
 from dask_train.policy._failure import Action, Decision, Failure, FailureConfig, JobStatus, decide
 from dask_train.policy._ledger import Assignment, Block, Ledger, LedgerEntry
-from dask_train.policy._placement import Roles, check_role_counts, plan_roles
+from dask_train.policy._placement import Roles, balance_blocks, check_role_counts, plan_roles
 from dask_train.policy.callbacks import Callback, History, run_callbacks
 from dask_train.policy.stop import (
     EarlyStopping,
@@ -34,6 +34,7 @@ __all__ = [
     "StopAtScore",
     "StopAtStep",
     "StopCondition",
+    "balance_blocks",
     "check_role_counts",
     "check_stop",
     "decide",

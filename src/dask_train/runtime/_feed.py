@@ -49,14 +49,17 @@ def make_feed_handler(worker: Any) -> Any:
     task's completion and release messages). On the benchmark's 2 cores, the per-block task
     traffic cost the sync ranks about a fifth of their rate with blocks of 12,500 rows. Returns
     the rows queued, or -1 when the block is not in this worker's memory (the controller then
-    falls back to :func:`feed_block`, which Dask brings the block to), or when the job has ended.
+    falls back to :func:`feed_block`, which Dask brings the block to), or when the job has ended
+    on this worker.
     """
 
     async def dask_train_feed(*, job: str, trainer: int, key: str, seq: int, epoch: int,
                               block: int, seed: int, shuffle: bool, skip: int = 0) -> int:
         state = worker_state(worker)
         data = worker_data(worker)
-        if key not in data or job not in state.jobs:
+        # A new job's state is created here when its trainer has not started yet (the first
+        # grants race the trainer task); an ended job's is never brought back.
+        if key not in data or job in state.ended:
             return -1
         x, y = data[key]
         item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)

@@ -11,6 +11,7 @@ a worker that never serves a parameter server never imports torch.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import logging
 import queue
@@ -108,6 +109,8 @@ class WorkerState:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.jobs: dict[str, JobState] = {}
+        # Jobs dropped here (the most recent): a late message for one must not bring it back.
+        self.ended: collections.deque[str] = collections.deque(maxlen=1024)
         # torch process groups this process joined (group id -> its rank's record, see
         # _torch_rank.py); the record keeps rank 0's TCPStore alive for as long as the group is open.
         self.torch_groups: dict[str, Any] = {}
@@ -124,6 +127,7 @@ class WorkerState:
         """Forget a finished job: its parameters, queues and blocks are freed."""
         with self._lock:
             state = self.jobs.pop(job_id, None)
+            self.ended.append(job_id)
         if state is not None:
             state.stop.set()
             state.scorer_stop.set()
