@@ -20,6 +20,7 @@ from dask_train.api._validate import (
     check_data,
     check_labels,
     check_module_output,
+    check_sample_weight,
     check_settings,
     check_stop_metrics,
     check_validation,
@@ -39,6 +40,7 @@ from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
 from dask_train.report import history_frame
+from dask_train.runtime._devices import probe_devices
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,15 @@ class Trainer:
         A non-finite loss or score: ``"stop"`` ends the job (the last good checkpoint is kept,
         none is written after it); ``"skip"`` leaves that batch out of the update, or that score
         out of the history, and goes on. Either way ``result.nonfinite`` lists them.
+    device : {"auto", "cpu", "cuda"} or "cuda:N"
+        Where trainers and the scorer compute. ``"auto"``: one GPU per Dask worker when every
+        worker has one (dask-cuda's ``LocalCUDACluster`` is the convention; workers sharing a
+        multi-GPU host take one each), else the CPU. With GPUs, ``sync`` reduces over NCCL;
+        async-ps servers keep the parameters and optimizer state in host memory.
+    mixed_precision : bool or {"bf16", "fp16"}
+        Autocast the forward pass: ``True`` is bfloat16 where the device supports it (CPUs and
+        recent GPUs), else float16 with dynamic loss scaling. Parameters, gradients and the
+        optimizer stay float32.
     client : distributed.Client, optional
         Defaults to the current client, or an embedded cluster from :func:`dask_train.connect`.
 
@@ -161,6 +172,8 @@ class Trainer:
         checkpoint: CheckpointConfig | None = None,
         failure: FailureConfig | None = None,
         on_nan: str = "stop",
+        device: str = "auto",
+        mixed_precision: bool | str = False,
         client: Client | None = None,
     ) -> None:
         self.module = module
@@ -188,6 +201,8 @@ class Trainer:
         self.checkpoint = checkpoint
         self.failure = failure
         self.on_nan = on_nan
+        self.device = device
+        self.mixed_precision = mixed_precision
         self.client = client
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
@@ -210,7 +225,7 @@ class Trainer:
 
     def fit(
         self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False,
-        warm_start: bool = False,
+        warm_start: bool = False, sample_weight: Any = None,
     ) -> FitResult:
         """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
 
@@ -229,6 +244,11 @@ class Trainer:
         warm_start : bool
             Start from the model the previous ``fit`` of this Trainer returned (parameters and
             buffers) instead of ``module``; the first fit starts from ``module`` either way.
+        sample_weight : array, optional
+            One non-negative weight per row of X, applied through the loss: a batch's loss is
+            ``sum(weight_i * loss_i) / rows`` (per-sample losses from ``reduction="none"``, or
+            from a loss function taking ``(output, target, weight)``). Class weights go in the
+            loss itself, e.g. ``torch.nn.CrossEntropyLoss(weight=...)``.
 
         Raises
         ------
@@ -236,15 +256,22 @@ class Trainer:
             Every problem with the arguments and data at once, before any training starts.
         """
         X, y = as_dask_array(X), as_dask_array(y)
+        weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self.module, ArrayModel):
             return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume,
-                                   warm_start=warm_start)
+                                   warm_start=warm_start, sample_weight=weights)
         validation = _materialize(validation, dtype=self._float_dtype())
-        self._validate(X, y, validation, resume=resume)
+        self._validate(X, y, validation, resume=resume, sample_weight=weights)
         client = self._client()
+        devices = probe_devices(client, self.device, mixed_precision=self.mixed_precision)
         spec = self._spec(module=self._start_model(warm_start))
+        spec.device_kind, spec.devices, spec.precision = \
+            devices.kind, devices.by_worker, devices.precision
+        if devices.kind == "cuda" or devices.precision:
+            logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
+                        f", autocast {devices.precision}" if devices.precision else "")
         X = self._input_dtype(X)
-        blocks = client.sync(persist_blocks, client, X, y)
+        blocks = client.sync(persist_blocks, client, X, y, weights=weights)
         if is_classification(self.loss):
             low, high = blocks.label_range
             n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
@@ -276,12 +303,12 @@ class Trainer:
         return result
 
     def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
-                   warm_start: bool = False) -> FitResult:
+                   warm_start: bool = False, sample_weight: Any = None) -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.classical.full_batch import persist_data
         from dask_train.engines._array_engine import ArrayEngine
 
-        self._validate(X, y, validation, resume=resume)
+        self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
         assert isinstance(self.module, ArrayModel)
         client = self._client()
         data = persist_data(X, y, client=client, dtype=np.float64)
@@ -314,7 +341,8 @@ class Trainer:
         run_callbacks(self.callbacks, "on_fit_end", result)
         return result
 
-    def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False) -> None:
+    def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
+                  sample_weight: Any = None) -> None:
         settings = self.get_params()
         settings["stop"], settings["callbacks"] = self.stop, self.callbacks
         problems = check_settings(settings)
@@ -324,6 +352,7 @@ class Trainer:
                 "checkpoint=dt.CheckpointConfig(path) to the Trainer."
             )
         problems += check_data(X, y)
+        problems += check_sample_weight(sample_weight, X, self.module, self.loss)
         problems += check_validation(validation, X)
         needs_scores = [c for c in self.stop if hasattr(c, "metric")]
         if needs_scores and validation is None:
@@ -434,7 +463,7 @@ class Trainer:
         if isinstance(self.module, ArrayModel):
             return dataclasses.replace(self.module, params=np.array(params, dtype=np.float64))
         from dask_train.models._buffers import BufferSet
-        from dask_train.models._torch import FlatModel
+        from dask_train.models._flat import FlatModel
 
         model = copy.deepcopy(self.module)
         flat = FlatModel(model)

@@ -11,14 +11,15 @@ import numpy as np
 import torch
 
 from dask_train.models._array import ArrayModel
+from dask_train.models._evaluate import metric_names
 from dask_train.models._torch import (
     LOSSES,
     OPTIMIZERS,
     build_optimizer,
     is_classification,
     loss_name,
-    metric_names,
     resolve_loss,
+    takes_weights,
 )
 from dask_train.policy._placement import check_role_counts
 from dask_train.policy.callbacks import Callback
@@ -102,6 +103,51 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
             problems.append(f"callbacks[{i}]={cb!r} is invalid: subclass dt.Callback.")
     problems += _check_recovery(s)
     problems += check_metrics(s.get("metrics"), s["module"], s["loss"])
+    problems += check_device(s.get("device", "auto"), s.get("mixed_precision", False), s["module"])
+    return problems
+
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = (False, True, "bf16", "fp16")
+
+
+def check_device(device: Any, mixed_precision: Any, module: Any) -> list[str]:
+    """Problems with ``device=`` and ``mixed_precision=`` (whether the workers have GPUs is
+    checked on the cluster, see ``runtime.probe_devices``)."""
+    problems = []
+    if not (device in DEVICES or (isinstance(device, str) and device.startswith("cuda:")
+                                  and device[5:].isdigit())):
+        problems.append(f"device={device!r} is invalid: use 'auto' (a GPU per worker when every "
+                        "worker has one), 'cpu', 'cuda' or 'cuda:N'.")
+    if not any(mixed_precision is p or mixed_precision == p for p in PRECISIONS) \
+            or isinstance(mixed_precision, (int, float)) and not isinstance(mixed_precision, bool):
+        problems.append(f"mixed_precision={mixed_precision!r} is invalid: use False, True (bf16 "
+                        "where supported, else fp16 with loss scaling), 'bf16' or 'fp16'.")
+    if isinstance(module, ArrayModel) and (device not in ("auto", "cpu") or mixed_precision):
+        problems.append(f"device={device!r}, mixed_precision={mixed_precision!r} do not apply to a "
+                        "dt.ArrayModel (numpy runs on the CPU): leave the defaults.")
+    return problems
+
+
+def check_sample_weight(weights: Any, X: Any, module: Any, loss: Any) -> list[str]:
+    """Problems with ``fit(sample_weight=)``: one non-negative number per row, and a loss that
+    can weigh samples."""
+    if weights is None:
+        return []
+    if isinstance(module, ArrayModel):
+        return ["sample_weight= is not available for a dt.ArrayModel: weigh the rows inside "
+                "its loss_grad function instead."]
+    if not isinstance(weights, da.Array) or not np.issubdtype(weights.dtype, np.number):
+        return [f"sample_weight of type {type(weights).__name__} is invalid: pass one number per "
+                "row of X (a numpy or dask array)."]
+    problems = []
+    if weights.ndim != 1 or weights.shape[0] != X.shape[0]:
+        problems.append(f"sample_weight has shape {weights.shape} but X has {X.shape[0]} rows: "
+                        "pass one weight per row of X (a 1-D array).")
+    if not takes_weights(loss):
+        problems.append(f"loss={loss_name(loss)} cannot weigh samples: use a loss name, a torch "
+                        "loss module (it has a reduction), or a function "
+                        "fn(output, target, weight) -> scalar.")
     return problems
 
 

@@ -54,7 +54,8 @@ def _to_tensor(*, name: str, value: object, problems: list[str]) -> torch.Tensor
             "convert it with .to_dense() or materialise it first."
         )
         return None
-    return value.detach().contiguous()
+    # On the host: a file holds bytes, and a GPU job's checkpoint must load on any machine.
+    return value.detach().cpu().contiguous()
 
 
 def _prepare(*, tensors: Mapping[str, object], problems: list[str]) -> dict[str, torch.Tensor]:

@@ -52,27 +52,34 @@ def _label_range(pair: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
     return (float(y.min()), float(y.max())) if y.size else (np.inf, -np.inf)
 
 
-def as_pair(x: np.ndarray, y: np.ndarray | None, dtype: Any = None) -> tuple[np.ndarray, Any]:
-    """One block as a contiguous ``(X_block, y_block)`` pair, ``X`` in ``dtype`` (one copy at most).
+def as_pair(x: np.ndarray, y: np.ndarray | None, dtype: Any = None,
+            w: np.ndarray | None = None) -> tuple[Any, ...]:
+    """One block as a contiguous ``(X_block, y_block)`` pair, ``X`` in ``dtype`` (one copy at most);
+    a triple ``(X_block, y_block, weights)`` when sample weights ``w`` are given.
 
     Contiguous so row slices are cheap for BLAS and per-batch gathers, and torch.from_numpy works.
     """
-    return np.ascontiguousarray(x, dtype=dtype), None if y is None else np.ascontiguousarray(y)
+    pair = (np.ascontiguousarray(x, dtype=dtype), None if y is None else np.ascontiguousarray(y))
+    if w is None:
+        return pair
+    return (*pair, np.ascontiguousarray(w, dtype=np.float32))
 
 
 async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
-                        dtype: Any = None) -> list[Future]:
+                        dtype: Any = None, weights: da.Array | None = None) -> list[Future]:
     """Persist ``X`` and ``y`` as co-located ``(X_block, y_block)`` pairs: one future per block.
 
     The one way dask-train persists training data. One object per block holding both parts, so a
     block's features and labels can never end up on different workers, and whatever moves a
     block moves them together. ``X`` is rechunked to whole rows, ``y`` to ``X``'s row chunks.
     """
-    X = X.rechunk({1: -1}) if X.ndim == 2 else X
+    X = X.rechunk({i: -1 for i in range(1, X.ndim)}) if X.ndim > 1 else X
     x_parts = X.to_delayed().ravel()
-    y_parts = [None] * len(x_parts) if y is None else \
-        list(y.rechunk({0: X.chunks[0]}).to_delayed().ravel())
-    pairs = [dask.delayed(as_pair, pure=True)(xp, yp, dtype) for xp, yp in zip(x_parts, y_parts)]
+    y_parts = [None] * len(x_parts) if y is None else list(_rows_like(y, X).to_delayed().ravel())
+    w_parts = [None] * len(x_parts) if weights is None else \
+        list(_rows_like(weights, X).to_delayed().ravel())
+    pairs = [dask.delayed(as_pair, pure=True)(xp, yp, dtype, wp)
+             for xp, yp, wp in zip(x_parts, y_parts, w_parts)]
     futures = client.compute(pairs)
     # Inside the client's event loop distributed.wait returns a coroutine; it waits without
     # bringing any block to the client.
@@ -82,6 +89,11 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
         await failed[0]  # re-raises the remote exception with its traceback
     rows = [int(r) for r in X.chunks[0]]
     return await spread_blocks(client, list(futures), rows)
+
+
+def _rows_like(a: da.Array, X: da.Array) -> da.Array:
+    """``a`` cut into ``X``'s row blocks, whole along its other axes (a 2-D target too)."""
+    return a.rechunk({0: X.chunks[0], **{i: -1 for i in range(1, a.ndim)}})
 
 
 def _same(pair: Any) -> Any:
@@ -114,13 +126,15 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     return [moved.get(i, f) for i, f in enumerate(futures)]
 
 
-async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
-    """Persist X and y as co-located ``(X_block, y_block)`` pairs and locate each block.
+async def persist_blocks(client: Client, X: da.Array, y: da.Array, *,
+                         weights: da.Array | None = None) -> BlockSet:
+    """Persist X and y (and sample weights) as co-located ``(X_block, y_block[, w_block])``
+    blocks and locate each block.
 
-    One future per block, holding both parts, so a block's features and labels can never end up on
-    different workers, and one feed task per block moves them together when a block must move.
+    One future per block, holding every part, so a block's features and labels can never end up
+    on different workers, and one feed task per block moves them together when a block must move.
     """
-    futures = await persist_pairs(client, X, y)
+    futures = await persist_pairs(client, X, y, weights=weights)
     # Label range from the persisted blocks themselves: one tiny result per block, and the source
     # graph is never recomputed.
     ranges = await client.gather(client.map(_label_range, futures, pure=False), asynchronous=True)

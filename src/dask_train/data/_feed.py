@@ -30,6 +30,7 @@ class FeedItem:
     # Rows of the block already applied to the model before a resume or a trainer's loss: they
     # come first in the block's row order and are not read again.
     skip: int = 0
+    w: np.ndarray | None = None  # sample weights, when the job has them
 
     @property
     def rows(self) -> int:
@@ -51,8 +52,10 @@ def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) 
     return rng.permutation(rows)
 
 
-def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Minibatches of one block in its epoch's order; the last one may be smaller.
+def batches(item: FeedItem, batch_size: int
+            ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Minibatches ``(x, y, weights or None)`` of one block in its epoch's order; the last one
+    may be smaller.
 
     Batches never span two blocks, so a block's consumption is exactly its rows, which keeps the
     ledger simple and a resumed run's batches identical.
@@ -65,11 +68,15 @@ def batches(item: FeedItem, batch_size: int) -> Iterator[tuple[np.ndarray, np.nd
     # are the ones an uninterrupted run would read.
     for i in range(item.skip, item.rows, batch_size):
         idx = order[i : i + batch_size]
+        w = item.w
         if item.shuffle:
-            xb, yb = item.x[idx], item.y[idx]  # a gather is a copy: a fresh contiguous batch
+            # A gather is a copy: a fresh contiguous batch.
+            xb, yb, wb = item.x[idx], item.y[idx], None if w is None else w[idx]
         else:
             xb, yb = item.x[i : i + batch_size], item.y[i : i + batch_size]
-        yield np.ascontiguousarray(xb), np.ascontiguousarray(yb)
+            wb = None if w is None else w[i : i + batch_size]
+        yield (np.ascontiguousarray(xb), np.ascontiguousarray(yb),
+               None if wb is None else np.ascontiguousarray(wb))
 
 
 class FeedReader:

@@ -137,7 +137,8 @@ class FlatOptimizer:
         The buffers array is never written in place (a new one replaces it), so it needs no copy.
         """
         with self._lock:
-            return self.param.detach().numpy().copy(), self.version, self.samples, self.buffers
+            return (self.param.detach().to("cpu", copy=True).numpy(), self.version, self.samples,
+                    self.buffers)
 
     def set_buffers(self, values: np.ndarray | None) -> None:
         """Keep ``values`` (a float64 buffer vector this holder may keep as is) as the buffers."""

@@ -169,9 +169,6 @@ class PSClient:
         return fut.result(self.timeout)
 
 
-def write_params(flat: torch.Tensor, exchange: Exchange) -> None:
-    """Copy the shards' parameters into a flat parameter vector."""
-    # Through numpy: the received arrays may be read-only frames, which torch.from_numpy warns on.
-    dst = flat.numpy()
-    for ref, params in exchange.params:
-        dst[ref.start : ref.stop] = np.asarray(params)
+def write_params(model: Any, exchange: Exchange) -> None:
+    """Copy the shards' parameters into a model adapter's flat parameters (on its device)."""
+    model.write_slices([(ref.start, ref.stop, params) for ref, params in exchange.params])

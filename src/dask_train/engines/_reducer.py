@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dask_train.models._torch import FlatModel
+from dask_train.models._flat import FlatModel
 
 #: Values carried in front of the gradients: [samples, stop votes, pause votes].
 META = 3
@@ -62,7 +62,7 @@ class GradientReducer:
     """
 
     def __init__(self, model: FlatModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.buf = torch.zeros(META + model.n_params)
+        self.buf = torch.zeros(META + model.n_params, device=model.flat.device)
         self.meta = self.buf[:META]
         self.grad = self.buf[META:]
         self._params = model.params
@@ -94,7 +94,7 @@ class GradientReducer:
         gather = dist.get_backend() == "gloo" and world > 1
         # Receive buffers for the small buckets, allocated once.
         self._parts: list[list[torch.Tensor] | None] = [
-            [torch.empty(end - start) for _ in range(world)]
+            [torch.empty(end - start, device=self.buf.device) for _ in range(world)]
             if gather and (end - start) * self.buf.element_size() <= GATHER_BYTES else None
             for start, end in self._spans
         ]

@@ -65,7 +65,7 @@ class RoleEngine(Engine):
         self.client, self.spec, self.roles, self.blocks = client, spec, roles, blocks
         self.validation, self.job, self.restore = validation, job, restore
         trainers = roles["worker"]
-        kwargs = {"epochs": spec.epochs, "shuffle": spec.shuffle, "seed": spec.seed}
+        kwargs: dict[str, Any] = {"epochs": spec.epochs, "shuffle": spec.shuffle, "seed": spec.seed}
         self.ledger = (Ledger.from_state(blocks.blocks, trainers, state=restore["ledger"], **kwargs)
                        if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
         self.shards = self.make_shards()
@@ -110,7 +110,8 @@ class RoleEngine(Engine):
             "topic": self.topic, "score_every": spec.score_every, "optimizer": spec.optimizer,
             "lr": spec.lr, "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
             "seed": spec.seed, "on_nan": spec.on_nan, "rng": restore.get("rng") or {},
-            "metrics": spec.metrics,
+            "metrics": spec.metrics, "device_kind": spec.device_kind, "devices": spec.devices,
+            "precision": spec.precision,
         }
 
     # -- starting ---------------------------------------------------------------------------------

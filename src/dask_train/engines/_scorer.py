@@ -6,24 +6,22 @@ never a Queue). It reads the parameters the way a trainer does: from the paramet
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from distributed import get_worker, secede
 
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
+from dask_train.engines._worker import model_for
 from dask_train.models._buffers import BufferSet
-from dask_train.models._torch import FlatModel, evaluate
 from dask_train.runtime._plugin import worker_state
 
 
 def run_scorer(
-    module: torch.nn.Module,
+    module: Any,
     validation: tuple[np.ndarray, np.ndarray],
     *,
     job: str,
@@ -43,8 +41,8 @@ def run_scorer(
     state = worker_state(worker).job(job)
     secede()
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
-    model = FlatModel(copy.deepcopy(module))
-    buffers = BufferSet(model.module)
+    model = model_for(module, worker.address, config)
+    buffers = model.buffers()
     x_val, y_val = validation
     snapshots: dict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = {}
     # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
@@ -60,7 +58,7 @@ def run_scorer(
             # a worker that vanished instead is the controller's to report.
             continue
         if record["step"] not in snapshots:
-            snapshots[record["step"]] = (record, model.flat.numpy().copy(), buffers.gather())
+            snapshots[record["step"]] = (record, model.read_params(), buffers.gather())
             for old in sorted(snapshots)[:-_SNAPSHOTS]:
                 del snapshots[old]
             worker.log_event(config["topic"], {"kind": "score", **record})
@@ -77,13 +75,13 @@ _SNAPSHOTS = 4
 
 
 def _score(
-    ps: PSClient, model: FlatModel, buffers: BufferSet, x: np.ndarray, y: np.ndarray, *,
+    ps: PSClient, model: Any, buffers: BufferSet, x: np.ndarray, y: np.ndarray, *,
     loss: Any, metrics: Any = None,
 ) -> dict[str, Any]:
     exchange = ps.pull()
-    write_params(model.flat, exchange)
+    write_params(model, exchange)
     buffers.scatter(exchange.buffers)
-    scores = evaluate(model.module, x, y, loss=loss, metrics=metrics)
+    scores = model.evaluate(x, y, loss=loss, metrics=metrics)
     bad = {k: v for k, v in scores.items() if not math.isfinite(v)}
     return {
         "step": exchange.version,

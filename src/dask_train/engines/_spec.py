@@ -42,6 +42,9 @@ class JobSpec:
     failure: FailureConfig = field(default_factory=FailureConfig)
     on_nan: str = "stop"
     metrics: dict[str, Any] | None = None  # extra scores: name -> function or metric object
+    device_kind: str = "cpu"  # "cpu" or "cuda" (runtime._devices.Devices)
+    devices: dict[str, str] = field(default_factory=dict)  # worker address -> torch device
+    precision: str | None = None  # autocast dtype: None, "bf16" or "fp16"
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property

@@ -28,10 +28,11 @@ class TorchSyncEngine(RoleEngine):
         return [ShardRef(0, 0, self.spec.n_params, self.roles["worker"][0])]
 
     async def start_servers(self) -> None:
-        """Start the torch process group (gloo) on the ranks' workers."""
+        """Start the torch process group on the ranks' workers: NCCL on GPUs, gloo on CPUs."""
+        backend = "nccl" if self.spec.device_kind == "cuda" else "gloo"
         # start_torch is the blocking API: run it in a thread so this loop keeps serving it.
         call = functools.partial(start_torch, self.client, workers=self.roles["worker"],
-                                 backend="gloo", timeout=self.spec.timeout)
+                                 backend=backend, timeout=self.spec.timeout)
         self.group = await asyncio.get_running_loop().run_in_executor(None, call)
 
     def trainer_config(self) -> dict[str, Any]:

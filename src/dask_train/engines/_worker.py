@@ -117,6 +117,20 @@ def read_slice(files: Sequence[Mapping[str, Any]], start: int, stop: int) -> Any
                       buffers=buffers)
 
 
+def model_for(module: Any, address: str, config: Mapping[str, Any]) -> Any:
+    """The model adapter a role on ``address`` trains or scores with: a copy of ``module`` on the
+    device the controller chose for that worker (``config["devices"]``), in the job's precision.
+    """
+    import copy
+
+    from dask_train.models._flat import flat_model
+
+    device = (config.get("devices") or {}).get(address)
+    if device is None and config.get("device_kind") == "cuda":
+        device = "cuda"  # a worker that joined after the start: its current CUDA device
+    return flat_model(copy.deepcopy(module), device=device, precision=config.get("precision"))
+
+
 def rng_state() -> str:
     """This process's torch RNG state as text (it travels in an event and a JSON manifest)."""
     import torch

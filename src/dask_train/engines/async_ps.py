@@ -11,7 +11,6 @@ sharing a process, and the feed tasks, never wait for a thread. The servers it p
 from __future__ import annotations
 
 import collections
-import copy
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -22,9 +21,9 @@ from distributed import get_worker, secede
 
 from dask_train.data._feed import FeedReader, batches
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
-from dask_train.engines._worker import NanReporter, Pauser, rng_state, seed_trainer
+from dask_train.engines._worker import NanReporter, Pauser, model_for, rng_state, seed_trainer
 from dask_train.models._buffers import BufferSet
-from dask_train.models._torch import FlatModel, resolve_loss
+from dask_train.models._flat import FlatModel
 from dask_train.runtime._plugin import worker_state
 
 
@@ -49,17 +48,17 @@ def run_trainer(
     role = f"worker-{index} on {worker.address}"
     seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
-    model = FlatModel(copy.deepcopy(module))
-    model.module.train()
-    buffers = BufferSet(model.module)
+    model = model_for(module, worker.address, config)
+    model.train_mode()
+    buffers = model.buffers()
     start = ps.pull()
-    write_params(model.flat, start)
+    write_params(model, start)
     # Start from the kept buffers too: after a resume, or when joining a running job, they carry
     # the statistics of every batch trained so far.
     buffers.scatter(start.buffers)
     pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"],
                      buffers=buffers)
-    loss_fn = resolve_loss(config["loss"])
+    loss_fn = model.loss_fn(config["loss"])
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
     stopped = False
@@ -83,13 +82,13 @@ def run_trainer(
         if item is None or item.x is None:
             break
         consumed = 0
-        for xn, yn in batches(item, config["batch_size"]):
-            xb, yb = torch.from_numpy(xn), torch.from_numpy(yn)
+        for xn, yn, wn in batches(item, config["batch_size"]):
+            xb, yb, wb = model.batch(xn, yn, wn)
             if state.stop.is_set() or stopped:
                 stopped = True
                 break
             pusher.position = [index, item.epoch, item.block, item.skip + consumed + len(xb)]
-            stop, loss = pusher.add(xb, yb, loss_fn)
+            stop, loss = pusher.add(xb, yb, loss_fn, wb)
             if not math.isfinite(loss):
                 nans.report(loss=loss, step=pusher.pushes, epoch=item.epoch, block=item.block)
                 if config["on_nan"] == "stop":
@@ -149,7 +148,8 @@ class _Pusher:
         self.wait_s = 0.0
         self.position: list[int] | None = None  # sent with the next push
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> tuple[bool, float]:
+    def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
+            w: torch.Tensor | None = None) -> tuple[bool, float]:
         """Add one batch's gradient; push when ``every`` are in.
 
         Returns (stop, loss): stop is True when the servers say stop. A batch with a non-finite
@@ -158,7 +158,7 @@ class _Pusher:
         grad = self.buffers[self.pushes % len(self.buffers)]
         target = grad if self.count == 0 else self.scratch
         assert target is not None
-        loss = self.model.gradient(x, y, loss_fn, out=target)
+        loss = self.model.gradient(x, y, loss_fn, out=target, w=w)
         if not math.isfinite(loss):
             return False, loss
         if self.count > 0:
@@ -195,5 +195,5 @@ class _Pusher:
         t0 = time.perf_counter()
         exchange = self.ps.wait(self.pending.popleft())
         self.wait_s += time.perf_counter() - t0
-        write_params(self.model.flat, exchange)
+        write_params(self.model, exchange)
         return exchange.stop

@@ -24,7 +24,6 @@ own batches. After each step rank 0 broadcasts its buffers to the others, as DDP
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,9 +37,16 @@ from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._reducer import GradientReducer
-from dask_train.engines._worker import NanReporter, Pauser, read_slice, rng_state, seed_trainer
+from dask_train.engines._worker import (
+    NanReporter,
+    Pauser,
+    model_for,
+    read_slice,
+    rng_state,
+    seed_trainer,
+)
 from dask_train.models._buffers import BufferSet
-from dask_train.models._torch import FlatModel, resolve_loss
+from dask_train.models._flat import FlatModel
 from dask_train.runtime._plugin import JobState, worker_state
 
 _END = object()  # a block with no batch left
@@ -49,17 +55,18 @@ _END = object()  # a block with no batch left
 class _RankFeed:
     """A rank's batches across blocks, reporting each block to the controller once consumed."""
 
-    def __init__(self, reader: FeedReader, *, batch_size: int, report: Any) -> None:
+    def __init__(self, reader: FeedReader, *, batch_size: int, report: Any, model: Any) -> None:
         self.reader, self.batch_size, self.report = reader, batch_size, report
+        self.model = model  # turns numpy batches into the model's tensors, on its device
         self.item: FeedItem | None = None
-        self.it: Iterator[tuple[Any, Any]] | None = None
+        self.it: Iterator[tuple[Any, Any, Any]] | None = None
         # A batch cut ahead of time (or _END when the block has none left); it counts as
         # consumed only once next() hands it out, so positions and resumes ignore it.
         self.ahead: tuple[torch.Tensor, torch.Tensor] | object | None = None
         self.consumed = 0
         self.ended = False
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The next batch, or None once the feed has ended (or the job was stopped)."""
         while not self.ended:
             if self.it is not None:
@@ -67,7 +74,9 @@ class _RankFeed:
                 self.ahead = None
                 if isinstance(batch, tuple):
                     self.consumed += len(batch[0])
-                    return torch.from_numpy(batch[0]), torch.from_numpy(batch[1])
+                    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = \
+                        self.model.batch(*batch)
+                    return out
                 self.close_block()
             item = self.reader.next()
             if item is None or item.x is None:
@@ -115,8 +124,11 @@ def run_rank(
             "start one with dt.start_torch on the job's workers"
         )
     seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
-    model = FlatModel(copy.deepcopy(module))
-    model.module.train()
+    if config.get("device_kind") == "cuda":
+        # The GPU the process group gave this rank (start_torch sets it for NCCL).
+        config = {**config, "devices": {worker.address: f"cuda:{torch.cuda.current_device()}"}}
+    model = model_for(module, worker.address, config)
+    model.train_mode()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
     reducer = GradientReducer(model)
     server = FlatOptimizer(model.flat, optimizer=config["optimizer"], lr=config["lr"],
@@ -128,7 +140,7 @@ def run_rank(
         # optimizer, so each needs the optimizer state too, not only the parameters.
         state_ = read_slice(restore["files"], 0, model.n_params)
         server.restore(state_, version=restore["step"], samples=restore["samples"])
-    buffers = _BufferSync(BufferSet(model.module), server, rank=index)
+    buffers = _BufferSync(model.buffers(), server, rank=index, device=model.device)
     buffers.start(restored=restore is not None)
     if index == 0:
         state.params[0] = server  # the scorer and the final pull read rank 0's parameters
@@ -141,7 +153,7 @@ def run_rank(
 
     role = f"rank {index} on {worker.address}"
     feed = _RankFeed(FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role),
-                     batch_size=config["batch_size"], report=report)
+                     batch_size=config["batch_size"], report=report, model=model)
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
     result = _loop(model, server, reducer, feed, state, config, index=index,
@@ -156,7 +168,7 @@ def _loop(
     state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
     nans: NanReporter, buffers: _BufferSync,
 ) -> dict[str, Any]:
-    loss_fn = resolve_loss(config["loss"])
+    loss_fn = model.loss_fn(config["loss"])
     every = config["grad_accumulation"]
     meta = reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
     started, comm_s, samples = time.perf_counter(), 0.0, 0
@@ -164,12 +176,15 @@ def _loop(
     while True:
         reducer.reset()
         k, count, reduced = 0, 0, False
+        # float16 loss scaling: every rank uses the same scale (each sees the same reduced sums
+        # and so makes the same overflow decisions).
+        scale = model.scaler.scale if model.scaler is not None else 1.0
         while k < every:
             batch = feed.next()
             if batch is None:
                 break
-            xb, yb = batch
-            loss = loss_fn(model.module(xb), yb)
+            xb, yb, wb = batch
+            loss = model.forward_loss(xb, yb, loss_fn, wb)
             value = float(loss.detach())
             if not math.isfinite(value):
                 # Left out of the step (a non-finite sum would poison every rank); counted
@@ -186,7 +201,7 @@ def _loop(
                 _votes(meta, count, state, stop_vote, pauser)
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
-            reducer.backward(loss * len(xb), reduce=reduced)
+            reducer.backward(loss * (len(xb) * scale), reduce=reduced)
         if not reduced:
             _votes(meta, count, state, stop_vote, pauser)
         reducer.start_rest()
@@ -199,6 +214,12 @@ def _loop(
         if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
             break
         at_limit = False
+        if total > 0 and model.scaler is not None:
+            reducer.grad.div_(scale)
+            finite = bool(torch.isfinite(reducer.grad).all())
+            model.scaler.update(finite)
+            if not finite:  # an overflow of the scaled float16 gradients: skip this step
+                total = 0.0
         if total > 0:  # a non-finite batch was left out above, so the mean is finite
             reducer.grad.div_(total)
             before = server.version
@@ -233,9 +254,12 @@ class _BufferSync:
     sends nothing.
     """
 
-    def __init__(self, buffers: BufferSet, server: FlatOptimizer, *, rank: int) -> None:
-        self.buffers, self.server, self.rank = buffers, server, rank
-        self.received = torch.zeros(buffers.size, dtype=torch.float64) if rank else None
+    def __init__(self, buffers: BufferSet, server: FlatOptimizer, *, rank: int,
+                 device: torch.device) -> None:
+        self.buffers, self.server, self.rank, self.device = buffers, server, rank, device
+        # On the model's device: NCCL broadcasts device tensors only.
+        self.received = torch.zeros(buffers.size, dtype=torch.float64, device=device) \
+            if rank else None
 
     def start(self, *, restored: bool) -> None:
         """Load the checkpoint's buffers (every rank reads the same), else publish the module's."""
@@ -253,7 +277,7 @@ class _BufferSync:
         if self.rank == 0:
             values = self.buffers.gather()
             assert values is not None
-            dist.broadcast(torch.from_numpy(values), src=0)
+            dist.broadcast(torch.from_numpy(values).to(self.device), src=0)
             self.server.set_buffers(values)  # a new array each step: kept as is
         else:
             assert self.received is not None

@@ -5,10 +5,14 @@ never imports torch.
 
 from dask_train._lazy import attach
 
-_TORCH = ("CLASSIFICATION_LOSSES", "LOSSES", "OPTIMIZERS", "FlatModel", "Shard", "build_optimizer",
-          "evaluate", "flatten_parameters", "split_shards")
+_TORCH = ("CLASSIFICATION_LOSSES", "LOSSES", "OPTIMIZERS", "Shard", "build_optimizer",
+          "flatten_parameters", "make_loss", "split_shards")
 __getattr__, __dir__, __all__ = attach(__name__, {
     "ArrayModel": "._array",
     "softmax_regression": "._array",
+    "FlatModel": "._flat",
+    "flat_model": "._flat",
+    "evaluate": "._evaluate",
+    "metric_names": "._evaluate",
     **{name: "._torch" for name in _TORCH},
 })

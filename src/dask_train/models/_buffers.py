@@ -62,7 +62,7 @@ class BufferSet:
             return None
         with torch.no_grad():
             return torch.cat(
-                [b.detach().reshape(-1).to(torch.float64) for b in self.buffers]
+                [b.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for b in self.buffers]
             ).numpy()
 
     def scatter(self, values: np.ndarray | torch.Tensor | None) -> None:

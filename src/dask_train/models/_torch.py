@@ -1,4 +1,7 @@
-"""The torch adapter: flat parameter views, losses, optimizers on flat shards, evaluation.
+"""The torch adapter's pieces: losses, optimizers on flat shards, flat parameter copies.
+
+The model adapter the engines use (flat views on a device, gradients, mixed precision) is
+:mod:`._flat`; evaluation is :mod:`._evaluate`.
 
 Every optimizer offered here is element-wise (SGD, Adam, AdamW, RMSprop, Adagrad), so applying it to
 contiguous slices of one flat parameter vector is exactly the same as applying it to the module's
@@ -7,12 +10,13 @@ tensors. That is what lets parameter servers hold balanced flat shards.
 
 from __future__ import annotations
 
-import math
+import copy
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,6 +50,59 @@ def resolve_loss(loss: Any) -> LossFn:
     if isinstance(loss, str):
         return LOSSES[loss]
     fn: LossFn = loss
+    return fn
+
+
+#: A loss the engines call: ``fn(output, target, weight)`` -> the batch loss, a scalar tensor.
+#: ``weight`` is the batch's sample weights or None.
+WeightedLossFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def takes_weights(loss: Any) -> bool:
+    """Whether ``loss`` can weigh samples: a name, a torch loss module with ``reduction``, or a
+    function taking a third argument ``fn(output, target, weight)``."""
+    if isinstance(loss, str) or isinstance(getattr(loss, "reduction", None), str):
+        return True
+    try:
+        params = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def make_loss(loss: Any, *, device: Any = None) -> WeightedLossFn:
+    """The engines' loss of a Trainer's ``loss=``: ``fn(output, target, weight=None)``.
+
+    Without weights it is the loss as given (a batch mean). With sample weights it is
+    ``sum(weight_i * loss_i) / batch_rows`` (Keras's "sum over batch size"): over an epoch that
+    minimises the weighted sum of per-sample losses. Per-sample losses come from
+    ``reduction="none"`` (a name or a loss module) or from the function's own third argument.
+    A loss module (with class weights, say) is moved to ``device``.
+    """
+    if isinstance(loss, torch.nn.Module) and device is not None:
+        loss = loss.to(device)
+    plain = resolve_loss(loss)
+    if isinstance(loss, str):
+        named: Any = LOSSES[loss]
+        per_sample: Callable[..., torch.Tensor] | None = functools.partial(named, reduction="none")
+    elif isinstance(getattr(loss, "reduction", None), str):
+        per_sample = copy.copy(loss)
+        per_sample.reduction = "none"  # type: ignore[union-attr]
+    else:
+        per_sample = None
+
+    def fn(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+           ) -> torch.Tensor:
+        if weight is None:
+            return plain(output, target)
+        if per_sample is None:
+            value: torch.Tensor = loss(output, target, weight)
+            return value
+        values = per_sample(output, target)
+        values = values.reshape(len(output), -1).mean(dim=1)  # multi-output: per-row mean
+        return (values * weight.to(values.dtype)).sum() / max(1, len(output))
+
     return fn
 
 
@@ -119,60 +176,6 @@ def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class FlatModel:
-    """A module whose trainable parameters are views into one flat buffer.
-
-    Writing new values into :attr:`flat` changes the module in place, with no per-tensor copies on the
-    hot path; :meth:`gradient` gathers the gradients into a flat buffer the caller owns.
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-        Used as is (callers pass their own copy).
-
-    Examples
-    --------
-    >>> fm = FlatModel(torch.nn.Linear(3, 2))
-    >>> fm.flat.numel()
-    8
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.params = trainable(module)
-        self.flat = flatten_parameters(module)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            # Views, not copies: assigning new values to self.flat updates the module directly.
-            p.data = self.flat[offset : offset + n].view_as(p)
-            offset += n
-
-    @property
-    def n_params(self) -> int:
-        """Number of trainable parameters."""
-        return int(self.flat.numel())
-
-    def set_flat(self, values: np.ndarray | torch.Tensor, *, start: int = 0) -> None:
-        """Copy ``values`` into the flat parameters from position ``start``."""
-        src = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
-        self.flat[start : start + src.numel()].copy_(src)
-
-    def gradient(
-        self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, out: torch.Tensor
-    ) -> float:
-        """Compute the loss on one batch and write the flat gradient into ``out``; return the loss."""
-        for p in self.params:
-            p.grad = None
-        loss = loss_fn(self.module(x), y)
-        loss.backward()
-        grads = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self.params
-        ]
-        torch.cat(grads, out=out)
-        return float(loss.detach())
-
-
 def build_optimizer(
     name: Any, params: Sequence[torch.Tensor], *, lr: float, options: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
@@ -190,87 +193,3 @@ def build_optimizer(
         except (RuntimeError, TypeError, ValueError):
             pass  # a torch or a device without the fused kernel: the default implementation
     return cls(params, lr=lr, **opts)  # type: ignore[no-any-return]
-
-
-#: Built-in metric names: what every torch job's scores can hold without ``metrics=``.
-BUILTIN_METRICS = ("loss", "accuracy")
-
-
-def metric_names(loss: Any, metrics: Mapping[str, Any] | None) -> list[str]:
-    """The keys a torch job's score records hold: loss, accuracy for classification, extras."""
-    names = ["loss"] + (["accuracy"] if is_classification(loss) else [])
-    return names + [n for n in (metrics or {}) if n not in names]
-
-
-def _extra_metrics(metrics: Mapping[str, Any] | None, outputs: list[torch.Tensor],
-                   targets: list[torch.Tensor]) -> dict[str, float]:
-    """``metrics`` over the whole validation set: a function of (output, target) -> number, or
-    an object with ``reset``/``update``/``compute`` (a torchmetrics metric), fed batch by batch."""
-    out: dict[str, float] = {}
-    for name, metric in (metrics or {}).items():
-        if isinstance(metric, str):
-            continue  # a built-in name: computed by evaluate itself
-        if all(hasattr(metric, a) for a in ("reset", "update", "compute")):
-            metric.reset()
-            for o, t in zip(outputs, targets):
-                metric.update(o, t)
-            value = metric.compute()
-        else:
-            value = metric(torch.cat(outputs), torch.cat(targets))
-        out[name] = float(value)
-    return out
-
-
-def evaluate(
-    module: torch.nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
-    *,
-    loss: Any,
-    batch_size: int = 4096,
-    metrics: Mapping[str, Any] | None = None,
-) -> dict[str, float]:
-    """Mean loss (and accuracy for classification losses) of ``module`` on ``(x, y)``.
-
-    ``loss`` is a name, an ``nn.Module`` or a callable (see :func:`resolve_loss`). A named loss is
-    summed exactly (``reduction="sum"``); a module or callable is taken as a batch mean and
-    weighted by the batch's rows. ``metrics`` adds named metrics (see ``Trainer(metrics=)``).
-    """
-    extra = {k: m for k, m in (metrics or {}).items() if not isinstance(m, str)}
-    outputs: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
-    loss_fn = resolve_loss(loss)
-    named = isinstance(loss, str)
-    classify = is_classification(loss)
-    was_training = module.training
-    module.eval()
-    total_loss, correct, n = 0.0, 0, len(x)
-    try:
-        with torch.no_grad():
-            for i in range(0, n, batch_size):
-                xb = torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))
-                yb = torch.from_numpy(np.ascontiguousarray(y[i : i + batch_size]))
-                out = module(xb)
-                if named:
-                    total_loss += float(loss_fn(out, yb, reduction="sum"))  # type: ignore[call-arg]
-                else:
-                    total_loss += float(loss_fn(out, yb)) * len(xb)
-                if classify:
-                    correct += int((out.argmax(dim=1) == yb).sum())
-                if extra:
-                    outputs.append(out)
-                    targets.append(yb)
-    finally:
-        module.train(was_training)
-    if named and loss in ("mse", "l1") and n:
-        # reduction="sum" adds over every output element; report the per-element mean like torch.
-        total_loss /= max(1, int(np.prod(y.shape[1:]))) if y.ndim > 1 else 1
-    result = {"loss": total_loss / n if n else math.nan}
-    if classify:
-        result["accuracy"] = correct / n if n else math.nan
-    if extra and n:
-        result.update(_extra_metrics(extra, outputs, targets))
-    for name, builtin in (metrics or {}).items():  # aliases of built-in metrics
-        if isinstance(builtin, str) and builtin in result:
-            result[name] = result[builtin]
-    return result

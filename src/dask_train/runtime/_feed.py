@@ -16,8 +16,16 @@ from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import worker_state
 
 
+def unpack(pair: tuple[Any, ...] | None) -> tuple[Any, Any, Any]:
+    """``(x, y, weights)`` of a persisted block: a pair, or a triple when the job has sample
+    weights (see ``data.as_pair``); all None for the end marker."""
+    if pair is None:
+        return None, None, None
+    return pair[0], pair[1], pair[2] if len(pair) > 2 else None
+
+
 def feed_block(
-    pair: tuple[np.ndarray, np.ndarray] | None,
+    pair: tuple[np.ndarray, ...] | None,
     *,
     job: str,
     trainer: int,
@@ -35,8 +43,8 @@ def feed_block(
     of the data (it resets the trainer's wait, see :class:`~dask_train.data.FeedReader`). Returns
     the rows queued.
     """
-    x, y = pair if pair is not None else (None, None)
-    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
+    x, y, w = unpack(pair)
+    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip, w)
     worker_state().job(job).feed(trainer).put(item)
     return item.rows
 
@@ -61,8 +69,8 @@ def make_feed_handler(worker: Any) -> Any:
         # grants race the trainer task); an ended job's is never brought back.
         if key not in data or job in state.ended:
             return -1
-        x, y = data[key]
-        item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip)
+        x, y, w = unpack(data[key])
+        item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip, w)
         state.job(job).feed(trainer).put(item)
         return item.rows
 
