@@ -56,6 +56,7 @@ _LAZY = {
     "distributed_loss_grad": ".classical",
     "tree_reduce": ".classical",
     "datasets": ".datasets",
+    "from_npy": ".data",
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
                                          "classical", "api", "models", "checkpoint", "report")},
@@ -90,6 +91,7 @@ __all__ = [
     "connect",
     "datasets",
     "distributed_loss_grad",
+    "from_npy",
     "softmax_regression",
     "start_roles",
     "start_torch",
@@ -107,6 +109,7 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         distributed_loss_grad,
         tree_reduce,
     )
+    from dask_train.data import from_npy
     from dask_train.models import ArrayModel, softmax_regression
     from dask_train.policy import (
         Callback,

@@ -6,6 +6,7 @@ sample count and the ledger), the steps, and the accuracy still reached.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -90,6 +91,26 @@ def test_async_trainer_killed_mid_epoch_the_survivor_takes_its_rows(own_client: 
     assert len(moved) and (moved["trainer"] != 1).all()
     assert result.history["accuracy"].iloc[-1] > 0.85
     assert time.monotonic() - started < 120
+
+
+def test_numpy_input_lost_with_its_worker_is_sent_again(own_client: Client,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # In-memory input is scattered in blocks (Dask cannot recompute those): the blocks on the
+    # killed worker come back from the client's arrays, and the survivor trains on them.
+    _, _, validation = _data()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12_000, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(axis=1)
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    kill = _KillAt(own_client, roles["worker"][1], samples=3000)
+    with caplog.at_level(logging.INFO, logger="dask_train.data._blocks"):
+        result = _trainer(own_client, callbacks=[kill]).fit(x, y, validation=validation)
+    assert any("sent again" in r.getMessage() for r in caplog.records)
+    assert kill.killed_at is not None, "the job ended before the kill"
+    assert result.epochs_completed == 2 and result.samples == 2 * 12_000
+    per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert per_block.sum() == 2 * 12_000 and len(per_block) == 2 * 16
+    assert result.history["accuracy"].iloc[-1] > 0.85
 
 
 def test_parameter_server_killed_restarts_from_the_checkpoint(own_client: Client, tmp_path: Path) -> None:

@@ -55,6 +55,10 @@ class FitResult:
         ``steps``.
     generations : int
         1, plus one per restart from a checkpoint.
+    validation_rows : dict
+        Where the last score's validation rows were evaluated: worker address -> rows. One
+        worker (the scorer's) for a validation set in memory; every worker holding blocks for a
+        dask one, which never leaves the cluster.
     """
 
     model: torch.nn.Module | ArrayModel
@@ -72,6 +76,7 @@ class FitResult:
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     generations: int = 1
     model_step: int = -1
+    validation_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 from distributed import Client
 
+from dask_train.api._data import materialize, spread_validation
 from dask_train.api._result import FitResult
 from dask_train.api._validate import (
     check_array_model,
@@ -30,7 +31,7 @@ from dask_train.api._validate import (
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
-from dask_train.data._blocks import as_dask_array, persist_blocks
+from dask_train.data._blocks import as_dask_array, persist_blocks, scatter_blocks
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
@@ -255,14 +256,29 @@ class Trainer:
         InvalidInput
             Every problem with the arguments and data at once, before any training starts.
         """
+        # In-memory input goes to the workers by scatter, in blocks, never through the graph.
+        local = None if any(hasattr(a, "dask") for a in (X, y, sample_weight)) else \
+            (X, y, sample_weight)
         X, y = as_dask_array(X), as_dask_array(y)
         weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self.module, ArrayModel):
-            return self._fit_array(X, y, _materialize(validation, dtype=np.float64), resume=resume,
+            return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
                                    warm_start=warm_start, sample_weight=weights)
-        validation = _materialize(validation, dtype=self._float_dtype())
+        # A dask validation set stays on the cluster, scored where its blocks live.
+        validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
         self._validate(X, y, validation, resume=resume, sample_weight=weights)
         client = self._client()
+        spread = spread_validation(client, validation)
+        try:
+            return self._fit_torch(client, X, y, spread or validation, weights=weights,
+                                   resume=resume, warm_start=warm_start, local=local)
+        finally:
+            if spread is not None:
+                spread.release()
+
+    def _fit_torch(self, client: Client, X: Any, y: Any, validation: Any, *, weights: Any,
+                   resume: bool, warm_start: bool, local: Any = None) -> FitResult:
+        """``fit`` for a torch module, once everything is validated: async-ps or sync torch."""
         devices = probe_devices(client, self.device, mixed_precision=self.mixed_precision)
         spec = self._spec(module=self._start_model(warm_start))
         spec.device_kind, spec.devices, spec.precision = \
@@ -271,7 +287,11 @@ class Trainer:
             logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
                         f", autocast {devices.precision}" if devices.precision else "")
         X = self._input_dtype(X)
-        blocks = client.sync(persist_blocks, client, X, y, weights=weights)
+        if local is not None:
+            x_np, y_np, w_np = (None if a is None else np.asarray(a) for a in local)
+            blocks = client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
+        else:
+            blocks = client.sync(persist_blocks, client, X, y, weights=weights)
         if is_classification(self.loss):
             low, high = blocks.label_range
             n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
@@ -454,6 +474,7 @@ class Trainer:
             trainers=outcome.ending.trainers, failures=list(log.failures),
             checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
             generations=log.generations, model_step=outcome.model_step,
+            validation_rows=dict((outcome.ending.final or {}).get("validation_rows") or {}),
         )
 
 
@@ -484,20 +505,3 @@ def _engine_class(strategy: str) -> Any:
     from dask_train.engines._ps_engine import AsyncPSEngine
 
     return AsyncPSEngine
-
-
-def _materialize(validation: Any, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray] | Any:
-    """Validation data as numpy (small by nature: the scorer holds it in memory)."""
-    if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
-        return validation
-    out = []
-    for part in validation:
-        compute = getattr(part, "compute", None)
-        part = compute() if callable(compute) else part
-        out.append(np.ascontiguousarray(np.asarray(part)))
-    xv, yv = out
-    if xv.dtype != dtype and xv.dtype.kind == "f":  # integer inputs (token ids) are kept
-        xv = xv.astype(dtype)
-    return xv, yv
-
-

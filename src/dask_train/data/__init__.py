@@ -3,6 +3,7 @@ minibatches (numpy; an engine converts them to its framework's tensors)."""
 
 from dask_train.data._blocks import BlockSet, as_dask_array, persist_blocks
 from dask_train.data._feed import FeedItem, FeedReader, batches, block_order
+from dask_train.data._readers import from_npy
 
 __all__ = [
     "BlockSet",
@@ -11,5 +12,6 @@ __all__ = [
     "as_dask_array",
     "batches",
     "block_order",
+    "from_npy",
     "persist_blocks",
 ]

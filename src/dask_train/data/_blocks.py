@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,21 +19,71 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class LocalSource:
+    """Arrays in the client process cut into row ranges: what :func:`scatter_blocks` sent to the
+    workers, kept to send a block again when the worker holding it is lost (Dask cannot
+    recompute scattered data)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    w: np.ndarray | None
+    bounds: list[int]
+    dtype: Any = None
+
+    def block(self, i: int) -> tuple[Any, ...]:
+        """Block ``i`` as the pair (or triple) a worker holds."""
+        a, b = self.bounds[i], self.bounds[i + 1]
+        return as_pair(self.x[a:b], self.y[a:b], self.dtype, None if self.w is None else self.w[a:b])
+
+
+@dataclass
 class BlockSet:
     """Persisted training blocks: one future per block holding the pair ``(X_block, y_block)``.
 
     ``label_range`` is the smallest and largest label over all blocks, computed where the blocks
-    live, (0, 0) when y is empty.
+    live, (0, 0) when y is empty. ``source`` holds in-memory input (see :func:`scatter_blocks`).
     """
 
     futures: list[Future]
     blocks: list[Block]
     label_range: tuple[float, float] = (0.0, 0.0)
+    source: LocalSource | None = None
 
     @property
     def rows(self) -> int:
         """Total rows over all blocks."""
         return sum(b.rows for b in self.blocks)
+
+    def lost(self, i: int) -> bool:
+        """Whether block ``i`` is gone and must be scattered again before it is read."""
+        return self.source is not None and self.futures[i].status != "finished"
+
+    async def rescatter(self, client: Client, i: int) -> Future:
+        """Send block ``i`` to the cluster again from the in-memory source; its new future."""
+        assert self.source is not None
+        [future] = await client.scatter([self.source.block(i)], hash=False, direct=True)
+        self.futures[i] = future
+        logger.info("block %d of the in-memory input sent again: the worker holding it was lost", i)
+        return future
+
+
+@dataclass
+class SpreadValidation:
+    """A validation set kept on the cluster: persisted ``(X_block, y_block)`` pairs spread over
+    the workers (``fit(validation=(dask X, dask y))``), scored where they live."""
+
+    futures: list[Future]
+    rows: int
+
+    @property
+    def keys(self) -> list[str]:
+        """The blocks' keys, as the workers hold them."""
+        return [str(f.key) for f in self.futures]
+
+    def release(self) -> None:
+        """Let Dask forget the blocks."""
+        for f in self.futures:
+            f.release()
 
 
 def as_dask_array(data: Any, *, chunks: int | None = None) -> da.Array:
@@ -126,6 +177,30 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     return [moved.get(i, f) for i, f in enumerate(futures)]
 
 
+async def scatter_blocks(client: Client, X: np.ndarray, y: np.ndarray, *,
+                         weights: np.ndarray | None = None, dtype: Any = None,
+                         block_rows: int = 100_000) -> BlockSet:
+    """In-memory training data sent straight to the workers in blocks, spread evenly.
+
+    Never through the graph: ``da.from_array`` of a numpy array embeds the whole array in the
+    graph the scheduler receives ("Sending large graph of size 268 MiB" for the inflated digits)
+    and persists it in seconds; a direct scatter sends each block once, to its worker. At least
+    8 blocks per worker thread (a lost worker's share, and an epoch's tail, come in small
+    pieces that the other trainers can take over), at most ``block_rows`` rows each.
+    """
+    info = await client.scheduler.identity()
+    threads = sum(int(w.get("nthreads", 1)) for w in info.get("workers", {}).values()) or 1
+    n = len(X)
+    n_blocks = max(1, min(n, max(8 * threads, math.ceil(n / block_rows))))
+    bounds = [int(b) for b in np.linspace(0, n, n_blocks + 1)]
+    source = LocalSource(X, y, weights, bounds, dtype)
+    futures = await client.scatter([source.block(i) for i in range(n_blocks)], hash=False,
+                                   direct=True)
+    rows = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    futures = await spread_blocks(client, list(futures), rows)
+    return await _locate(client, futures, rows, source)
+
+
 async def persist_blocks(client: Client, X: da.Array, y: da.Array, *,
                          weights: da.Array | None = None) -> BlockSet:
     """Persist X and y (and sample weights) as co-located ``(X_block, y_block[, w_block])``
@@ -135,6 +210,12 @@ async def persist_blocks(client: Client, X: da.Array, y: da.Array, *,
     on different workers, and one feed task per block moves them together when a block must move.
     """
     futures = await persist_pairs(client, X, y, weights=weights)
+    return await _locate(client, futures, [int(r) for r in X.chunks[0]])
+
+
+async def _locate(client: Client, futures: list[Future], rows: list[int],
+                  source: LocalSource | None = None) -> BlockSet:
+    """Where each block lives, and the label range."""
     # Label range from the persisted blocks themselves: one tiny result per block, and the source
     # graph is never recomputed.
     ranges = await client.gather(client.map(_label_range, futures, pure=False), asynchronous=True)
@@ -142,7 +223,7 @@ async def persist_blocks(client: Client, X: da.Array, y: da.Array, *,
     high = max((r[1] for r in ranges), default=0.0)
     who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
     blocks, start = [], 0
-    for i, (fut, rows) in enumerate(zip(futures, X.chunks[0])):
-        blocks.append(Block(i, start, int(rows), tuple(sorted(who_has.get(fut.key, ())))))
-        start += int(rows)
-    return BlockSet(futures, blocks, (low, high))
+    for i, (fut, n) in enumerate(zip(futures, rows)):
+        blocks.append(Block(i, start, int(n), tuple(sorted(who_has.get(fut.key, ())))))
+        start += int(n)
+    return BlockSet(futures, blocks, (low, high), source)

@@ -124,8 +124,11 @@ def _holder(worker: Worker, job: str, index: int) -> Any:
     """The holder, or why it is not here. A reply, not an exception: a handler that raises logs
     a traceback on the worker, and a scorer asking before a sync rank 0 has published is normal.
     """
+    state = worker_state(worker).jobs.get(job)  # never create the state of an unknown job
+    if state is None:
+        return f"job {job!r} is not on worker {worker.address}"
     try:
-        return worker_state(worker).job(job).holder(index, address=worker.address, job=job)
+        return state.holder(index, address=worker.address, job=job)
     except KeyError as exc:
         return str(exc.args[0])
 

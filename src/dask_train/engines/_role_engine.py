@@ -18,7 +18,7 @@ from typing import Any
 from distributed import Client, Future, wait
 from distributed.comm import CommClosedError
 
-from dask_train.data._blocks import BlockSet
+from dask_train.data._blocks import BlockSet, SpreadValidation
 from dask_train.engines import _scorer
 from dask_train.engines import _worker as worker_side
 from dask_train.engines._base import Emit, Ending, Engine, Snapshot
@@ -149,12 +149,18 @@ class RoleEngine(Engine):
 
     async def start_scorer(self, address: str) -> None:
         """Start (or restart, on another worker) the scorer on ``address``."""
-        [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
-                                            asynchronous=True)
+        config = self.config
+        if isinstance(self.validation, SpreadValidation):
+            # Scored where its blocks live (engines._spread_eval): nothing moves to the scorer.
+            val_f = None
+            config = {**config, "validation_keys": self.validation.keys}
+        else:
+            [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
+                                                asynchronous=True)
         suffix = f"-r{self.scorer_restarts}" if self.scorer_restarts else ""
         self.scorer_future = self.pinned(
             _scorer.run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
-            job=self.job, shards=self.shards, config=self.config)
+            job=self.job, shards=self.shards, config=config)
         self.roles = self.roles.replace("scorer", [address])
 
     async def wait_for(self, futures: list[Future], *, what: str) -> None:
@@ -197,6 +203,9 @@ class RoleEngine(Engine):
                               epoch=-1, block=-1, **common)
         elif a.local and self._feed_direct(trainer, address, a, common):
             return
+        elif self.blocks.lost(a.block):
+            self._rescatter_then_feed(trainer, address, a, common)
+            return
         else:
             fut = self._feed_task(trainer, address, a, common)
         self.feeds.append((trainer, fut))
@@ -212,6 +221,20 @@ class RoleEngine(Engine):
             feed_block, self.blocks.futures[a.block], address=address,
             key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
             skip=a.skip, **common)
+
+    def _rescatter_then_feed(self, trainer: int, address: str, a: Any,
+                             common: dict[str, Any]) -> None:
+        """In-memory input whose worker was lost (Dask cannot recompute scattered data): send the
+        block from the client again, then feed it by task."""
+
+        async def send() -> None:
+            await self.blocks.rescatter(self.client, a.block)
+            if not self.stopping:
+                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
+
+        task = asyncio.get_running_loop().create_task(send())
+        self.direct_feeds.add(task)
+        task.add_done_callback(self.direct_feeds.discard)
 
     def _feed_direct(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> bool:
         """Queue a local block by one RPC to its worker; False when there is no loop to run it."""
@@ -229,6 +252,8 @@ class RoleEngine(Engine):
                 rows = -1
             if rows < 0 and not self.stopping:
                 # The block left that worker (or never was there): a task brings it.
+                if self.blocks.lost(a.block):
+                    await self.blocks.rescatter(self.client, a.block)
                 self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
 
         task = loop.create_task(send())
@@ -487,8 +512,13 @@ class RoleEngine(Engine):
             # Tasks pinned to a lost worker wait in no-worker forever: cancel them.
             await self.client.cancel(pending, asynchronous=True)
         self.trainer_futures, self.feeds, self.scorer_future = [], [], None
+        holders: list[str] = []
+        if isinstance(self.validation, SpreadValidation):
+            # Workers that evaluated validation blocks keep a copy of the model for the job.
+            who_has = await self.client.scheduler.who_has(keys=self.validation.keys)
+            holders = [a for where in who_has.values() for a in where]
         await run_on_live(self.client, worker_side.drop_job, self.job,
-                          workers=self.roles.addresses)
+                          workers=sorted(set(self.roles.addresses) | set(holders)))
 
 
 def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:

@@ -15,14 +15,14 @@ import numpy as np
 from distributed import get_worker, secede
 
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
+from dask_train.engines._spread_eval import SpreadValidation
 from dask_train.engines._worker import model_for
-from dask_train.models._buffers import BufferSet
 from dask_train.runtime._plugin import worker_state
 
 
 def run_scorer(
     module: Any,
-    validation: tuple[np.ndarray, np.ndarray],
+    validation: tuple[np.ndarray, np.ndarray] | None,
     *,
     job: str,
     shards: Sequence[ShardRef],
@@ -35,6 +35,8 @@ def run_scorer(
     earned it is returned (``{"record", "params", "buffers"}``), not the one a few asynchronous
     steps later. Otherwise it scores the final parameters once more and returns that record alone.
     The model is evaluated with the buffers pulled with the parameters (BatchNorm statistics).
+    ``validation`` is the held-out pair in this process, or None when it stays spread over the
+    cluster (``config["validation_keys"]``, see :mod:`._spread_eval`).
     """
     worker = get_worker()
     worker_state(worker).configure_torch()
@@ -42,51 +44,65 @@ def run_scorer(
     secede()
     ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
     model = model_for(module, worker.address, config)
-    buffers = model.buffers()
-    x_val, y_val = validation
+    spread = None if validation is not None else SpreadValidation(
+        worker, job=job, keys=config["validation_keys"], module=module, config=config)
+    scorer = _Scorer(ps, model, validation, spread, config)
     snapshots: dict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = {}
     # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
     # one evaluation takes longer (a large model), never score_every plus the evaluation time.
     due = time.monotonic() + config["score_every"]
     while not state.scorer_stop.wait(max(0.0, due - time.monotonic())):
         due = max(due + config["score_every"], time.monotonic())
-        try:
-            record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"],
-                            metrics=config.get("metrics"))
-        except KeyError:
-            # The parameters are not published yet (a sync job's rank 0 is still starting);
-            # a worker that vanished instead is the controller's to report.
+        record = scorer.score()
+        if record is None or record["step"] in snapshots:
             continue
-        if record["step"] not in snapshots:
-            snapshots[record["step"]] = (record, model.read_params(), buffers.gather())
-            for old in sorted(snapshots)[:-_SNAPSHOTS]:
-                del snapshots[old]
-            worker.log_event(config["topic"], {"kind": "score", **record})
+        snapshots[record["step"]] = (record, model.read_params(), scorer.buffers.gather())
+        for old in sorted(snapshots)[:-_SNAPSHOTS]:
+            del snapshots[old]
+        worker.log_event(config["topic"], {"kind": "score", **record})
+    where = {"validation_rows": dict(spread.rows_by_worker) if spread else
+             {worker.address: len(validation[0]) if validation is not None else 0}}
     if state.scorer_keep in snapshots:
         record, params, kept = snapshots[state.scorer_keep]
-        return {"record": record, "params": params, "buffers": kept}
-    record = _score(ps, model, buffers, x_val, y_val, loss=config["loss"],
-                    metrics=config.get("metrics"))
-    return {"record": record, "params": None, "buffers": None}
+        return {"record": record, "params": params, "buffers": kept, **where}
+    for _ in range(3):  # the last score of the final parameters
+        record = scorer.score()
+        if record is not None:
+            break
+    return {"record": record, "params": None, "buffers": None, **where}
 
 
 # Scores reach the controller within milliseconds, so the one that stops a job is among the last.
 _SNAPSHOTS = 4
 
 
-def _score(
-    ps: PSClient, model: Any, buffers: BufferSet, x: np.ndarray, y: np.ndarray, *,
-    loss: Any, metrics: Any = None,
-) -> dict[str, Any]:
-    exchange = ps.pull()
-    write_params(model, exchange)
-    buffers.scatter(exchange.buffers)
-    scores = model.evaluate(x, y, loss=loss, metrics=metrics)
-    bad = {k: v for k, v in scores.items() if not math.isfinite(v)}
-    return {
-        "step": exchange.version,
-        "samples": exchange.samples,
-        "wall": time.time(),
-        "nonfinite": sorted(bad),
-        **scores,
-    }
+class _Scorer:
+    """One score of the current parameters, on local or spread validation data."""
+
+    def __init__(self, ps: PSClient, model: Any, validation: Any, spread: Any,
+                 config: Mapping[str, Any]) -> None:
+        self.ps, self.model, self.validation, self.spread = ps, model, validation, spread
+        self.config = config
+        self.buffers = model.buffers()
+
+    def score(self) -> dict[str, Any] | None:
+        """The record of one score; None when the parameters or the data cannot be read yet."""
+        try:
+            exchange = self.ps.pull()
+        except KeyError:
+            # The parameters are not published yet (a sync job's rank 0 is still starting);
+            # a worker that vanished instead is the controller's to report.
+            return None
+        write_params(self.model, exchange)
+        self.buffers.scatter(exchange.buffers)
+        config = self.config
+        if self.spread is not None:
+            scores = self.spread.score(self.model.read_params(), exchange.buffers)
+            if scores is None:
+                return None
+        else:
+            x, y = self.validation
+            scores = self.model.evaluate(x, y, loss=config["loss"], metrics=config.get("metrics"))
+        bad = {k: v for k, v in scores.items() if not math.isfinite(v)}
+        return {"step": exchange.version, "samples": exchange.samples, "wall": time.time(),
+                "nonfinite": sorted(bad), **scores}

@@ -21,10 +21,13 @@ def metric_names(loss: Any, metrics: Mapping[str, Any] | None) -> list[str]:
     return names + [n for n in (metrics or {}) if n not in names]
 
 
-def _extra_metrics(metrics: Mapping[str, Any] | None, outputs: list[torch.Tensor],
-                   targets: list[torch.Tensor]) -> dict[str, float]:
+def extra_metrics(metrics: Mapping[str, Any] | None, outputs: list[Any],
+                  targets: list[Any]) -> dict[str, float]:
     """``metrics`` over the whole validation set: a function of (output, target) -> number, or
-    an object with ``reset``/``update``/``compute`` (a torchmetrics metric), fed batch by batch."""
+    an object with ``reset``/``update``/``compute`` (a torchmetrics metric), fed batch by batch.
+    ``outputs`` and ``targets`` are batches, as tensors or numpy arrays."""
+    outputs = [torch.as_tensor(o) for o in outputs]
+    targets = [torch.as_tensor(t) for t in targets]
     out: dict[str, float] = {}
     for name, metric in (metrics or {}).items():
         if isinstance(metric, str):
@@ -95,7 +98,7 @@ def evaluate(
     if classify:
         result["accuracy"] = correct / n if n else math.nan
     if extra and n:
-        result.update(_extra_metrics(extra, outputs, targets))
+        result.update(extra_metrics(extra, outputs, targets))
     for name, builtin in (metrics or {}).items():  # aliases of built-in metrics
         if isinstance(builtin, str) and builtin in result:
             result[name] = result[builtin]

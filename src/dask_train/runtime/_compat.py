@@ -43,3 +43,38 @@ def reset_torch_group_count() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d._world.group_count = 0
+
+
+#: The name distributed's Nanny gives the worker processes it starts.
+DASK_WORKER_PROCESS = "Dask Worker process (from Nanny)"
+
+
+def start_workers_without_main() -> None:
+    """Make the Dask worker processes this process starts skip re-importing its ``__main__``.
+
+    Missing public API: Python's ``spawn`` and ``forkserver`` start methods re-run the parent's
+    main script in every child (``multiprocessing.spawn.get_preparation_data`` records its path,
+    the child imports it). For a training script that means each embedded worker imports torch
+    and whatever the script loads at its top (seconds per worker), and a script without the
+    ``if __name__ == "__main__":`` guard starts its cluster again inside each worker and fails
+    with "Nanny failed to start". Dask needs nothing from the main module in a worker: functions
+    and classes defined there travel by value (cloudpickle), exactly as from a notebook, whose
+    main module has no file either. So for Dask's worker processes only (by the name distributed
+    gives them), the main module's path and name are left out of the preparation data; every
+    other process this program starts is untouched. Idempotent.
+    """
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+    if getattr(original, "_dask_train", False):
+        return
+
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data: dict[str, Any] = original(name)
+        if name == DASK_WORKER_PROCESS:
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data._dask_train = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data

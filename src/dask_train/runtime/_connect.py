@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import dask
 from distributed import Client
 
 from dask_train.errors import ClusterUnreachable, InvalidInput
+from dask_train.runtime._compat import start_workers_without_main
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ def connect(
     dashboard : bool
         Embedded cluster only: serve the dashboard on a free port and log its link.
     quiet : bool
-        Do not print the dashboard link.
+        Do not print the dashboard link (it goes to stderr).
     **cluster_kwargs
         Passed to :class:`distributed.LocalCluster` for the embedded cluster.
 
@@ -94,8 +96,9 @@ def connect(
     client.register_plugin(DaskTrainPlugin(torch_threads), name=PLUGIN_NAME)
     link = client.dashboard_link if dashboard or address else None
     if link and not quiet:
-        print(f"dask-train: dashboard at {link}")
-    logger.info("connected to %s (dashboard %s)", client.scheduler.address, link)
+        # stderr, like a log line: a script's stdout stays its own (results, pipes).
+        print(f"dask-train: dashboard at {link}", file=sys.stderr)
+    logger.debug("connected to %s (dashboard %s)", client.scheduler.address, link)
     return client
 
 
@@ -111,6 +114,9 @@ def _embedded(
         "dashboard_address": dashboard_address,
     }
     kwargs.update(cluster_kwargs)
+    # Workers never re-run the user's script (see _compat): it saves each of them the script's
+    # own imports, and a script without the __main__ guard starts as a notebook would.
+    start_workers_without_main()
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.update(_MALLOC_ENV)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):

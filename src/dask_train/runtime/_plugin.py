@@ -109,6 +109,8 @@ class WorkerState:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.jobs: dict[str, JobState] = {}
+        # Job -> the model this worker evaluates its validation blocks with (engines._spread_eval).
+        self.evaluators: dict[str, Any] = {}
         # Jobs dropped here (the most recent): a late message for one must not bring it back.
         self.ended: collections.deque[str] = collections.deque(maxlen=1024)
         # torch process groups this process joined (group id -> its rank's record, see
@@ -127,6 +129,7 @@ class WorkerState:
         """Forget a finished job: its parameters, queues and blocks are freed."""
         with self._lock:
             state = self.jobs.pop(job_id, None)
+            self.evaluators.pop(job_id, None)
             self.ended.append(job_id)
         if state is not None:
             state.stop.set()
