@@ -166,3 +166,41 @@ def test_group_count_names_the_groups_init_creates() -> None:
         f"the default group is no longer named from c10d._world.group_count ({seen})", _NO_RESET, _TORCH
     )
     assert seen["after_reset"] == 0
+
+
+# --- multiprocessing.spawn.get_preparation_data -------------------------------------------------
+
+_NO_MAIN = "start a process without re-importing the parent's __main__ module"
+
+
+def test_spawn_records_the_main_script_and_the_patch_leaves_it_out_for_dask_workers(
+        tmp_path: Path) -> None:
+    # In a fresh interpreter running a script: the preparation data of an ordinary child names
+    # the script (the child re-runs it); that of a Dask worker process does not.
+    script = tmp_path / "main_script.py"
+    script.write_text(textwrap.dedent(
+        """
+        import json
+        import multiprocessing.spawn as spawn
+        from dask_train.runtime._compat import DASK_WORKER_PROCESS, start_workers_without_main
+
+        start_workers_without_main()
+        start_workers_without_main()  # idempotent
+        plain = spawn.get_preparation_data("SomeOtherProcess")
+        dask = spawn.get_preparation_data(DASK_WORKER_PROCESS)
+        print(json.dumps({"plain": sorted(plain), "dask": sorted(dask)}))
+        """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "init_main_from_path" in seen["plain"], _changed(
+        f"spawn.get_preparation_data no longer records the main script ({seen['plain']})",
+        _NO_MAIN, f"Python {sys.version.split()[0]}")
+    assert "init_main_from_path" not in seen["dask"] and "sys_path" in seen["dask"]
+    from distributed import nanny
+
+    assert "DASK_WORKER_PROCESS" not in dir(nanny)  # the name is ours; check distributed's own:
+    source = Path(nanny.__file__).read_text()
+    assert 'name="Dask Worker process (from Nanny)"' in source, _changed(
+        "the Nanny names its worker process otherwise", _NO_MAIN, _DISTRIBUTED)

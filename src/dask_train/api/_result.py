@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +61,17 @@ class FitResult:
         Where the last score's validation rows were evaluated: worker address -> rows. One
         worker (the scorer's) for a validation set in memory; every worker holding blocks for a
         dask one, which never leaves the cluster.
+    timings : dict
+        Seconds spent in each phase of the fit: ``connect`` (starting the embedded cluster, 0
+        with a given one), ``persist`` (the data onto the workers), ``roles`` (placing roles,
+        starting servers, trainers and scorer), ``first_step`` (until the first update),
+        ``train`` (from the first update until a stop was decided), ``teardown`` (the final
+        score, pulling the model, the final checkpoint, cleaning up) and ``total`` (the whole
+        ``fit`` call, argument checks included).
+    started_at : float
+        Wall-clock time (``time.time()``) when training started: the origin of ``history.time_s``
+        and of ``StopAfter`` (placing the roles counts; persisting the data does not). A resumed
+        job's ``time_s`` goes on from the checkpoint's.
     """
 
     model: torch.nn.Module | ArrayModel
@@ -77,6 +90,8 @@ class FitResult:
     generations: int = 1
     model_step: int = -1
     validation_rows: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -134,3 +149,20 @@ class FitResult:
         from dask_train.report import plot_history
 
         return plot_history(self.history, path)
+
+
+def phase_timings(clock: Mapping[str, float], log: Any) -> dict[str, float]:
+    """``FitResult.timings`` from the Trainer's clock (fit start, connect, persist) and the
+    controller's log (when roles were up, the first step, the stop)."""
+    end = time.time()
+    start = float(clock.get("fit", log.started))
+    roles_up = log.roles_up_at or log.started
+    first = log.first_step_at or roles_up
+    stop = log.stop_at or end
+    return {"connect": round(float(clock.get("connect", 0.0)), 4),
+            "persist": round(float(clock.get("persist", 0.0)), 4),
+            "roles": round(max(0.0, roles_up - log.started), 4),
+            "first_step": round(max(0.0, first - roles_up), 4),
+            "train": round(max(0.0, stop - first), 4),
+            "teardown": round(max(0.0, end - stop), 4),
+            "total": round(end - start, 4)}

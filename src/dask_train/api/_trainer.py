@@ -15,7 +15,7 @@ import torch
 from distributed import Client
 
 from dask_train.api._data import materialize, spread_validation
-from dask_train.api._result import FitResult
+from dask_train.api._result import FitResult, phase_timings
 from dask_train.api._validate import (
     check_array_model,
     check_data,
@@ -84,6 +84,13 @@ class Trainer:
     scorer : {0, 1}
         A scorer evaluates ``validation`` every ``score_every`` seconds (needs ``validation``).
     batch_size : int
+        Rows per batch of each trainer. A ``sync`` step averages the gradients of every
+        trainer's batch, so it sees ``workers * batch_size`` rows; in ``async-ps`` each push is
+        one trainer's batch (times ``grad_accumulation``).
+    global_batch_size : int, optional
+        The rows of one step over all trainers, instead of ``batch_size``: each trainer then
+        takes ``global_batch_size // workers`` (it must divide evenly). The same global batch
+        gives the same per-step statistics whatever the number of trainers.
     epochs : int
         Passes over the data; the job ends after the last unless a stop condition fires first.
     stop : sequence of StopCondition
@@ -159,6 +166,7 @@ class Trainer:
         workers: int = 2,
         scorer: int = 1,
         batch_size: int = 128,
+        global_batch_size: int | None = None,
         epochs: int = 1,
         stop: Sequence[StopCondition] | StopCondition | None = None,
         callbacks: Sequence[Callback] | None = None,
@@ -188,6 +196,7 @@ class Trainer:
         self.workers = workers
         self.scorer = scorer
         self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
         self.epochs = epochs
         self.stop = [stop] if isinstance(stop, StopCondition) else list(stop or [])
         self.callbacks = list(callbacks or [])
@@ -205,6 +214,12 @@ class Trainer:
         self.device = device
         self.mixed_precision = mixed_precision
         self.client = client
+
+    def per_trainer_batch(self) -> int:
+        """Rows per batch of each trainer: ``batch_size``, or ``global_batch_size / workers``."""
+        if self.global_batch_size is None:
+            return int(self.batch_size)
+        return max(1, int(self.global_batch_size) // max(1, int(self.workers)))
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """Hyper-parameters by name, as scikit-learn estimators report them."""
@@ -256,6 +271,7 @@ class Trainer:
         InvalidInput
             Every problem with the arguments and data at once, before any training starts.
         """
+        self._clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
         # In-memory input goes to the workers by scatter, in blocks, never through the graph.
         local = None if any(hasattr(a, "dask") for a in (X, y, sample_weight)) else \
             (X, y, sample_weight)
@@ -268,7 +284,9 @@ class Trainer:
         validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
         self._validate(X, y, validation, resume=resume, sample_weight=weights)
         client = self._client()
+        t = time.time()
         spread = spread_validation(client, validation)
+        self._clock["persist"] += time.time() - t
         try:
             return self._fit_torch(client, X, y, spread or validation, weights=weights,
                                    resume=resume, warm_start=warm_start, local=local)
@@ -287,11 +305,13 @@ class Trainer:
             logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
                         f", autocast {devices.precision}" if devices.precision else "")
         X = self._input_dtype(X)
+        t = time.time()
         if local is not None:
             x_np, y_np, w_np = (None if a is None else np.asarray(a) for a in local)
             blocks = client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
         else:
             blocks = client.sync(persist_blocks, client, X, y, weights=weights)
+        self._clock["persist"] += time.time() - t
         if is_classification(self.loss):
             low, high = blocks.label_range
             n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
@@ -331,7 +351,9 @@ class Trainer:
         self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
         assert isinstance(self.module, ArrayModel)
         client = self._client()
+        t = time.time()
         data = persist_data(X, y, client=client, dtype=np.float64)
+        self._clock["persist"] += time.time() - t
         spec = self._spec(n_params=int(self.module.params.size),
                           module=self._start_model(warm_start))
         held = {"data": data}
@@ -407,7 +429,9 @@ class Trainer:
             from dask_train.runtime import connect
 
             if getattr(self, "_embedded", None) is None:
+                t = time.time()
                 self._embedded = connect()
+                getattr(self, "_clock", {})["connect"] = time.time() - t
             embedded: Client = self._embedded
             return embedded
 
@@ -438,7 +462,7 @@ class Trainer:
             module=module if module is not None else copy.deepcopy(self.module),
             n_params=n_params,
             loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
-            optimizer_options=self.optimizer_options, batch_size=self.batch_size,
+            optimizer_options=self.optimizer_options, batch_size=self.per_trainer_batch(),
             epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=int(self.prefetch),
             grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
@@ -475,6 +499,7 @@ class Trainer:
             checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
             generations=log.generations, model_step=outcome.model_step,
             validation_rows=dict((outcome.ending.final or {}).get("validation_rows") or {}),
+            timings=phase_timings(getattr(self, "_clock", {}), log), started_at=log.started,
         )
 
 

@@ -81,6 +81,7 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     min_ps = 0 if s["strategy"] == "sync" else 1
     problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=min_ps)
     problems += _int_at_least("batch_size", s["batch_size"], 1)
+    problems += _check_global_batch(s)
     problems += _int_at_least("epochs", s["epochs"], 1)
     problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)
     problems += _int_at_least("grad_accumulation", s["grad_accumulation"], 1)
@@ -148,6 +149,23 @@ def check_sample_weight(weights: Any, X: Any, module: Any, loss: Any) -> list[st
         problems.append(f"loss={loss_name(loss)} cannot weigh samples: use a loss name, a torch "
                         "loss module (it has a reduction), or a function "
                         "fn(output, target, weight) -> scalar.")
+    return problems
+
+
+def _check_global_batch(s: Mapping[str, Any]) -> list[str]:
+    global_batch, workers = s.get("global_batch_size"), s["workers"]
+    if global_batch is None:
+        return []
+    problems = _int_at_least("global_batch_size", global_batch, 1)
+    if problems or not isinstance(workers, int) or workers < 1:
+        return problems
+    if s["batch_size"] != 128:
+        problems.append(f"batch_size={s['batch_size']!r} and global_batch_size={global_batch!r} "
+                        "are both given: pass one (batch_size is per trainer).")
+    if global_batch % workers:
+        problems.append(f"global_batch_size={global_batch} does not split evenly over "
+                        f"workers={workers}: use a multiple of {workers}, e.g. "
+                        f"{max(workers, global_batch - global_batch % workers)}.")
     return problems
 
 

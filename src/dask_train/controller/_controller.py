@@ -100,6 +100,7 @@ class Controller:
             self.log.generations = self.state.generation + 1
             try:
                 await engine.start(self.events.put_nowait)
+                self.log.roles_up_at = self.log.roles_up_at or time.time()
                 self.state.enter(Phase.RUNNING)
                 failure = await self._run_generation(engine)
                 if failure is not None:
@@ -147,7 +148,9 @@ class Controller:
     # -- events -> history, stop conditions, callbacks ----------------------------------------------
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
-        if kind == "score":
+        if kind == "started":
+            self.log.first_step_at = self.log.first_step_at or time.time()
+        elif kind == "score":
             self.on_score(event)
         elif kind == "nan":
             self._on_nan(event)
@@ -215,6 +218,7 @@ class Controller:
 
     def _stop(self, reason: str) -> None:
         if self.state.stop(reason):
+            self.log.stop_at = time.time()
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -48,6 +48,11 @@ class JobLog:
     elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)
     started: float = field(default_factory=time.time)
     generations: int = 0
+    # When the first generation's roles were up, its first step taken, and a stop decided
+    # (wall-clock seconds; None until it happens): FitResult.timings.
+    roles_up_at: float | None = None
+    first_step_at: float | None = None
+    stop_at: float | None = None
 
     def elapsed(self, now: float | None = None) -> float:
         """Seconds of training in this job, resumed time included."""

@@ -123,6 +123,8 @@ class ArrayEngine(Engine):
                     if self.stopping:
                         break
                     at_limit = await self._step(consumed)
+                    if self.next_step == 0:
+                        self.emit({"kind": "started", "trainer": -1})
                     self.next_step += 1
                     await self._poll_score()
                     if at_limit:

@@ -73,6 +73,7 @@ def run_trainer(
     feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role,
                       on_idle=pause_idle)
     samples = 0
+    started_sent = False
     started = time.perf_counter()
     feed_wait = 0.0
     while not stopped:
@@ -89,6 +90,11 @@ def run_trainer(
                 break
             pusher.position = [index, item.epoch, item.block, item.skip + consumed + len(xb)]
             stop, loss = pusher.add(xb, yb, loss_fn, wb)
+            if pusher.pushes == 1 and pusher.count == 0 and not started_sent:
+                # The first gradient is on its way: when the controller learns that start-up
+                # ended and training began (FitResult.timings).
+                worker.log_event(config["topic"], {"kind": "started", "trainer": index})
+                started_sent = True
             if not math.isfinite(loss):
                 nans.report(loss=loss, step=pusher.pushes, epoch=item.epoch, block=item.block)
                 if config["on_nan"] == "stop":

@@ -224,6 +224,9 @@ def _loop(
             reducer.grad.div_(total)
             before = server.version
             at_limit = server.step(int(total))
+            if server.version == 1 and before == 0 and index == 0:
+                # The first step is applied: start-up ended (FitResult.timings).
+                get_worker().log_event(config["topic"], {"kind": "started", "trainer": 0})
             if server.version > before:
                 # Only with an applied step (every rank sees the same versions, so all ranks
                 # take part or none): a step refused at the limit must not publish the
