@@ -344,3 +344,27 @@ def test_deeper_prefetch_still_feeds_each_sample_once(client: Client) -> None:
     assert result.samples == 8000
     assert result.steps == 2 * 8 * 32  # 8 blocks of 500 rows: 32 batches each (the last of 4)
     assert result.epochs_completed == 2
+
+
+def test_auto_prefetch_adds_pushes_in_flight_while_waits_dominate() -> None:
+    from dask_train.engines.async_ps import AUTO_MAX_DEPTH, _Adapt
+
+    adapt, depth = _Adapt(window=4), 1
+    for _ in range(40):  # waiting 60% of the time: one more in flight per window, up to the cap
+        depth = adapt.next_depth(depth, busy_s=0.4, waited_s=0.6)
+    assert depth == AUTO_MAX_DEPTH
+    for _ in range(40):  # no waiting any more: back down to one
+        depth = adapt.next_depth(depth, busy_s=1.0, waited_s=0.0)
+    assert depth == 1
+    for _ in range(8):  # in between (10%): stays
+        depth = adapt.next_depth(2, busy_s=0.9, waited_s=0.1)
+        assert depth == 2
+
+
+def test_auto_prefetch_goes_deeper_for_a_tiny_model(client: Client) -> None:
+    # A 8-16-3 MLP's gradient on 16 rows takes far less than a round trip to the server.
+    _, _, X, Y = _data(n=8000)
+    result = dt.Trainer(mlp(8, 16, 3), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=16,
+                        epochs=2, progress=False, client=client).fit(X, Y)
+    assert result.samples == 16_000 and result.steps == 2 * 16 * 32
+    assert max(t["prefetch"] for t in result.trainers) >= 2

@@ -101,11 +101,12 @@ class Trainer:
     shuffle : bool
         Shuffle block order and rows within blocks, per epoch, seeded by ``seed``.
     seed : int
-    prefetch : int or bool
+    prefetch : "auto", int or bool
         Pushes a trainer keeps in flight while it computes the next gradients: each overlaps
-        communication with computation at one update of extra staleness. ``True`` is 1,
-        ``False`` or 0 a plain sequential loop; 2 helps small models, whose gradient takes less
-        time than a round trip to the servers.
+        communication with computation at one update of extra staleness. ``"auto"`` (default)
+        adapts between 1 and 4 to keep the trainer's wait for the servers under about 15% (a
+        small model's gradient takes less time than a round trip); ``True`` is 1, ``False`` or 0
+        a plain sequential loop (exactly a single-process loop with one trainer).
     grad_accumulation : int
         Average the gradients of this many batches into one push and one server update: k times
         fewer messages and optimizer steps, at an effective batch of ``k * batch_size``. Steps
@@ -173,7 +174,7 @@ class Trainer:
         score_every: float = 1.0,
         shuffle: bool = True,
         seed: int = 0,
-        prefetch: int | bool = True,
+        prefetch: int | bool | str = "auto",
         grad_accumulation: int = 1,
         blocks_ahead: int = 2,
         timeout: float = 60.0,
@@ -463,7 +464,8 @@ class Trainer:
             n_params=n_params,
             loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
             optimizer_options=self.optimizer_options, batch_size=self.per_trainer_batch(),
-            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed, prefetch=int(self.prefetch),
+            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed,
+            prefetch=-1 if self.prefetch == "auto" else int(self.prefetch),
             grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
             timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,

@@ -88,8 +88,9 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     prefetch = s["prefetch"]
     if isinstance(prefetch, bool):
         prefetch = int(prefetch)
-    problems += [p.replace("an integer", "True, False or an integer")
-                 for p in _int_at_least("prefetch", prefetch, 0)]
+    if prefetch != "auto":
+        problems += [p.replace("an integer", "'auto', True, False or an integer")
+                     for p in _int_at_least("prefetch", prefetch, 0)]
     problems += _int_at_least("seed", s["seed"], 0)
     problems += _positive("score_every", s["score_every"])
     problems += _positive("timeout", s["timeout"])

@@ -1,0 +1,136 @@
+"""Throughput on the models PyTorch users bring: a BatchNorm MLP and a small CNN on the digits.
+
+Usage::
+
+    python benchmarks/models.py [--seconds 15] [--quick]
+
+For each model (digits as 64 features for the BatchNorm MLP 64-256-BN-256-BN-10, as 1x8x8 images
+for the CNN conv16-BN-pool-conv32-fc10), batch 128, Adam lr 1e-3:
+
+* plain torch, one process with 2 threads, shuffled in-memory batches (the reference);
+* ``dt.Trainer`` with ``strategy="async-ps"`` (1 server, 2 trainers) and ``strategy="sync"``
+  (2 ranks, gloo) on ``dt.connect(n_workers=2)``, scorer every 2 s; steady state is the rate
+  between the first and the last score taken during training (start-up left out).
+
+Samples per second and the ratio to plain torch with 2 threads, in one run, printed and written
+to ``results/models.md``; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_load, environment, markdown_table, wait_for_quiet, write_results  # noqa: E402
+
+import dask_train as dt  # noqa: E402
+
+
+def bn_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 10))
+
+
+def cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 16, 10))
+
+
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]] = {
+    "BatchNorm MLP 64-256-256-10": (bn_mlp, (64,)),
+    "CNN conv16-BN-conv32-fc (1x8x8)": (cnn, (1, 8, 8)),
+}
+BATCH = 128
+
+
+def plain_torch(make: Callable[[], torch.nn.Module], x: np.ndarray, y: np.ndarray,
+                seconds: float) -> dict[str, Any]:
+    torch.set_num_threads(2)
+    net, X, Y = make(), torch.from_numpy(x), torch.from_numpy(y)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        idx = torch.randint(0, len(X), (BATCH,), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(X[idx]), Y[idx]).backward()
+        opt.step()
+
+    for _ in range(20):
+        step()
+    with cpu_load() as load:
+        steps, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            step()
+            steps += 1
+    return {"runner": "torch, 2 threads", "samples_per_s": steps * BATCH / load.wall_s,
+            "other_load": load.foreign}
+
+
+def trainer(make: Callable[[], torch.nn.Module], X: Any, y: Any, validation: Any, client: Any,
+            strategy: str, seconds: float) -> dict[str, Any]:
+    result = dt.Trainer(make(), strategy=strategy, ps=1, workers=2, lr=1e-3, batch_size=BATCH,
+                        epochs=1000, score_every=2.0, stop=[dt.StopAfter(seconds=seconds)],
+                        progress=False, client=client).fit(X, y, validation=validation)
+    history = result.history.iloc[:-1]  # the last row is the score after the stop
+    history = history[history["samples"] < result.samples]
+    if len(history) < 2:
+        rate = math.nan
+    else:
+        first, last = history.iloc[0], history.iloc[-1]
+        rate = (last["samples"] - first["samples"]) / (last["time_s"] - first["time_s"])
+    return {"runner": f"Trainer {strategy}, steady state", "samples_per_s": rate,
+            "accuracy": float(result.history["accuracy"].iloc[-1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    seconds = 4.0 if args.quick else args.seconds
+    n = 100_000 if args.quick else 400_000
+    client = dt.connect(n_workers=2, quiet=True)
+    rows = []
+    try:
+        X, y = client.persist(dt.datasets.digits(n, seed=0, chunks=25_000))
+        x_np, y_np = client.compute([X, y], sync=True)
+        xv, yv = dt.datasets.digits_test()
+        for name, (make, shape) in MODELS.items():
+            Xm, xm, xvm = X.reshape(-1, *shape), x_np.reshape(-1, *shape), xv.reshape(-1, *shape)
+            wait_for_quiet(max_wait_s=30)
+            reference = plain_torch(make, xm, y_np, seconds)
+            rows.append({"model": name, **reference})
+            for strategy in ("async-ps", "sync"):
+                wait_for_quiet(max_wait_s=30)
+                row = trainer(make, Xm, y, (xvm, yv), client, strategy, seconds)
+                row["vs torch 2 threads"] = f"{row['samples_per_s'] / reference['samples_per_s']:.2f}x"
+                rows.append({"model": name, **row})
+                print(rows[-1], flush=True)
+    finally:
+        client.close()
+    shown = [{**r, "samples_per_s": f"{r['samples_per_s']:,.0f}"} for r in rows]
+    table = markdown_table(shown, ["model", "runner", "samples_per_s", "vs torch 2 threads"])
+    print(table)
+    write_results("models" + ("-quick" if args.quick else ""), table,
+                  {"environment": environment(), "rows": rows, "seconds": seconds})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Training on GPUs: the same code with ``device="cuda"`` (one GPU per Dask worker).
+
+These tests need CUDA in this process and in the workers. Without a GPU they are skipped, with the
+reason: the CPU paths of the device code (``device="cpu"``/``"auto"``, autocast on the CPU) are
+covered by tests/api/test_real_models.py on every machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_train as dt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device on this machine (torch.cuda.is_available() "
+                                       "is False); the GPU paths run where one is present")
+
+
+@pytest.fixture(scope="module")
+def gpu_client() -> Iterator[Client]:
+    # One worker per GPU, as dask-cuda's LocalCUDACluster would start; at least one.
+    n = max(1, min(2, torch.cuda.device_count()))
+    with LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+@pytest.mark.parametrize("precision", [False, True])
+def test_cuda_training_reaches_the_target(gpu_client: Client, strategy: str,
+                                          precision: bool) -> None:
+    X, y = dt.datasets.digits(40_000, seed=0, chunks=5_000)
+    workers = len(gpu_client.scheduler_info()["workers"])
+    result = dt.Trainer(_mlp(), strategy=strategy, workers=workers, lr=3e-3, batch_size=128,
+                        epochs=3, device="cuda", mixed_precision=precision, score_every=0.5,
+                        stop=[dt.StopAtScore("accuracy", 0.95)], progress=False,
+                        client=gpu_client).fit(X, y, validation=dt.datasets.digits_test())
+    assert result.stopped_by == "StopAtScore(accuracy>=0.95)"
+    # The returned model is an ordinary CPU module, like every other result.
+    assert all(p.device.type == "cpu" for p in result.model.parameters())
+
+
+def test_auto_picks_the_gpu(gpu_client: Client) -> None:
+    from dask_train.runtime._devices import probe_devices
+
+    devices = probe_devices(gpu_client, "auto")
+    assert devices.kind == "cuda" and all(d.startswith("cuda:") for d in devices.by_worker.values())
