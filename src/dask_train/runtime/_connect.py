@@ -13,6 +13,7 @@ from distributed import Client
 from dask_train.errors import ClusterUnreachable, InvalidInput
 from dask_train.runtime._compat import start_workers_without_main
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
+from dask_train.runtime._roles import remember_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ def connect(
         )
     else:
         client = _remote(address, timeout=timeout)
-    client.register_plugin(DaskTrainPlugin(torch_threads), name=PLUGIN_NAME)
+    # A program that imported torch will train with it: the workers import it meanwhile.
+    preload = ("torch",) if "torch" in sys.modules else ()
+    client.register_plugin(DaskTrainPlugin(torch_threads, preload=preload), name=PLUGIN_NAME)
+    remember_handlers(client)
     link = client.dashboard_link if dashboard or address else None
     if link and not quiet:
         # stderr, like a log line: a script's stdout stays its own (results, pipes).

@@ -53,9 +53,21 @@ def ensure_plugin(client: Client) -> None:
     plugin installed at ``connect`` may lack a handler of an engine used later: register again.
     """
     need = handler_names()
+    if set(need) <= getattr(client, _KNOWN, set()):
+        return  # this client registered them all (workers that join or restart get them too)
     have = client.run(_installed_handlers, need)
     if not have or not all(have.values()):
         client.register_plugin(DaskTrainPlugin(), name=PLUGIN_NAME)
+    remember_handlers(client)
+
+
+#: Attribute of a client: the handler names it has registered with its plugin.
+_KNOWN = "_dask_train_handlers"
+
+
+def remember_handlers(client: Client) -> None:
+    """Remember that ``client``'s workers have every handler registered in this process so far."""
+    setattr(client, _KNOWN, set(handler_names()))
 
 
 def _installed_handlers(names: list[str], dask_worker: object) -> bool:
