@@ -98,7 +98,7 @@ def one(values: Mapping[tuple[str, Any], float], name: str, job_id: str, **label
 
 @pytest.fixture(scope="module")
 def job(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
-    X, y = dt.datasets.digits(n_samples=200_000, chunks=25_000, seed=0)
+    X, y = dt.datasets.digits(n_samples=100_000, chunks=25_000, seed=0)
     Xv, yv = dt.datasets.digits_test()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
