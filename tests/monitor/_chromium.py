@@ -65,7 +65,7 @@ class Chromium:
         self.ids = itertools.count(1)
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Any = None
-        self.profile = tempfile.TemporaryDirectory(prefix="dt-chromium-")
+        self.profile = tempfile.TemporaryDirectory(prefix="dt-chromium-", ignore_cleanup_errors=True)
 
     async def __aenter__(self) -> Chromium:
         exe = chromium_path()
@@ -116,6 +116,13 @@ class Chromium:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        # Chromium's helper processes may still write to the profile for a moment after the
+        # browser exits: retry until the folder is gone.
+        for _ in range(20):
+            shutil.rmtree(self.profile.name, ignore_errors=True)
+            if not Path(self.profile.name).exists():
+                break
+            await asyncio.sleep(0.25)
         self.profile.cleanup()
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:

@@ -129,6 +129,16 @@ def test_the_latest_jobs_are_kept_and_a_restarted_id_starts_afresh() -> None:
     assert "d" in jobs.views and jobs.views["d"].samples_total == 10
 
 
+def test_a_job_whose_client_left_has_ended() -> None:
+    plugin = TrainingDashboard()
+    plugin.log_event("dask-train-k", {"kind": "start", "roles": {}, "client": "Client-1"})
+    plugin.log_event("dask-train-m", {"kind": "start", "roles": {}, "client": "Client-2"})
+    plugin.remove_client(None, "Client-1")
+    assert plugin.jobs.views["k"].state == "failed"
+    assert plugin.jobs.views["k"].stopped_by == "its client disconnected"
+    assert plugin.jobs.views["m"].state == "running"
+
+
 def test_events_of_other_topics_are_ignored() -> None:
     jobs = Jobs()
     jobs.event("all", {"action": "add-worker"}, now=T0)

@@ -63,7 +63,7 @@ class Job:
         return self.outcome["result"]
 
     def running_id(self) -> str:
-        """The job's id, once /metrics shows it running, with samples trained and a score."""
+        """The job's id, once /metrics shows it running, both trainers reporting and a score."""
         if self.job_id:
             return self.job_id
         deadline = time.monotonic() + WAIT_S
@@ -77,8 +77,11 @@ class Job:
                 if name == "dask_train_running" and value == 1.0:
                     job_id = dict(labels)["job_id"]
                     scored = ("dask_train_score", tuple(sorted((*labels, ("metric", "loss")))))
-                    if values.get(("dask_train_samples_total", labels), 0.0) > 0 \
-                            and scored in values:
+                    trainers = {dict(lab)["trainer"] for n, lab in values
+                                if n == "dask_train_trainer_samples_per_second"
+                                and dict(lab)["job_id"] == job_id}
+                    # Both trainers reporting and a score in: what a watcher waits to see.
+                    if trainers == {"0", "1"} and scored in values:
                         self.job_id = job_id
                         return job_id
             time.sleep(0.5)
@@ -106,7 +109,7 @@ def job(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jo
                   tensorboard=tmp_path_factory.mktemp("runs") / "exp1", stopper=StopWhenAsked())
     trainer = dt.Trainer(
         net, ps=1, workers=2, scorer=1, batch_size=128, epochs=50, score_every=0.25,
-        stop=[dt.StopAfter(seconds=150)], progress=False, client=client,
+        stop=[dt.StopAfter(seconds=600)], progress=False, client=client,
         callbacks=[dt.callbacks.TensorBoard(watched.tensorboard), watched.stopper])
 
     def run() -> None:
@@ -191,7 +194,8 @@ def test_after_the_end_the_page_shows_the_last_job(job: Job) -> None:
             return headline, points
 
     headline, points = asyncio.run(look())
-    assert "callback" in headline  # stopped_by: the test's callback asked
+    assert result.stopped_by == "callback"  # the test asked
+    assert f"finished: {result.stopped_by}" in headline
     for trainer in (0, 1):
         assert points[f"src-samples-trainer-{trainer}"] >= 1
         assert points[f"src-wait-data-{trainer}"] == points[f"src-wait-servers-{trainer}"] >= 1

@@ -214,6 +214,12 @@ class JobView:
         if self.state == "running" and worker in self.workers:
             self.note(now, "worker", f"{worker} left the cluster")
 
+    def client_left(self, client: str, *, now: float) -> None:
+        """The job's client disconnected: a job still running ended with it (a killed kernel)."""
+        if self.state == "running" and self.info.get("client") == client:
+            self.state, self.stopped_by, self.ended = "failed", "its client disconnected", now
+            self.note(now, "end", self.stopped_by)
+
     def worker_joined(self, worker: str, *, now: float) -> None:
         """A worker joined the cluster while this job runs."""
         if self.state == "running":

@@ -96,6 +96,12 @@ class TrainingDashboard(SchedulerPlugin):
         for view in self.jobs.running():
             view.worker_joined(worker, now=now)
 
+    def remove_client(self, scheduler: Any, client: str) -> None:
+        """A client left: its jobs that never said they ended did end."""
+        now = time.time()
+        for view in self.jobs.running():
+            view.client_left(client, now=now)
+
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         """Note a lost worker in the logs of the running jobs that used it."""
         now = time.time()
