@@ -41,8 +41,8 @@ def test_series_keeps_the_last_rows_and_counts_them_all() -> None:
 
 def _stats(index: int, *, samples: float, feed: float, server: float, step: int) -> dict[str, object]:
     return {"kind": "stats", "role": "trainer", "index": index, "step": step, "interval_s": 1.0,
-            "samples": samples, "feed_wait_s": feed, "server_wait_s": server,
-            "worker": f"tcp://w{index}:1"}
+            "samples": samples, "steps": samples / 100, "feed_wait_s": feed,
+            "server_wait_s": server, "worker": f"tcp://w{index}:1"}
 
 
 def _a_job(jobs: Jobs) -> None:
@@ -91,6 +91,7 @@ def test_a_job_view_follows_the_events() -> None:
     assert trainer0["samples_per_s"] == [1000.0, 1000.0, 1000.0, 800.0]
     assert trainer0["data_wait"] == pytest.approx([0.1, 0.1, 0.1, 0.0])
     assert trainer0["server_wait"] == pytest.approx([0.2, 0.2, 0.2, 0.3])
+    assert trainer0["steps_per_s"] == [10.0, 10.0, 10.0, 8.0]
     assert view.servers[0].columns()["updates_per_s"] == [15.0, 15.0, 15.0]
     assert view.samples_total == 3 * 1500 + 800
     assert view.updates_total == {0: 90.0}
@@ -176,6 +177,9 @@ def test_the_metrics_of_a_job(live_plugin: TrainingDashboard) -> None:
     assert value("dask_train_failures_total", action="restart") == 1.0
     assert value("dask_train_nonfinite_total") == 1.0
     assert value("dask_train_epoch") == pytest.approx(0.3)
+    # The reports are long past (T0 is 1970): no trainer counts as training any more.
+    assert value("dask_train_samples_per_second") == 0.0
+    assert value("dask_train_trainer_samples_per_second", trainer="0") == 0.0
     assert families["dask_train_samples"].type == "counter"
     assert families["dask_train_score"].type == "gauge"
 
@@ -215,6 +219,10 @@ def test_a_page_session_follows_the_latest_job_or_the_one_picked() -> None:
     page.update()  # a new job: the page follows it with new figures
     assert "j2" in page.header.text and "running" in page.header.text
     assert page.lines["score-loss"].source.data["y"] == [3.0]
+    plugin.jobs.event("dask-train-j2-g0", _stats(0, samples=500, feed=0, server=0, step=9),
+                      now=T0 + 2)
+    page.update()  # a sync job has no servers: its ranks' steps are its updates
+    assert page.lines["updates-sync"].source.data["y"] == [5.0]
     assert [value for value, _ in page.select.options] == ["", "j2", "j1"]
 
     page.select.value = "j1"  # what the browser does when the user picks j1

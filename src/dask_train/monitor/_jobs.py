@@ -108,7 +108,8 @@ class JobView:
         self.generation = 0
         self.scores: dict[str, Series] = {}  # metric -> (time_s, step, value)
         self.throughput = Series("time_s", "samples_per_s")  # all trainers, at each report
-        self.trainers: dict[int, Series] = {}  # (time_s, samples_per_s, data_wait, server_wait)
+        # (time_s, samples_per_s, data_wait, server_wait, steps_per_s)
+        self.trainers: dict[int, Series] = {}
         self.servers: dict[int, Series] = {}  # (time_s, updates_per_s)
         self.log: deque[tuple[float, str, str]] = deque(maxlen=MAX_LOG)
         self.log_total = 0  # lines ever added (the log keeps the last MAX_LOG)
@@ -203,10 +204,12 @@ class JobView:
         for what, seconds in (("data", data), ("servers", servers)):
             key = (index, what)
             self.wait_total[key] = self.wait_total.get(key, 0.0) + max(0.0, seconds)
+        steps = max(0.0, _finite(msg.get("steps")))
         self.trainers.setdefault(
-            index, Series("time_s", "samples_per_s", "data_wait", "server_wait")).append(
-            time_s=t, samples_per_s=samples / interval, data_wait=min(1.0, data / interval),
-            server_wait=min(1.0, servers / interval))
+            index, Series("time_s", "samples_per_s", "data_wait", "server_wait", "steps_per_s")
+        ).append(time_s=t, samples_per_s=samples / interval, data_wait=min(1.0, data / interval),
+                 server_wait=min(1.0, servers / interval),
+                 steps_per_s=0.0 if math.isnan(steps) else steps / interval)
 
     # -- the cluster ------------------------------------------------------------------------------
     def worker_left(self, worker: str, *, now: float) -> None:

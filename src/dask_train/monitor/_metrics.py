@@ -19,6 +19,8 @@ from typing import Any
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from dask_train.monitor._jobs import RATE_FRESH_S
+
 _lock = threading.Lock()
 _registered = False
 
@@ -60,7 +62,8 @@ class TrainingCollector:
         generation = GaugeMetricFamily("dask_train_generation", "The job's generation (0, then "
                                        "one more per restart from a checkpoint)", labels=job)
         trainer_rate = GaugeMetricFamily("dask_train_trainer_samples_per_second", "A trainer's "
-                                         "samples per second over its last report",
+                                         "samples per second over its last report (0 once "
+                                         "it stopped reporting)",
                                          labels=[*job, "trainer"])
         wait = CounterMetricFamily("dask_train_trainer_wait_seconds", "Seconds a trainer waited "
                                    "for data or for the servers (all-reduce in sync jobs)",
@@ -85,8 +88,10 @@ class TrainingCollector:
             for name, value in summary["scores"].items():
                 if not math.isnan(value):
                     score.add_metric([*j, name], value)
-            for index, (value, _) in sorted(view.trainer_rate.items()):
-                trainer_rate.add_metric([*j, str(index)], value)
+            for index, (value, when) in sorted(view.trainer_rate.items()):
+                # 0 once the trainer stopped reporting (ended, lost), like the job's rate.
+                fresh = now - when <= RATE_FRESH_S
+                trainer_rate.add_metric([*j, str(index)], value if fresh else 0.0)
             for (index, what), seconds in sorted(view.wait_total.items()):
                 wait.add_metric([*j, str(index), what], seconds)
             for index, total in sorted(view.updates_total.items()):

@@ -151,7 +151,8 @@ class TrainingPage:
             "wait": _figure("Time waiting, fraction of each second (dashed: for data; solid: for "
                             "the servers or the all-reduce)", "fraction", x,
                             y_range=Range1d(start=0, end=1.05)),
-            "updates": _figure("Parameter-server updates per second", "updates/s", x),
+            "updates": _figure("Parameter updates per second (a sync job's ranks step together)",
+                               "updates/s", x),
         }
         f = self.figures
         self.root.children = [
@@ -190,6 +191,9 @@ class TrainingPage:
         for i, series in sorted(view.servers.items()):
             self._line(f"updates-{i}", "updates", f"server {i}", series, "updates_per_s",
                        color=Category10_10[i % 10])
+        if view.info.get("strategy") == "sync" and 0 in view.trainers:
+            self._line("updates-sync", "updates", "all ranks", view.trainers[0], "steps_per_s",
+                       color="black")
 
     @log_errors
     def update(self) -> None:
