@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # range would pull a CUDA build of several GB. The package itself keeps torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup dev demo test bench lint clean
+.PHONY: setup dev demo test bench lint clean chromium
 
 $(VENV)/.setup: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,19 @@ $(VENV)/.setup: pyproject.toml
 
 $(VENV)/.dev: $(VENV)/.setup
 	$(PIP) install -q -e ".[dev]"
+	$(MAKE) --no-print-directory chromium
 	touch $@
+
+# Headless Chromium for the Training-page tests (tests/monitor): Debian's package, installed with apt
+# when it is missing. Without apt (or rights to use it) this says so and goes on; those tests then
+# fail and name the fix.
+APT := $(shell command -v apt-get 2>/dev/null)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	  || { [ -n "$(APT)" ] && { $(SUDO) apt-get install -y -q chromium \
+	       || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }; }; } \
+	  || echo "chromium is not installed and apt-get could not install it: the tests in tests/monitor need it"
 
 setup: $(VENV)/.setup
 

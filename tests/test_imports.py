@@ -43,6 +43,9 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * report (tables, plots, run folders): imports errors and checkpoint (saving a model);
 #     usable by the controller (history tables) and above;
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
+#   * monitor (the scheduler plugin: Training page, Prometheus metrics): imports errors only;
+#     the controller registers it and publishes the job's events;
+#   * callbacks (public callbacks: TensorBoard): imports errors and policy; used by users;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -57,9 +60,12 @@ ALLOWED: dict[str, set[str]] = {
     "engines": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical"},
     "report": _BASE | {"checkpoint"},
     "datasets": _BASE | {"policy", "data"},
-    "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report"},
+    "monitor": _BASE,
+    "callbacks": _BASE | {"policy"},
+    "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
+                           "monitor"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
-                    "controller", "report"},
+                    "controller", "report", "monitor"},
 }
 _EVERYTHING = set(ALLOWED)
 ALLOWED["cli"] = _EVERYTHING | {ROOT}
@@ -335,6 +341,10 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.checkpoint": NOT_AT_IMPORT,
     "dask_train.report": NOT_AT_IMPORT,
     "dask_train.datasets": NOT_AT_IMPORT,
+    # The scheduler imports monitor to unpickle its plugin: Bokeh and prometheus_client load
+    # only when the plugin starts; callbacks loads TensorBoard when a fit opens its file.
+    "dask_train.monitor": (*NOT_AT_IMPORT, "bokeh", "prometheus_client", "tensorboard"),
+    "dask_train.callbacks": (*NOT_AT_IMPORT, "bokeh", "tensorboard", "tensorflow"),
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

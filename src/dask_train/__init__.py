@@ -57,9 +57,11 @@ _LAZY = {
     "tree_reduce": ".classical",
     "datasets": ".datasets",
     "from_npy": ".data",
+    "callbacks": ".callbacks",
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
-                                         "classical", "api", "models", "checkpoint", "report")},
+                                         "classical", "api", "models", "checkpoint", "report",
+                                         "monitor")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
@@ -88,6 +90,7 @@ __all__ = [
     "Trainer",
     "TrainingTimeout",
     "WorkerLost",
+    "callbacks",
     "connect",
     "datasets",
     "distributed_loss_grad",
@@ -99,7 +102,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
-    from dask_train import datasets
+    from dask_train import callbacks, datasets
     from dask_train.api import FitResult, Trainer
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.classical import (

@@ -21,6 +21,7 @@ from typing import Any
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.engines._base import Ending, Engine
 from dask_train.engines._spec import JobSpec
@@ -82,12 +83,14 @@ class Controller:
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
+        self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
 
     # -- the whole job ----------------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> Outcome:
         """Run generation after generation until one ends; always closes the last engine."""
         for condition in self.spec.stop:  # a fit starts from fresh stop conditions
             condition.reset()
+        await self.publisher.start(self.spec, self.roles, self.rows)
         if resume and self.checkpoints is not None:
             self.restore = self.checkpoints.load(n_params=self.spec.n_params,
                                                  strategy=self.spec.strategy)
@@ -107,12 +110,14 @@ class Controller:
                     await self._restart(engine, failure)
                     continue
                 ending = await self._finish(engine)
-            except BaseException:
+            except BaseException as exc:
                 self.state.enter(Phase.ERRORED)
+                self.publisher.publish({"kind": "end", "error": f"{type(exc).__name__}: {exc}"})
                 await engine.close()
                 raise
             await engine.close()
             self.state.enter(Phase.FINISHED)
+            await self.publisher.end(stopped_by=self.state.stopped_by)
             kept = ending.final is not None and ending.final.get("params") is not None
             return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
                            roles=engine.roles, ledger=engine.ledger_records(),
@@ -160,12 +165,15 @@ class Controller:
                 last = self.log.records[-1] if self.log.records else None
                 if run_callbacks(self.spec.callbacks, "on_epoch_end", self.state.epochs_seen, last):
                     self._stop("callback")
+        elif kind == "stats":
+            run_callbacks(self.spec.callbacks, "on_stats", event)
 
     def _on_nan(self, event: dict[str, Any]) -> None:
         role = f"worker-{event['trainer']}" if event.get("trainer", -1) >= 0 else "worker"
         record = {"role": role, "step": int(event["step"]), "loss": event["loss"],
                   "epoch": event.get("epoch", -1), "block": event.get("block", -1)}
         self.log.nonfinite.append(record)
+        self.publisher.publish({"kind": "nonfinite", **record})
         logger.warning("non-finite loss %s at step %d on %s", record["loss"], record["step"], role)
         if self.spec.on_nan == "stop":
             self.state.nan_stop = True
@@ -177,11 +185,13 @@ class Controller:
         bad = list(event.get("nonfinite") or [])
         if bad:
             self.log.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
+            self.publisher.publish({"kind": "nonfinite", **self.log.nonfinite[-1]})
             if self.spec.on_nan == "stop":
                 self.state.nan_stop = True
                 self._stop(f"non-finite score ({', '.join(bad)}) at step {record['step']}")
             return  # not recorded: stop conditions never see a NaN score
         self.log.records.append(record)
+        self.publisher.publish({"kind": "record", **record})
         if self.progress is not None:
             self.progress.update(record)
         if run_callbacks(self.spec.callbacks, "on_score", record):
@@ -304,6 +314,7 @@ class Controller:
             "cause": failure.cause, "action": decision.action.value, "reason": decision.reason,
             "generation": self.state.generation,
         })
+        self.publisher.publish({"kind": "failure", **self.log.failures[-1]})
         logger.warning("%s on %s: %s -> %s (%s)", failure.role, failure.worker, failure.cause,
                        decision.action.value, decision.reason)
         if decision.action is Action.RAISE:
@@ -332,6 +343,8 @@ class Controller:
         # Pause ids count per generation: its roles are new and start from the first.
         self.state.pause_id, self.state.next_pause_id = 0, 1
         self.state.enter(Phase.STARTING)
+        self.publisher.publish({"kind": "generation", "generation": self.state.generation,
+                                "roles": dict(self.roles.placement)})
         logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost)",
                        self.state.generation, self.restore.directory if self.restore else None,
                        self.roles, time.time() - t0, failure.role)

@@ -17,6 +17,7 @@ from distributed.protocol import to_serialize
 
 from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
+from dask_train.engines._stats import StatsReporter, topic_of
 from dask_train.engines._worker import read_slice
 from dask_train.models._buffers import BufferSet
 from dask_train.models._torch import flatten_parameters
@@ -38,6 +39,7 @@ class ShardServer(FlatOptimizer):
     def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.positions: dict[int, dict[tuple[int, int], int]] = {}
+        self.stats: StatsReporter | None = None  # reports its updates once a second
 
     def apply(
         self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None,
@@ -67,6 +69,8 @@ class ShardServer(FlatOptimizer):
                 seen[(int(position[1]), int(position[2]))] = int(position[3])
                 if len(seen) > _POSITIONS_KEPT:
                     del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
+            if self.stats is not None:  # here: pushes over RPC and local calls both apply
+                self.stats.report(step=self.version, updates=self.version, samples=self.samples)
             return self.param.detach().numpy().copy(), self.version, self.at_limit()
 
 
@@ -105,6 +109,9 @@ def start_shard_task(
             # than the checkpoint's); only the buffer holder keeps them, or a stale copy would
             # linger here.
             server.buffers = None
+    # Counted from here: a restored shard's earlier updates are not this generation's.
+    server.stats = StatsReporter(worker, topic=topic_of(job), role="ps", index=shard.index,
+                                 start={"updates": server.version, "samples": server.samples})
     worker_state(worker).job(job).params[shard.index] = server
     return worker.address
 

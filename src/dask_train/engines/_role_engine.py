@@ -455,6 +455,13 @@ class RoleEngine(Engine):
     async def stop(self, *, keep_step: int | None) -> Ending:
         """Stop every role (each wait bounded by the timeout); pull the final parameters."""
         self.stopping = True
+        scorer = self.scorer_future is not None
+        if scorer and keep_step is not None:
+            # A score stopped the job: stop the scorer first, while it still holds the snapshot
+            # that earned the score (it keeps the last few; stopping slow trainers takes long
+            # enough for newer scores to push it out).
+            await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
+                              keep_step=keep_step, workers=self.roles["scorer"])
         for pause_id in list(self.pauses):
             await self.resume(pause_id)
         await run_on_live(self.client, worker_side.signal_stop, self.job,
@@ -464,9 +471,10 @@ class RoleEngine(Engine):
         trainers = [await f for f in live]
         await self._drain_events()
         final = None
-        if self.scorer_future is not None:
-            await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
-                              keep_step=keep_step, workers=self.roles["scorer"])
+        if scorer:
+            if keep_step is None:  # the final parameters' score, once the trainers stopped
+                await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
+                                  keep_step=None, workers=self.roles["scorer"])
             await self.wait_for([self.scorer_future], what="the final score")
             final = await self.scorer_future
         pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",

@@ -21,6 +21,7 @@ from distributed import get_worker, secede
 
 from dask_train.data._feed import FeedReader, batches
 from dask_train.engines._ps_client import PSClient, ShardRef, write_params
+from dask_train.engines._stats import StatsReporter
 from dask_train.engines._worker import NanReporter, Pauser, model_for, rng_state, seed_trainer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
@@ -61,6 +62,8 @@ def run_trainer(
     loss_fn = model.loss_fn(config["loss"])
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
+    stats = StatsReporter(worker, topic=config["topic"], role="trainer", index=index)
+    pusher.version = start.version
     stopped = False
 
     def pause_idle() -> None:
@@ -101,6 +104,8 @@ def run_trainer(
                     stopped = True
                     break
             consumed += len(xb)
+            stats.report(step=pusher.version, samples=samples + consumed, steps=pusher.pushes,
+                         feed_wait_s=feed_wait, server_wait_s=pusher.wait_s)
             if stop:
                 stopped = True
                 break
@@ -119,6 +124,8 @@ def run_trainer(
              "rows": consumed, "done": item.skip + consumed == item.rows, "steps": pusher.pushes},
         )
     pusher.drain()
+    stats.report(step=pusher.version, force=True, samples=samples, steps=pusher.pushes,
+                 feed_wait_s=feed_wait, server_wait_s=pusher.wait_s)
     # The last event: once the controller has it, it has every block report sent before it.
     worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": pusher.pushes})
     # Where the trainer's time went, so a slow job says whether it waited for data or servers.
@@ -192,6 +199,7 @@ class _Pusher:
         self.count = self.samples = self.pushes = 0
         self.pending: collections.deque[Any] = collections.deque()
         self.wait_s = 0.0
+        self.version = 0  # the servers' update count in the latest reply (the job's step)
         self.position: list[int] | None = None  # sent with the next push
 
     def add(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
@@ -246,5 +254,6 @@ class _Pusher:
         t0 = time.perf_counter()
         exchange = self.ps.wait(self.pending.popleft())
         self.wait_s += time.perf_counter() - t0
+        self.version = exchange.version
         write_params(self.model, exchange)
         return exchange.stop

@@ -37,6 +37,7 @@ from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._reducer import GradientReducer
+from dask_train.engines._stats import StatsReporter
 from dask_train.engines._worker import (
     NanReporter,
     Pauser,
@@ -65,6 +66,7 @@ class _RankFeed:
         self.ahead: tuple[torch.Tensor, torch.Tensor] | object | None = None
         self.consumed = 0
         self.ended = False
+        self.wait_s = 0.0  # time spent waiting for blocks
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The next batch, or None once the feed has ended (or the job was stopped)."""
@@ -78,7 +80,9 @@ class _RankFeed:
                         self.model.batch(*batch)
                     return out
                 self.close_block()
+            t0 = time.perf_counter()
             item = self.reader.next()
+            self.wait_s += time.perf_counter() - t0
             if item is None or item.x is None:
                 self.ended = True
                 return None
@@ -156,8 +160,11 @@ def run_rank(
                      batch_size=config["batch_size"], report=report, model=model)
     pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
     nans = NanReporter(worker, topic=config["topic"], trainer=index)
+    # Steps count from the restored step: the first report must not count those as its own.
+    stats = StatsReporter(worker, topic=config["topic"], role="trainer", index=index,
+                          start={"steps": server.version})
     result = _loop(model, server, reducer, feed, state, config, index=index,
-                   worker=worker.address, pauser=pauser, nans=nans, buffers=buffers)
+                   worker=worker.address, pauser=pauser, nans=nans, buffers=buffers, stats=stats)
     # The last event: once the controller has it, it has every block report sent before it.
     worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": server.version})
     return result
@@ -166,7 +173,7 @@ def run_rank(
 def _loop(
     model: FlatModel, server: FlatOptimizer, reducer: GradientReducer, feed: _RankFeed,
     state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
-    nans: NanReporter, buffers: _BufferSync,
+    nans: NanReporter, buffers: _BufferSync, stats: StatsReporter | None = None,
 ) -> dict[str, Any]:
     loss_fn = model.loss_fn(config["loss"])
     every = config["grad_accumulation"]
@@ -210,6 +217,9 @@ def _loop(
         reducer.wait()
         comm_s += time.perf_counter() - t0
         samples += count
+        if stats is not None:
+            stats.report(step=server.version, samples=samples, steps=server.version,
+                         feed_wait_s=feed.wait_s, server_wait_s=comm_s)
         total = float(meta[0])
         if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
             break
@@ -240,6 +250,9 @@ def _loop(
             if not pauser.pause(feed.position(), steps=server.version, pause_id=pauser.handled + 1):
                 break
     feed.close_block()
+    if stats is not None:
+        stats.report(step=server.version, force=True, samples=samples, steps=server.version,
+                     feed_wait_s=feed.wait_s, server_wait_s=comm_s)
     return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
             "busy_s": time.perf_counter() - started, "allreduce_s": comm_s, "nonfinite": nans.count,
             "rng": rng_state()}

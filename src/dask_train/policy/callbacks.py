@@ -11,7 +11,7 @@ from typing import Any
 
 from dask_train.errors import InvalidInput
 
-HOOKS = ("on_fit_start", "on_score", "on_epoch_end", "on_fit_end")
+HOOKS = ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end")
 
 
 class Callback:
@@ -33,6 +33,18 @@ class Callback:
         """Called with each new score record; return True to ask the job to stop."""
         return None
 
+    def on_stats(self, stats: Mapping[str, Any]) -> None:
+        """Called about once a second per trainer and per parameter server with what it did.
+
+        ``stats["role"]`` is ``"trainer"`` or ``"ps"``, ``stats["index"]`` its index,
+        ``stats["step"]`` the job's step as that role saw it, ``stats["interval_s"]`` the
+        seconds covered. For each running total (trainers: ``samples``, ``steps``,
+        ``feed_wait_s``, ``server_wait_s`` -- time waiting for the servers' replies, or for the
+        all-reduce in a sync job; servers: ``updates``, ``samples``) the report holds the growth
+        over the interval under the name and the total under ``<name>_total``. Numpy models
+        (``dt.ArrayModel``) send none.
+        """
+
     def on_epoch_end(self, epoch: int, record: Mapping[str, Any] | None) -> bool | None:
         """Called when an epoch ends with the latest score record (if any); True asks to stop."""
         return None
@@ -52,7 +64,7 @@ def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> bool:
     callbacks : sequence of Callback
         The callbacks, called in order.
     hook : str
-        One of ``"on_fit_start"``, ``"on_score"``, ``"on_epoch_end"``, ``"on_fit_end"``.
+        One of :data:`HOOKS`.
     *args
         Passed to the hook.
 
