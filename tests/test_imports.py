@@ -43,6 +43,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * report (tables, plots, run folders): imports errors and checkpoint (saving a model);
 #     usable by the controller (history tables) and above;
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
+#   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
+#   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -60,6 +62,11 @@ ALLOWED: dict[str, set[str]] = {
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report"},
+    # dt.predict: a model's outputs over dask collections, one task per block.
+    "prediction": _BASE | {"policy", "data", "runtime", "models"},
+    # dt.search: trials are jobs of the api (Trainer), the classical GLMs or XGBoost.
+    "tuning": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
+                       "controller", "report", "api", "prediction"},
 }
 _EVERYTHING = set(ALLOWED)
 ALLOWED["cli"] = _EVERYTHING | {ROOT}
@@ -335,6 +342,8 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.checkpoint": NOT_AT_IMPORT,
     "dask_train.report": NOT_AT_IMPORT,
     "dask_train.datasets": NOT_AT_IMPORT,
+    "dask_train.prediction": NOT_AT_IMPORT,
+    "dask_train.tuning": NOT_AT_IMPORT,
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

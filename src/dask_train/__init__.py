@@ -56,9 +56,17 @@ _LAZY = {
     "distributed_loss_grad": ".classical",
     "tree_reduce": ".classical",
     "datasets": ".datasets",
+    # prediction and hyper-parameter search
+    "predict": ".prediction",
+    "search": ".tuning",
+    "SearchResult": ".tuning",
+    "loguniform": ".tuning",
+    "uniform": ".tuning",
+    "intuniform": ".tuning",
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
-                                         "classical", "api", "models", "checkpoint", "report")},
+                                         "classical", "api", "models", "checkpoint", "report",
+                                         "prediction", "tuning")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
@@ -79,6 +87,7 @@ __all__ = [
     "PoissonRegression",
     "RoleFailed",
     "Roles",
+    "SearchResult",
     "StopAfter",
     "StopAtScore",
     "StopAtStep",
@@ -90,10 +99,15 @@ __all__ = [
     "connect",
     "datasets",
     "distributed_loss_grad",
+    "intuniform",
+    "loguniform",
+    "predict",
+    "search",
     "softmax_regression",
     "start_roles",
     "start_torch",
     "tree_reduce",
+    "uniform",
 ]
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
@@ -119,4 +133,6 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         StopAtStep,
         StopCondition,
     )
+    from dask_train.prediction import predict
     from dask_train.runtime import TorchGroup, connect, start_roles, start_torch
+    from dask_train.tuning import SearchResult, intuniform, loguniform, search, uniform

@@ -9,10 +9,12 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
+from dask.base import tokenize
 from distributed import Client, Future, wait
 
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
+from dask_train.policy._scope import current_scope, in_scope
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +100,17 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     the task waiting forever.
     """
     info = await client.scheduler.identity()
-    workers = {a: int(w.get("nthreads", 1)) for a, w in info.get("workers", {}).items()}
-    if len(workers) < 2 or len(futures) < 2:
+    # Within the job's scope (a search trial's workers): blocks held elsewhere move into it.
+    workers = in_scope({a: int(w.get("nthreads", 1)) for a, w in info.get("workers", {}).items()})
+    if not workers or not futures or (len(workers) < 2 and current_scope() is None):
         return futures
     who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
     holders = [sorted(who_has.get(f.key, ()) or ("",))[0] for f in futures]
     targets = balance_blocks(rows, holders, workers)
+    # The target is part of the key: two jobs spreading the same block to different workers
+    # (two search trials) must get two moves, not share the first one's.
     moved = {i: client.submit(_same, futures[i], workers=[t], allow_other_workers=True,
-                              pure=False, key=f"dt-spread-{futures[i].key!s}")
+                              pure=False, key=f"dt-spread-{futures[i].key!s}-{tokenize(t)}")
              for i, (t, h) in enumerate(zip(targets, holders)) if t != h}
     if not moved:
         return futures
@@ -119,7 +124,24 @@ async def persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
 
     One future per block, holding both parts, so a block's features and labels can never end up on
     different workers, and one feed task per block moves them together when a block must move.
+    Inside a scope with a cache (a search's trials, see
+    :func:`~dask_train.policy._scope.use_workers`), the blocks of the same ``X`` and ``y`` on the
+    same workers are persisted once and reused.
     """
+    scope = current_scope()
+    if scope is None or scope.cache is None:
+        return await _persist_blocks(client, X, y)
+    key = ("blocks", X.name, y.name, scope.workers)
+    cached = scope.cache.get(key)
+    # A block Dask lost is recomputed ("pending" again); one that erred or was released is not.
+    if isinstance(cached, BlockSet) and all(f.status in ("finished", "pending")
+                                            for f in cached.futures):
+        return cached
+    blocks = scope.cache[key] = await _persist_blocks(client, X, y)
+    return blocks
+
+
+async def _persist_blocks(client: Client, X: da.Array, y: da.Array) -> BlockSet:
     futures = await persist_pairs(client, X, y)
     # Label range from the persisted blocks themselves: one tiny result per block, and the source
     # graph is never recomputed.
