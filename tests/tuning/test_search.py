@@ -136,8 +136,12 @@ def test_a_failing_trial_is_recorded_and_the_search_goes_on(client4: Client, dig
 def test_glm_trials_run_one_per_worker(client4: Client, digits: Any) -> None:
     X, y, Xv, yv = digits
     result = dt.search(dt.LogisticRegression(max_iter=30), {"C": dt.loguniform(1e-2, 1e1)}, X,
-                       y, validation=(Xv, yv), n_trials=2, progress=False, client=client4)
+                       y, validation=(Xv, yv), n_trials=8, max_concurrent=2,
+                       stop=[dt.StopAtScore("accuracy", 0.5)], progress=False, client=client4)
     trials = result.trials
+    # The first trial to score 0.5 ends the search: the one running beside it finishes, no
+    # other starts.
+    assert result.stopped_by == "StopAtScore(accuracy>=0.5)"
     assert list(trials["state"]) == ["complete"] * 2
     assert all(len(w.split(",")) == 1 for w in trials["workers"])
     assert 0.8 < result.best_score <= 1.0

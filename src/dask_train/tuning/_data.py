@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,12 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
     unlike ``da.from_array``, which puts the whole array into the graph)."""
     Xv, yv = (np.ascontiguousarray(np.asarray(_compute(part))) for part in validation)
     if _is_dask(X) and _is_dask(y):
-        Xd, yd = as_dask_array(X), as_dask_array(y)
+        # Under keys of its own: persisting the user's collection itself would keep its keys in
+        # memory, and a later graph of the user's that rewrites them (dask's slicing optimisation
+        # does) would meet "different run_spec for the same key" at the scheduler.
+        token = uuid.uuid4().hex[:8]
+        Xd, yd = (_renamed(as_dask_array(part), f"dt-search-{name}-{token}")
+                  for part, name in ((X, "X"), (y, "y")))
         Xd, yd = client.persist([Xd, yd])
         return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd])
     Xa, ya = np.asarray(_compute(X)), np.asarray(_compute(y))
@@ -49,6 +55,16 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
                  ya.shape[1:], ya.dtype)
     Xd, yd = client.persist([Xd, yd])
     return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd, futures])
+
+
+def _same(block: np.ndarray) -> np.ndarray:
+    return block
+
+
+def _renamed(array: da.Array, name: str) -> da.Array:
+    """``array`` under new keys; each block the same object as the source's (no copy)."""
+    renamed: da.Array = da.map_blocks(_same, array, dtype=array.dtype, name=name)
+    return renamed
 
 
 def _part(pair: tuple[np.ndarray, np.ndarray], index: int) -> np.ndarray:

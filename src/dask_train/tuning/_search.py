@@ -199,6 +199,7 @@ class _Search:
         self.started = time.monotonic()
         self.asked = 0
         self.reports = 0
+        self.interrupt_sent: set[int] = set()
         self.bar = _progress_bar(n_trials, progress)
 
     def elapsed(self) -> float:
@@ -219,6 +220,10 @@ class _Search:
             self.cache.clear()
             if data is not None:
                 data.release()
+            # The trials' contexts refer back to this loop: without this, the persisted data
+            # would stay on the cluster until the garbage collector finds the cycle.
+            self.runner.data = None  # type: ignore[attr-defined]
+            self.running.clear()
             if self.bar is not None:
                 self.bar.close()
         return SearchResult(self.records, metric=str(getattr(self.metric, "__name__",
@@ -232,6 +237,7 @@ class _Search:
         while True:
             self._collect()
             self._check_stop(None)
+            self._relay_stop()
             if self.stopped_by and not self.running:
                 break
             if self.asked >= self.n_trials and pending is None:
@@ -325,7 +331,16 @@ class _Search:
             self.stopped_by = fired.describe()
             self.stopping.set()
             logger.info("search stopping: %s", self.stopped_by)
-            for running in list(self.running.values()):
+
+    def _relay_stop(self) -> None:
+        """Once the search stops, ask every running trial to end (from the search's own thread:
+        ``_check_stop`` also runs on the client's event loop, where a blocking call to the
+        workers would wait on that very loop)."""
+        if not self.stopping.is_set():
+            return
+        for number, running in list(self.running.items()):
+            if number not in self.interrupt_sent:
+                self.interrupt_sent.add(number)
                 self.runner.interrupt(running.ctx)
 
     # -- ending trials ---------------------------------------------------------------------------------
@@ -357,6 +372,10 @@ class _Search:
                 "interrupted" if self.interrupted else "complete"
             if record.state == "complete" and math.isnan(record.score):
                 record.state, record.error = "failed", f"no {self.metric} score was recorded"
+            if record.state == "complete":  # the final score counts for the search's stop too
+                with self.lock:
+                    self._check_stop({str(self.metric): record.score, "time_s": record.end_s,
+                                      "step": self.reports})
         self._tell(running.trial, record.state, record.score)
         log = logger.warning if record.state == "failed" else logger.info
         log("trial %d %s: %s=%.4g in %.1f s %s%s", record.number, record.state, self.metric,
@@ -382,8 +401,7 @@ class _Search:
         self.stopped_by = "KeyboardInterrupt"
         self.stopping.set()
         logger.warning("search interrupted: stopping %d running trial(s)", len(self.running))
-        for running in list(self.running.values()):
-            self.runner.interrupt(running.ctx)
+        self._relay_stop()
         deadline = time.monotonic() + self.timeout + 10.0
         while self.running and time.monotonic() < deadline:
             self._wait(0.2)
