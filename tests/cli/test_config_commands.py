@@ -56,6 +56,9 @@ def project(tmp_path: Path) -> Path:
     Xv, yv = dt.datasets.digits_test()
     for name, value in {"X": X[:2_000], "y": y[:2_000], "Xv": Xv, "yv": yv}.items():
         np.save(data / f"{name}.npy", value)
+    table = pd.DataFrame(Xv, columns=[f"f{i}" for i in range(64)])
+    table["label"] = yv
+    table.to_parquet(data / "table.parquet")
     return tmp_path
 
 
@@ -84,7 +87,17 @@ def test_train_then_predict_then_search(project: Path, client: Client,
     net = load_module(torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(),
                                           torch.nn.Linear(16, 10)), run / "model.safetensors")
     Xv = np.load(project / "data" / "Xv.npy").astype(np.float32)
-    np.testing.assert_array_equal(labels, net(torch.from_numpy(Xv)).argmax(dim=1).numpy())
+    expected = net(torch.from_numpy(Xv)).argmax(dim=1).numpy()
+    np.testing.assert_array_equal(labels, expected)
+    # A table in, a table out: the feature columns of a parquet file, predictions as parquet.
+    predict.write_text(predict.read_text()
+                       .replace("predict: {X: data/Xv.npy}",
+                                "predict: {X: data/table.parquet, columns: "
+                                f"[{', '.join(f'f{i}' for i in range(64))}]}}")
+                       .replace("output: predictions.npy", "output: predictions.parquet"))
+    assert main(["predict", str(predict), "--scheduler", address]) == 0
+    table = pd.read_parquet(project / "runs" / "predict" / "predictions.parquet")
+    np.testing.assert_array_equal(table["prediction"].to_numpy(), expected)
 
     search = _config(project, "search", out="runs/search")
     assert main(["search", str(search), "--scheduler", address, "--no-progress"]) == 0

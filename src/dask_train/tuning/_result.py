@@ -63,6 +63,14 @@ class SearchResult:
         Seconds from the start of the search to its end.
     study : optuna.Study
         The study that sampled the parameters (``study.trials`` has optuna's own records).
+
+    Examples
+    --------
+    >>> search = dt.search(trainer, {"lr": dt.loguniform(1e-4, 1e-1)}, X, y,   # doctest: +SKIP
+    ...                    validation=(Xv, yv), n_trials=8)
+    >>> search.trials[["number", "state", "score", "lr"]]                      # doctest: +SKIP
+    >>> search.best_params, search.best_score, search.time_to(0.95)            # doctest: +SKIP
+    >>> search.plot("search.png")                                              # doctest: +SKIP
     """
 
     records: list[TrialRecord]
@@ -75,6 +83,7 @@ class SearchResult:
 
     @property
     def trials(self) -> pd.DataFrame:
+        """One row per trial that ran (see the class docstring), in trial order."""
         from dask_train.tuning._space import describe
 
         rows = []
@@ -98,21 +107,25 @@ class SearchResult:
 
     @property
     def best_params(self) -> dict[str, Any]:
+        """The best complete trial's parameters ({} when none completed)."""
         best = self._best()
         return dict(best.params) if best is not None else {}
 
     @property
     def best_score(self) -> float:
+        """The best complete trial's score (NaN when none completed)."""
         best = self._best()
         return best.score if best is not None else math.nan
 
     @property
     def best_model(self) -> Any:
+        """The best complete trial's model (None when none completed)."""
         best = self._best()
         return best.model if best is not None else None
 
     @property
     def best_result(self) -> Any:
+        """The best complete trial's full result (None when none completed)."""
         best = self._best()
         return best.result if best is not None else None
 
