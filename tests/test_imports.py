@@ -46,6 +46,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * monitor (the scheduler plugin: Training page, Prometheus metrics): imports errors only;
 #     the controller registers it and publishes the job's events;
 #   * callbacks (public callbacks: TensorBoard): imports errors and policy; used by users;
+#   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
+#   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -66,6 +68,11 @@ ALLOWED: dict[str, set[str]] = {
                            "monitor"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report", "monitor"},
+    # dt.predict: a model's outputs over dask collections, one task per block.
+    "prediction": _BASE | {"policy", "data", "runtime", "models"},
+    # dt.search: trials are jobs of the api (Trainer), the classical GLMs or XGBoost.
+    "tuning": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
+                       "controller", "report", "api", "prediction", "monitor"},
 }
 _EVERYTHING = set(ALLOWED)
 ALLOWED["cli"] = _EVERYTHING | {ROOT}
@@ -345,6 +352,8 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     # only when the plugin starts; callbacks loads TensorBoard when a fit opens its file.
     "dask_train.monitor": (*NOT_AT_IMPORT, "bokeh", "prometheus_client", "tensorboard"),
     "dask_train.callbacks": (*NOT_AT_IMPORT, "bokeh", "tensorboard", "tensorflow"),
+    "dask_train.prediction": NOT_AT_IMPORT,
+    "dask_train.tuning": NOT_AT_IMPORT,
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

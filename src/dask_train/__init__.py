@@ -58,10 +58,17 @@ _LAZY = {
     "datasets": ".datasets",
     "from_npy": ".data",
     "callbacks": ".callbacks",
+    # prediction and hyper-parameter search
+    "predict": ".prediction",
+    "search": ".tuning",
+    "SearchResult": ".tuning",
+    "loguniform": ".tuning",
+    "uniform": ".tuning",
+    "intuniform": ".tuning",
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
                                          "classical", "api", "models", "checkpoint", "report",
-                                         "monitor")},
+                                         "monitor", "prediction", "tuning")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
@@ -82,6 +89,7 @@ __all__ = [
     "PoissonRegression",
     "RoleFailed",
     "Roles",
+    "SearchResult",
     "StopAfter",
     "StopAtScore",
     "StopAtStep",
@@ -95,10 +103,15 @@ __all__ = [
     "datasets",
     "distributed_loss_grad",
     "from_npy",
+    "intuniform",
+    "loguniform",
+    "predict",
+    "search",
     "softmax_regression",
     "start_roles",
     "start_torch",
     "tree_reduce",
+    "uniform",
 ]
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
@@ -125,4 +138,6 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         StopAtStep,
         StopCondition,
     )
+    from dask_train.prediction import predict
     from dask_train.runtime import TorchGroup, connect, start_roles, start_torch
+    from dask_train.tuning import SearchResult, intuniform, loguniform, search, uniform

@@ -34,6 +34,7 @@ from distributed import Client, Future, get_client, wait
 
 from dask_train.data._blocks import as_dask_array, as_pair, persist_pairs
 from dask_train.errors import InvalidInput
+from dask_train.policy._scope import current_scope, in_scope
 
 BlockFn = Callable[..., Any]
 
@@ -236,7 +237,7 @@ def persist_data(
     futures = client.sync(persist_pairs, client, Xd, yd, dtype=dtype)
     who_has = client.who_has(futures)
     info = client.scheduler_info(n_workers=-1)["workers"]
-    threads = {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+    threads = in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
     holders = [sorted(who_has.get(f.key, ("",)))[0] for f in futures]
     rows = [int(r) for r in Xd.chunks[0]]
     return BlockData(futures, rows, holders, int(Xd.shape[1]), client, threads)
@@ -257,13 +258,15 @@ def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: A
             "and a 1-D y with one value per row of X."
         ])
     info = client.scheduler_info(n_workers=-1)["workers"]
-    threads = {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+    threads = in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
     n_blocks = max(1, min(sum(threads.values()) or 1, X.nbytes // _LOCAL_BLOCK_BYTES, len(X)))
     bounds = np.linspace(0, len(X), n_blocks + 1).astype(int)
     blocks = [
         as_pair(X[a:b], None if y is None else y[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])
     ]
-    futures = client.scatter(blocks, hash=False, direct=True)
+    # Only to the job's workers (all of them, or a search trial's own).
+    futures = client.scatter(blocks, hash=False, direct=True,
+                             workers=sorted(threads) if current_scope() is not None else None)
     who_has = client.who_has(futures)
     holders = [sorted(who_has.get(f.key, ("",)))[0] for f in futures]
     rows = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]

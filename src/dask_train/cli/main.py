@@ -2,15 +2,19 @@
 
 ``dask-train demo`` trains the digits MLP with asynchronous parameter servers on the embedded
 cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
+``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
+of each shows an example) and write a run directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +38,50 @@ def _parser() -> argparse.ArgumentParser:
                       help="checkpoint directory or fsspec URL (every 10 s, newest 3 kept)")
     demo.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint under --checkpoint")
+    _add_config_commands(commands)
     return parser
+
+
+_CONFIG_COMMANDS = {
+    "train": "fit a dt.Trainer on the config's data and write the run (history, plot, model)",
+    "search": "search hyper-parameters (dt.search): trials, search plot, the best model",
+    "predict": "predict with a trained model over a data set (dt.predict)",
+}
+
+
+def _add_config_commands(commands: Any) -> None:
+    from dask_train.cli._config import EXAMPLE
+
+    for name, text in _CONFIG_COMMANDS.items():
+        command = commands.add_parser(
+            name, help=text, description=f"{text[0].upper()}{text[1:]}. The config is checked in "
+            "full before any work; every problem is reported at once.",
+            epilog=f"example config:\n\n{EXAMPLE}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_argument("config", type=Path, help="the YAML config file")
+        command.add_argument("--scheduler", default=None,
+                             help="Dask scheduler address (default: the config's, else embedded)")
+        command.add_argument("--out", type=Path, default=None,
+                             help="run directory (default: the config's out, else runs/NAME-TIME)")
+        command.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+        command.add_argument("--check", action="store_true",
+                             help="check the config and exit without running anything")
+
+
+def run_config(args: argparse.Namespace) -> int:
+    """``dask-train train|search|predict CONFIG.yaml``."""
+    from dask_train.cli import _commands
+    from dask_train.cli._config import load_config
+
+    config = load_config(args.config, command=args.command)
+    if args.check:
+        print(f"{args.config}: ok for dask-train {args.command}")
+        return 0
+    run = getattr(_commands, args.command)
+    outcome = run(config, scheduler=args.scheduler, out=args.out, progress=not args.no_progress)
+    print(json.dumps(outcome["summary"], indent=2, default=str))
+    for name, path in outcome["paths"].items():
+        print(f"{name:<8} {path}")
+    return 0
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -95,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo(args)
+        if args.command in _CONFIG_COMMANDS:
+            return run_config(args)
     except DaskTrainError as exc:
         print(f"dask-train: error: {exc}", file=sys.stderr)
         return 2

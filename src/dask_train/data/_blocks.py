@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass
@@ -10,10 +11,12 @@ from typing import Any
 import dask
 import dask.array as da
 import numpy as np
-from distributed import Client, Future, wait
+from dask.base import tokenize
+from distributed import Client, Future
 
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
+from dask_train.policy._scope import current_scope, in_scope
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +137,39 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
     futures = client.compute(pairs)
     # Inside the client's event loop distributed.wait returns a coroutine; it waits without
     # bringing any block to the client.
-    await wait(futures)
+    await wait_futures(futures)
     failed = [f for f in futures if f.status == "error"]
     if failed:
         await failed[0]  # re-raises the remote exception with its traceback
     rows = [int(r) for r in X.chunks[0]]
     return await spread_blocks(client, list(futures), rows)
+
+
+async def wait_futures(futures: list[Future], timeout: float | None = None) -> None:
+    """Wait, on the running event loop, until every future is finished, erred or cancelled.
+
+    Not ``distributed.wait``: it waits through the *current default* client, which in a thread
+    holding another client (``with Client(...)``, a search trial) is not the futures' own, and
+    the wait never ends. A future's own done-callback reports to this loop instead. Raises
+    ``TimeoutError`` after ``timeout`` seconds.
+    """
+    pending = [f for f in futures if f.status == "pending"]
+    if not pending:
+        return
+    loop = asyncio.get_running_loop()
+    left, done = [len(pending)], asyncio.Event()
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] <= 0:
+            done.set()
+
+    for future in pending:
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(one_done))
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except asyncio.TimeoutError:  # a distinct class before Python 3.11
+        raise TimeoutError(f"futures not done within {timeout} s") from None
 
 
 def _rows_like(a: da.Array, X: da.Array) -> da.Array:
@@ -161,18 +191,21 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     the task waiting forever.
     """
     info = await client.scheduler.identity()
-    workers = {a: int(w.get("nthreads", 1)) for a, w in info.get("workers", {}).items()}
-    if len(workers) < 2 or len(futures) < 2:
+    # Within the job's scope (a search trial's workers): blocks held elsewhere move into it.
+    workers = in_scope({a: int(w.get("nthreads", 1)) for a, w in info.get("workers", {}).items()})
+    if not workers or not futures or (len(workers) < 2 and current_scope() is None):
         return futures
     who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
     holders = [sorted(who_has.get(f.key, ()) or ("",))[0] for f in futures]
     targets = balance_blocks(rows, holders, workers)
+    # The target is part of the key: two jobs spreading the same block to different workers
+    # (two search trials) must get two moves, not share the first one's.
     moved = {i: client.submit(_same, futures[i], workers=[t], allow_other_workers=True,
-                              pure=False, key=f"dt-spread-{futures[i].key!s}")
+                              pure=False, key=f"dt-spread-{futures[i].key!s}-{tokenize(t)}")
              for i, (t, h) in enumerate(zip(targets, holders)) if t != h}
     if not moved:
         return futures
-    await wait(list(moved.values()))
+    await wait_futures(list(moved.values()))
     logger.info("moved %d of %d blocks to even out the rows per worker", len(moved), len(futures))
     return [moved.get(i, f) for i, f in enumerate(futures)]
 
@@ -208,7 +241,25 @@ async def persist_blocks(client: Client, X: da.Array, y: da.Array, *,
 
     One future per block, holding every part, so a block's features and labels can never end up
     on different workers, and one feed task per block moves them together when a block must move.
+    Inside a scope with a cache (a search's trials, see
+    :func:`~dask_train.policy._scope.use_workers`), the blocks of the same ``X`` and ``y`` on the
+    same workers are persisted once and reused.
     """
+    scope = current_scope()
+    if scope is None or scope.cache is None:
+        return await _persist_blocks(client, X, y, weights)
+    key = ("blocks", X.name, y.name, None if weights is None else weights.name, scope.workers)
+    cached = scope.cache.get(key)
+    # A block Dask lost is recomputed ("pending" again); one that erred or was released is not.
+    if isinstance(cached, BlockSet) and all(f.status in ("finished", "pending")
+                                            for f in cached.futures):
+        return cached
+    blocks = scope.cache[key] = await _persist_blocks(client, X, y, weights)
+    return blocks
+
+
+async def _persist_blocks(client: Client, X: da.Array, y: da.Array,
+                          weights: da.Array | None) -> BlockSet:
     futures = await persist_pairs(client, X, y, weights=weights)
     return await _locate(client, futures, [int(r) for r in X.chunks[0]])
 

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distributed import Client, Future, wait
+from distributed import Client, Future
 from distributed.comm import CommClosedError
 
-from dask_train.data._blocks import BlockSet, SpreadValidation
+from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
 from dask_train.engines import _scorer
 from dask_train.engines import _worker as worker_side
 from dask_train.engines._base import Emit, Ending, Engine, Snapshot
@@ -166,7 +166,7 @@ class RoleEngine(Engine):
     async def wait_for(self, futures: list[Future], *, what: str) -> None:
         """Wait for role tasks, bounded by the timeout; a task's error becomes RoleFailed."""
         try:
-            await wait(futures, timeout=self.spec.timeout)
+            await wait_futures(futures, timeout=self.spec.timeout)
         except TimeoutError:
             raise TrainingTimeout(
                 f"{what} took longer than timeout={self.spec.timeout:g} s; check that the workers "
@@ -471,7 +471,7 @@ class RoleEngine(Engine):
         trainers = [await f for f in live]
         await self._drain_events()
         final = None
-        if scorer:
+        if self.scorer_future is not None:
             if keep_step is None:  # the final parameters' score, once the trainers stopped
                 await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
                                   keep_step=None, workers=self.roles["scorer"])

@@ -7,11 +7,14 @@ from typing import Any
 
 from distributed import Client
 
+from dask_train.policy._scope import in_scope
+
 
 async def alive_workers(client: Client) -> dict[str, int]:
-    """Live Dask workers and their thread counts, as the scheduler sees them now."""
+    """Live Dask workers and their thread counts, as the scheduler sees them now (those of the
+    current job's scope, see :func:`~dask_train.policy._scope.use_workers`)."""
     info = (await client.scheduler.identity()).get("workers", {})
-    return {addr: int(w.get("nthreads", 1)) for addr, w in info.items()}
+    return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
 
 
 async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str],

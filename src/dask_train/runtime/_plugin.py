@@ -120,6 +120,10 @@ class WorkerState:
         self.torch_threads: int | None = None
         self._torch_configured = False
         self._lock = threading.Lock()
+        # Deserialised objects by token, oldest first (dt.predict's models: each is unpickled at
+        # most once per worker process, whatever the number of blocks it predicts).
+        self.objects: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.objects_lock = threading.Lock()
 
     def job(self, job_id: str) -> JobState:
         """The state of ``job_id`` on this worker, created on first use."""

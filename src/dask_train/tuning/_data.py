@@ -1,0 +1,87 @@
+"""The search's data, persisted on the cluster once and shared by every trial."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, Future
+
+from dask_train.data._blocks import as_dask_array
+
+
+@dataclass
+class SearchData:
+    """Training data on the cluster (dask arrays whose blocks are in memory) and the validation
+    data in the client (numpy: the scorer of every trial holds it)."""
+
+    X: da.Array
+    y: da.Array
+    validation: tuple[np.ndarray, np.ndarray]
+    held: list[Any] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Let the cluster forget the persisted blocks."""
+        self.held.clear()
+
+
+def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchData:
+    """Persist X and y once: dask collections are persisted where they are computed; in-memory
+    arrays are scattered block by block straight to the workers (never through the scheduler,
+    unlike ``da.from_array``, which puts the whole array into the graph)."""
+    Xv, yv = (np.ascontiguousarray(np.asarray(_compute(part))) for part in validation)
+    if _is_dask(X) and _is_dask(y):
+        # Under keys of its own: persisting the user's collection itself would keep its keys in
+        # memory, and a later graph of the user's that rewrites them (dask's slicing optimisation
+        # does) would meet "different run_spec for the same key" at the scheduler.
+        token = uuid.uuid4().hex[:8]
+        Xd, yd = (_renamed(as_dask_array(part), f"dt-search-{name}-{token}")
+                  for part, name in ((X, "X"), (y, "y")))
+        Xd, yd = client.persist([Xd, yd])
+        return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd])
+    Xa, ya = np.asarray(_compute(X)), np.asarray(_compute(y))
+    workers = max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+    rows = max(1, -(-len(Xa) // (2 * workers)))  # two blocks per worker
+    bounds = list(range(0, len(Xa), rows)) + [len(Xa)]
+    parts = [(Xa[a:b], ya[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    futures = client.scatter(parts, direct=True, hash=False)
+    Xd = _concat([f for f in futures], 0, [b - a for a, b in zip(bounds[:-1], bounds[1:])],
+                 Xa.shape[1:], Xa.dtype)
+    yd = _concat([f for f in futures], 1, [b - a for a, b in zip(bounds[:-1], bounds[1:])],
+                 ya.shape[1:], ya.dtype)
+    Xd, yd = client.persist([Xd, yd])
+    return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd, futures])
+
+
+def _same(block: np.ndarray) -> np.ndarray:
+    return block
+
+
+def _renamed(array: da.Array, name: str) -> da.Array:
+    """``array`` under new keys; each block the same object as the source's (no copy)."""
+    renamed: da.Array = da.map_blocks(_same, array, dtype=array.dtype, name=name)
+    return renamed
+
+
+def _part(pair: tuple[np.ndarray, np.ndarray], index: int) -> np.ndarray:
+    return pair[index]
+
+
+def _concat(futures: list[Future], index: int, rows: list[int], tail: tuple[int, ...],
+            dtype: Any) -> da.Array:
+    blocks = [da.from_delayed(dask.delayed(_part)(f, index), shape=(n, *tail), dtype=dtype)
+              for f, n in zip(futures, rows)]
+    return da.concatenate(blocks) if blocks else da.empty((0, *tail), dtype=dtype)
+
+
+def _is_dask(obj: Any) -> bool:
+    return hasattr(obj, "dask") or hasattr(obj, "to_dask_array")
+
+
+def _compute(obj: Any) -> Any:
+    compute = getattr(obj, "compute", None)
+    return compute() if callable(compute) else obj

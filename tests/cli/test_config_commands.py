@@ -1,0 +1,141 @@
+"""``dask-train train|search|predict CONFIG.yaml`` as a user runs them, against the session cluster
+(``--scheduler``), and a config with mistakes refused as a whole before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from distributed import Client
+
+import dask_train as dt
+from dask_train.checkpoint import load_module
+from dask_train.cli.main import main
+
+MODELS = '''
+import torch
+
+def make_net(hidden=16):
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 10))
+'''
+
+CONFIG = '''
+model:
+  factory: mymodels:make_net
+  args: {{hidden: 16}}
+  weights: {weights}
+data:
+  train: {{X: data/X.npy, y: data/y.npy}}
+  validation: {{X: data/Xv.npy, y: data/yv.npy}}
+  predict: {{X: data/Xv.npy}}
+  chunk_rows: 500
+trainer: {{lr: 0.003, workers: 1, ps: 1, epochs: 1, batch_size: 64, score_every: 0.5}}
+stop: {{seconds: 120}}
+search:
+  space:
+    lr: {{loguniform: [1.0e-3, 1.0e-2]}}
+    hidden: [8, 16]
+  n_trials: 2
+  pruner: null
+predict: {{output: predictions.npy, method: argmax}}
+out: {out}
+'''
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "mymodels.py").write_text(MODELS)
+    data = tmp_path / "data"
+    data.mkdir()
+    X, y = dt.datasets.digits_train()
+    Xv, yv = dt.datasets.digits_test()
+    for name, value in {"X": X[:2_000], "y": y[:2_000], "Xv": Xv, "yv": yv}.items():
+        np.save(data / f"{name}.npy", value)
+    table = pd.DataFrame(Xv, columns=[f"f{i}" for i in range(64)])
+    table["label"] = yv
+    table.to_parquet(data / "table.parquet")
+    return tmp_path
+
+
+def _config(project: Path, name: str, *, out: str, weights: str = "null") -> Path:
+    path = project / f"{name}.yaml"
+    path.write_text(CONFIG.format(out=out, weights=weights))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_train_then_predict_then_search(project: Path, client: Client,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    address = client.scheduler.address
+    train = _config(project, "train", out="runs/train")
+    assert main(["train", str(train), "--scheduler", address, "--no-progress"]) == 0
+    run = project / "runs" / "train"
+    assert {"summary.json", "history.csv", "scores.png", "model.safetensors", "config.yaml"} <= \
+        {p.name for p in run.iterdir()}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "epochs=1" and summary["accuracy"] > 0.3
+
+    predict = _config(project, "predict", out="runs/predict",
+                      weights="runs/train/model.safetensors")
+    assert main(["predict", str(predict), "--scheduler", address]) == 0
+    labels = np.load(project / "runs" / "predict" / "predictions.npy")
+    net = load_module(torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(),
+                                          torch.nn.Linear(16, 10)), run / "model.safetensors")
+    Xv = np.load(project / "data" / "Xv.npy").astype(np.float32)
+    expected = net(torch.from_numpy(Xv)).argmax(dim=1).numpy()
+    np.testing.assert_array_equal(labels, expected)
+    # A table in, a table out: the feature columns of a parquet file, predictions as parquet.
+    predict.write_text(predict.read_text()
+                       .replace("predict: {X: data/Xv.npy}",
+                                "predict: {X: data/table.parquet, columns: "
+                                f"[{', '.join(f'f{i}' for i in range(64))}]}}")
+                       .replace("output: predictions.npy", "output: predictions.parquet"))
+    assert main(["predict", str(predict), "--scheduler", address]) == 0
+    table = pd.read_parquet(project / "runs" / "predict" / "predictions.parquet")
+    np.testing.assert_array_equal(table["prediction"].to_numpy(), expected)
+
+    search = _config(project, "search", out="runs/search")
+    assert main(["search", str(search), "--scheduler", address, "--no-progress"]) == 0
+    found = project / "runs" / "search"
+    trials = pd.read_csv(found / "trials.csv")
+    assert len(trials) == 2 and set(trials["state"]) == {"complete"}
+    assert {"search.png", "summary.json", "model.safetensors", "best_history.csv"} <= \
+        {p.name for p in found.iterdir()}
+    best = json.loads((found / "summary.json").read_text())
+    assert best["best_score"] == trials["score"].max()
+    assert "best_score" in capsys.readouterr().out
+
+
+def test_a_config_with_mistakes_is_refused_with_every_problem(
+        project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = project / "bad.yaml"
+    path.write_text(
+        "model: {factory: mymodels:no_such_net}\n"
+        "data: {train: {X: data/missing.npy, y: data/y.npy}, chunk_rows: 0}\n"
+        "trainer: {learning_rate: 0.1}\n"
+        "search: {space: {lr: {gaussian: [0, 1]}}}\n"
+        "extra: 1\n"
+    )
+    assert main(["search", str(path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "extra: unknown section" in err
+    path.write_text(path.read_text().replace("extra: 1\n", ""))
+    assert main(["search", str(path), "--check"]) == 2
+    err = capsys.readouterr().err
+    for expected in ("model.factory='mymodels:no_such_net' does not import",
+                     "data.train.X='data/missing.npy' does not exist", "data.validation is missing",
+                     "data.chunk_rows=0", "trainer.learning_rate: not a dt.Trainer argument",
+                     "search.space.lr"):
+        assert expected in err, err
+
+
+def test_help_shows_an_example_config(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "example config:" in out and "factory: mymodels:make_net" in out
