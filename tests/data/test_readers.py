@@ -72,4 +72,6 @@ def test_numpy_given_to_fit_is_scattered_in_blocks_not_embedded(client: Client) 
         result = dt.Trainer(net, lr=3e-3, batch_size=64, epochs=1, progress=False,
                             client=client).fit(X, y, validation=dt.datasets.digits_test())
     assert result.samples == 40_000 and result.history["accuracy"].iloc[-1] > 0.8
-    assert result.ledger["local"].all()  # every block was read where it was sent
+    # Read where they were sent, but for the epoch's tail: a trainer out of blocks takes one
+    # of the other worker's rather than idle.
+    assert result.ledger["local"].mean() >= 0.75
