@@ -365,6 +365,6 @@ def test_auto_prefetch_goes_deeper_for_a_tiny_model(client: Client) -> None:
     # A 8-16-3 MLP's gradient on 16 rows takes far less than a round trip to the server.
     _, _, X, Y = _data(n=8000)
     result = dt.Trainer(mlp(8, 16, 3), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=16,
-                        epochs=2, progress=False, client=client).fit(X, Y)
+                        epochs=2, prefetch="auto", progress=False, client=client).fit(X, Y)
     assert result.samples == 16_000 and result.steps == 2 * 16 * 32
     assert max(t["prefetch"] for t in result.trainers) >= 2

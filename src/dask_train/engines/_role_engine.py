@@ -22,6 +22,7 @@ from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
 from dask_train.engines import _scorer
 from dask_train.engines import _worker as worker_side
 from dask_train.engines._base import Emit, Ending, Engine, Snapshot
+from dask_train.engines._feeding import FeedingMixin
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._ps_server import pull_params_task
 from dask_train.engines._spec import JobSpec
@@ -36,7 +37,7 @@ from dask_train.runtime._feed import feed_block
 logger = logging.getLogger(__name__)
 
 
-class RoleEngine(Engine):
+class RoleEngine(FeedingMixin, Engine):
     """Base of the engines whose trainers are pinned tasks reading per-trainer feed queues.
 
     Parameters
@@ -183,100 +184,6 @@ class RoleEngine(Engine):
         raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
 
     # -- feeding ----------------------------------------------------------------------------------
-    def _grant(self, trainer: int) -> None:
-        """Hand ``trainer`` its next block, or the end marker once every epoch is handed out."""
-        if self.ended[trainer] or trainer in self.retired or self.stopping:
-            return
-        a = self.ledger.next_for(trainer)
-        if a is None and self.strategy != "sync":
-            # Async: no end marker yet. Until every block is consumed, a lost trainer's blocks
-            # may still come back to this one (see _end_idle).
-            self.idle[trainer] = True
-            self._end_idle()
-            return
-        self.idle[trainer] = False
-        address = self.roles["worker"][trainer]
-        common = self._common(trainer)
-        if a is None:
-            self.ended[trainer] = True
-            fut = self.pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
-                              epoch=-1, block=-1, **common)
-        elif a.local and self._feed_direct(trainer, address, a, common):
-            return
-        elif self.blocks.lost(a.block):
-            self._rescatter_then_feed(trainer, address, a, common)
-            return
-        else:
-            fut = self._feed_task(trainer, address, a, common)
-        self.feeds.append((trainer, fut))
-
-    def _common(self, trainer: int) -> dict[str, Any]:
-        common = {"job": self.job, "trainer": trainer, "seed": self.spec.seed,
-                  "shuffle": self.spec.shuffle, "seq": self.sequence[trainer]}
-        self.sequence[trainer] += 1
-        return common
-
-    def _feed_task(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> Future:
-        return self.pinned(
-            feed_block, self.blocks.futures[a.block], address=address,
-            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
-            skip=a.skip, **common)
-
-    def _rescatter_then_feed(self, trainer: int, address: str, a: Any,
-                             common: dict[str, Any]) -> None:
-        """In-memory input whose worker was lost (Dask cannot recompute scattered data): send the
-        block from the client again, then feed it by task."""
-
-        async def send() -> None:
-            await self.blocks.rescatter(self.client, a.block)
-            if not self.stopping:
-                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
-
-        task = asyncio.get_running_loop().create_task(send())
-        self.direct_feeds.add(task)
-        task.add_done_callback(self.direct_feeds.discard)
-
-    def _feed_direct(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> bool:
-        """Queue a local block by one RPC to its worker; False when there is no loop to run it."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return False
-
-        async def send() -> None:
-            try:
-                rows = await self.client.rpc(address).dask_train_feed(
-                    key=self.blocks.futures[a.block].key, epoch=a.epoch, block=a.block,
-                    skip=a.skip, **common)
-            except Exception:  # a lost worker or a broken connection: the task path decides
-                rows = -1
-            if rows < 0 and not self.stopping:
-                # The block left that worker (or never was there): a task brings it.
-                if self.blocks.lost(a.block):
-                    await self.blocks.rescatter(self.client, a.block)
-                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
-
-        task = loop.create_task(send())
-        self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
-        task.add_done_callback(self.direct_feeds.discard)
-        return True
-
-    def _end_idle(self) -> None:
-        """Send end markers to idle trainers once every block handed out has been consumed."""
-        live = self.live()
-        if not all(self.idle[i] for i in live) or not self.ledger.all_reported():
-            return
-        for i in live:
-            self.idle[i] = False
-            self.ended[i] = True
-            fut = self.pinned(feed_block, None, address=self.roles["worker"][i],
-                              key=f"dt-end-{i}", epoch=-1, block=-1, **self._common(i))
-            self.feeds.append((i, fut))
-
-    def live(self) -> list[int]:
-        """Trainers not lost (retired)."""
-        return [i for i in range(len(self.roles["worker"])) if i not in self.retired]
-
     def live_trainers(self) -> int:
         """Trainers still taking part."""
         return len(self.live())
