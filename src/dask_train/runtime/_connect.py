@@ -95,7 +95,7 @@ def connect(
     else:
         client = _remote(address, timeout=timeout)
     # A program that imported torch will train with it: the workers import it meanwhile.
-    preload = ("torch",) if "torch" in sys.modules else ()
+    preload = ("torch", "torch._dynamo") if "torch" in sys.modules else ()
     client.register_plugin(DaskTrainPlugin(torch_threads, preload=preload), name=PLUGIN_NAME)
     remember_handlers(client)
     link = client.dashboard_link if dashboard or address else None
