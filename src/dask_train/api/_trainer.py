@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from distributed import Client
 
@@ -40,7 +39,7 @@ from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
-from dask_train.report import history_frame
+from dask_train.report import history_frame, ledger_frame
 from dask_train.runtime._devices import probe_devices
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
@@ -499,7 +498,7 @@ class Trainer:
             model=model, history=history_frame(log.records), stopped_by=outcome.stopped_by,
             steps=outcome.ending.steps, samples=outcome.ending.samples,
             epochs_completed=outcome.epochs_completed, wall_s=wall_s,
-            ledger=pd.DataFrame(outcome.ledger), roles=outcome.roles,
+            ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
             trainers=outcome.ending.trainers, failures=list(log.failures),
             checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
             generations=log.generations, model_step=outcome.model_step,

@@ -8,8 +8,10 @@ Examples
 accuracy  0.9500
 """
 
-from dask_train.report._history import HISTORY_COLUMNS, history_frame, summary_table
+from dask_train.report._history import HISTORY_COLUMNS, history_frame, ledger_frame, summary_table
 from dask_train.report._plot import plot_history
 from dask_train.report._run import write_run
 
-__all__ = ["HISTORY_COLUMNS", "history_frame", "plot_history", "summary_table", "write_run"]
+__all__ = [
+    "HISTORY_COLUMNS", "history_frame", "ledger_frame", "plot_history", "summary_table", "write_run",
+]

@@ -6,9 +6,11 @@ import json
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas loads when a frame is built, not when a Trainer is
+    import pandas as pd
+
 
 from dask_train.errors import InvalidInput
 
@@ -33,8 +35,17 @@ def _check_records(*, records: object) -> None:
         raise InvalidInput(problems)
 
 
+def ledger_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The data ledger's rows as a DataFrame (``FitResult.ledger``)."""
+    import pandas as pd
+
+    return pd.DataFrame(list(records))
+
+
 def history_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """Turn score records into a history table, one row per record, sorted by time.
+    """
+    import pandas as pd
+Turn score records into a history table, one row per record, sorted by time.
 
     Parameters
     ----------

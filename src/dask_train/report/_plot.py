@@ -6,13 +6,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pandas as pd
-
 from dask_train.errors import InvalidInput
 
 # matplotlib (about 0.5 s) loads in plot_history only: the controller imports this package for
 # its history table, and most runs never draw.
 if TYPE_CHECKING:
+    import pandas as pd
     from matplotlib.axes import Axes
 
 _PANEL_HEIGHT_IN = 3.0
@@ -71,6 +70,8 @@ def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     >>> plot_history(frame, tempfile.mkdtemp() + "/scores.png").suffix
     '.png'
     """
+    import pandas as pd
+
     if not isinstance(history, pd.DataFrame):
         kind = type(history).__name__
         raise InvalidInput([f"history is a {kind}: pass the DataFrame from history_frame()."])

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from dask_train.checkpoint import save_module
 from dask_train.report._plot import plot_history
 
 if TYPE_CHECKING:  # the module argument arrives with torch loaded; only its hint needs the name
+    import pandas as pd
     import torch
 
 
