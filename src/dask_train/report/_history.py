@@ -43,9 +43,7 @@ def ledger_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def history_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """
-    import pandas as pd
-Turn score records into a history table, one row per record, sorted by time.
+    """Turn score records into a history table, one row per record, sorted by time.
 
     Parameters
     ----------
@@ -70,6 +68,8 @@ Turn score records into a history table, one row per record, sorted by time.
     >>> list(frame.columns)[-2:], frame["time_s"].tolist()
     (['samples_per_s', 'lr'], [1.0, 2.0])
     """
+    import pandas as pd
+
     _check_records(records=records)
     if not records:
         return pd.DataFrame({name: pd.Series(dtype="float64") for name in HISTORY_COLUMNS})
