@@ -43,6 +43,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * report (tables, plots, run folders): imports errors and checkpoint (saving a model);
 #     usable by the controller (history tables) and above;
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
+#   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
+#     policy and runtime;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -57,6 +59,7 @@ ALLOWED: dict[str, set[str]] = {
     "engines": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical"},
     "report": _BASE | {"checkpoint"},
     "datasets": _BASE | {"policy", "data"},
+    "tensorflow": _BASE | {"policy", "runtime"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report"},
@@ -284,7 +287,7 @@ def test_classical_never_imports_torch() -> None:
 
 # --- what loads: fresh interpreters -------------------------------------------------------------
 
-HEAVY = ("torch", "sklearn", "scipy", "matplotlib")
+HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras")
 
 
 def _run_fresh(code: str, timeout: float = 240) -> Any:
@@ -335,6 +338,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.checkpoint": NOT_AT_IMPORT,
     "dask_train.report": NOT_AT_IMPORT,
     "dask_train.datasets": NOT_AT_IMPORT,
+    "dask_train.tensorflow": NOT_AT_IMPORT + ("tensorflow", "keras"),
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

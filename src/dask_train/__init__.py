@@ -47,6 +47,9 @@ _LAZY = {
     "start_roles": ".runtime",
     "start_torch": ".runtime",
     "TorchGroup": ".runtime",
+    # TensorFlow servers inside Dask workers (TensorFlow loads only when used)
+    "start_tensorflow": ".tensorflow",
+    "TensorFlowCluster": ".tensorflow",
     # models
     "ArrayModel": ".models",
     "softmax_regression": ".models",
@@ -58,7 +61,8 @@ _LAZY = {
     "datasets": ".datasets",
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
-                                         "classical", "api", "models", "checkpoint", "report")},
+                                         "classical", "api", "models", "checkpoint", "report",
+                                         "tensorflow")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
@@ -83,6 +87,7 @@ __all__ = [
     "StopAtScore",
     "StopAtStep",
     "StopCondition",
+    "TensorFlowCluster",
     "TorchGroup",
     "Trainer",
     "TrainingTimeout",
@@ -92,6 +97,7 @@ __all__ = [
     "distributed_loss_grad",
     "softmax_regression",
     "start_roles",
+    "start_tensorflow",
     "start_torch",
     "tree_reduce",
 ]
@@ -120,3 +126,4 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         StopCondition,
     )
     from dask_train.runtime import TorchGroup, connect, start_roles, start_torch
+    from dask_train.tensorflow import TensorFlowCluster, start_tensorflow
