@@ -48,6 +48,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * callbacks (public callbacks: TensorBoard): imports errors and policy; used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
+#   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
+#     policy and runtime;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -66,6 +68,7 @@ ALLOWED: dict[str, set[str]] = {
     "callbacks": _BASE | {"policy"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
+    "tensorflow": _BASE | {"policy", "runtime"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report", "monitor"},
     # dt.predict: a model's outputs over dask collections, one task per block.
@@ -297,7 +300,7 @@ def test_classical_never_imports_torch() -> None:
 
 # --- what loads: fresh interpreters -------------------------------------------------------------
 
-HEAVY = ("torch", "sklearn", "scipy", "matplotlib")
+HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras")
 
 
 def _run_fresh(code: str, timeout: float = 240) -> Any:
@@ -354,6 +357,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.callbacks": (*NOT_AT_IMPORT, "bokeh", "tensorboard", "tensorflow"),
     "dask_train.prediction": NOT_AT_IMPORT,
     "dask_train.tuning": NOT_AT_IMPORT,
+    "dask_train.tensorflow": NOT_AT_IMPORT + ("tensorflow", "keras"),
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

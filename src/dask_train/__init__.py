@@ -47,6 +47,9 @@ _LAZY = {
     "start_roles": ".runtime",
     "start_torch": ".runtime",
     "TorchGroup": ".runtime",
+    # TensorFlow servers inside Dask workers (TensorFlow loads only when used)
+    "start_tensorflow": ".tensorflow",
+    "TensorFlowCluster": ".tensorflow",
     # models
     "ArrayModel": ".models",
     "softmax_regression": ".models",
@@ -68,7 +71,7 @@ _LAZY = {
     # the layers themselves, as modules (``dt.runtime.worker_state``)
     **{layer: f".{layer}" for layer in ("policy", "data", "runtime", "engines", "controller",
                                          "classical", "api", "models", "checkpoint", "report",
-                                         "monitor", "prediction", "tuning")},
+                                         "monitor", "prediction", "tuning", "tensorflow")},
 }
 __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
@@ -94,6 +97,7 @@ __all__ = [
     "StopAtScore",
     "StopAtStep",
     "StopCondition",
+    "TensorFlowCluster",
     "TorchGroup",
     "Trainer",
     "TrainingTimeout",
@@ -109,6 +113,7 @@ __all__ = [
     "search",
     "softmax_regression",
     "start_roles",
+    "start_tensorflow",
     "start_torch",
     "tree_reduce",
     "uniform",
@@ -140,4 +145,5 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
     )
     from dask_train.prediction import predict
     from dask_train.runtime import TorchGroup, connect, start_roles, start_torch
+    from dask_train.tensorflow import TensorFlowCluster, start_tensorflow
     from dask_train.tuning import SearchResult, intuniform, loguniform, search, uniform

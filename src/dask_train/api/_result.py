@@ -27,9 +27,10 @@ class FitResult:
 
     Attributes
     ----------
-    model : torch.nn.Module or ArrayModel
+    model : torch.nn.Module, keras.Model or ArrayModel
         The trained module, with the parameters pulled from the servers (for a
-        :class:`~dask_train.models.ArrayModel`, a copy holding the trained parameters).
+        :class:`~dask_train.models.ArrayModel`, a copy holding the trained parameters; for a
+        Keras model, a copy of it with the trained weights).
     history : pandas.DataFrame
         One row per score: ``time_s, step, epoch, samples, accuracy, loss, samples_per_s``.
     stopped_by : str
@@ -75,7 +76,7 @@ class FitResult:
         job's ``time_s`` goes on from the checkpoint's.
     """
 
-    model: torch.nn.Module | ArrayModel
+    model: torch.nn.Module | ArrayModel | Any
     history: pd.DataFrame
     stopped_by: str
     steps: int
@@ -121,12 +122,21 @@ class FitResult:
         """The trained model's outputs on ``X``, computed here (a dask input is computed first).
 
         For a torch module: its outputs in eval mode, batch by batch, as a numpy array (class
-        scores for a classifier: take ``argmax(axis=1)`` for labels). For an ArrayModel: its
+        scores for a classifier: take ``argmax(axis=1)`` for labels); for a Keras model, its
+        outputs with ``training=False``. For an ArrayModel: its
         ``predict(params, X)``. For predictions over a large dask collection on the cluster, see
         the prediction API.
         """
         compute = getattr(X, "compute", None)
         x = np.asarray(compute() if callable(compute) else X)
+        from dask_train.models._frameworks import is_keras_model
+
+        if is_keras_model(self.model):
+            from dask_train.models._frameworks import keras_float_dtype
+            from dask_train.models._keras_eval import predict
+
+            x = x.astype(keras_float_dtype(self.model), copy=False) if x.dtype.kind == "f" else x
+            return predict(self.model, x, batch_size=batch_size)
         if not isinstance(self.model, torch.nn.Module):
             if self.model.predict is None:
                 raise InvalidInput(["this ArrayModel has no predict function: pass "

@@ -34,6 +34,7 @@ from dask_train.data._blocks import as_dask_array, persist_blocks, scatter_block
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
+from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import flatten_parameters, is_classification
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
@@ -300,7 +301,9 @@ class Trainer:
     def _fit_torch(self, client: Client, X: Any, y: Any, validation: Any, *, weights: Any,
                    resume: bool, warm_start: bool, local: Any = None) -> FitResult:
         """``fit`` for a torch module, once everything is validated: async-ps or sync torch."""
-        devices = probe_devices(client, self.device, mixed_precision=self.mixed_precision)
+        keras = is_keras_model(self.module)  # TensorFlow places its math: no torch devices
+        devices = probe_devices(client, "cpu" if keras else self.device,
+                                mixed_precision=self.mixed_precision)
         spec = self._spec(module=self._start_model(warm_start))
         spec.device_kind, spec.devices, spec.precision = \
             devices.kind, devices.by_worker, devices.precision
@@ -315,7 +318,7 @@ class Trainer:
         else:
             blocks = client.sync(persist_blocks, client, X, y, weights=weights)
         self._clock["persist"] += time.time() - t
-        if is_classification(self.loss):
+        if is_classification(self.loss) or keras_sparse_labels(self.loss):
             low, high = blocks.label_range
             n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
             problems = check_labels(int(low), int(high), n_out, self.loss)
@@ -323,6 +326,12 @@ class Trainer:
                 raise InvalidInput(problems)
         engine_cls = _engine_class(self.strategy)  # first: its module registers RPC handlers
         roles = self._roles(client, has_validation=validation is not None)
+        if keras:
+            from dask_train.models._keras import warm_workers
+            from dask_train.runtime._compat import fix_keras_serialization
+
+            fix_keras_serialization()  # distributed's Keras serializer is for Keras 2
+            warm_workers(client, roles.addresses, timeout=self.timeout)
         run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
 
         def make_engine(roles: Roles, job: str, restore: Any) -> Any:
@@ -408,7 +417,7 @@ class Trainer:
             problems.append(
                 f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
             )
-        if not problems and isinstance(self.module, torch.nn.Module):
+        if not problems and (isinstance(self.module, torch.nn.Module) or is_keras_model(self.module)):
             problems += check_module_output(self.module, self._input_dtype(X, log=False), y,
                                             self.loss)
         if not problems:
@@ -440,6 +449,10 @@ class Trainer:
 
     def _float_dtype(self) -> Any:
         """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""
+        if is_keras_model(self.module):
+            from dask_train.models._frameworks import keras_float_dtype
+
+            return keras_float_dtype(self.module)
         params = [p for p in self.module.parameters() if p.is_floating_point()]
         return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
 
@@ -459,6 +472,10 @@ class Trainer:
         return copy.deepcopy(last if warm_start and last is not None else self.module)
 
     def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
+        if n_params is None and is_keras_model(self.module):
+            from dask_train.models._frameworks import keras_param_count
+
+            n_params = keras_param_count(self.module)
         if n_params is None:
             n_params = int(flatten_parameters(self.module).numel())
         return JobSpec(
@@ -515,6 +532,14 @@ class Trainer:
         from dask_train.models._buffers import BufferSet
         from dask_train.models._flat import FlatModel
 
+        if is_keras_model(self.module):
+            from dask_train.models._keras import KerasFlatModel
+
+            model = copy.deepcopy(self.module)
+            adapter = KerasFlatModel(model)
+            adapter.set_flat(params)
+            adapter.buffers().scatter(buffers)
+            return model
         model = copy.deepcopy(self.module)
         flat = FlatModel(model)
         flat.set_flat(params)

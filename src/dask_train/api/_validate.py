@@ -12,6 +12,7 @@ import torch
 
 from dask_train.models._array import ArrayModel
 from dask_train.models._evaluate import metric_names
+from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import (
     LOSSES,
     OPTIMIZERS,
@@ -43,15 +44,21 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     """Problems with a Trainer's hyper-parameters (no data needed)."""
     s = settings
     problems: list[str] = []
-    if not isinstance(s["module"], (torch.nn.Module, ArrayModel)):
+    keras = is_keras_model(s["module"])
+    if not isinstance(s["module"], (torch.nn.Module, ArrayModel)) and not keras:
         problems.append(
-            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance "
-            "(or a dt.ArrayModel, with strategy='sync')."
+            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance, "
+            "a Keras 3 model, or a dt.ArrayModel (with strategy='sync')."
         )
     if s["strategy"] not in STRATEGIES:
         problems.append(f"strategy={s['strategy']!r} is unknown: use one of {list(STRATEGIES)}.")
     loss = s["loss"]
-    if isinstance(loss, str) and loss not in LOSSES:
+    if keras:  # Keras losses, TensorFlow's devices (its own checks)
+        from dask_train.models._keras_eval import check_settings as check_keras
+
+        problems += check_keras(s["module"], loss, device=s.get("device", "auto"),
+                                mixed_precision=s.get("mixed_precision", False))
+    elif isinstance(loss, str) and loss not in LOSSES:
         problems.append(
             f"loss={loss!r} is unknown: use one of {sorted(LOSSES)}, a torch.nn loss module "
             "(e.g. torch.nn.CrossEntropyLoss(label_smoothing=0.1)) or a function "
@@ -145,7 +152,7 @@ def check_sample_weight(weights: Any, X: Any, module: Any, loss: Any) -> list[st
     if weights.ndim != 1 or weights.shape[0] != X.shape[0]:
         problems.append(f"sample_weight has shape {weights.shape} but X has {X.shape[0]} rows: "
                         "pass one weight per row of X (a 1-D array).")
-    if not takes_weights(loss):
+    if not takes_weights(loss) and not is_keras_model(module):  # Keras losses are per sample
         problems.append(f"loss={loss_name(loss)} cannot weigh samples: use a loss name, a torch "
                         "loss module (it has a reduction), or a function "
                         "fn(output, target, weight) -> scalar.")
@@ -287,6 +294,10 @@ def check_validation(validation: Any, X: Any) -> list[str]:
 def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...],
                  dtype: Any = np.float32) -> torch.Tensor:
     """The module's output on two zero samples of ``dtype``, in eval mode, without gradients."""
+    if is_keras_model(module):
+        from dask_train.models._keras_eval import predict
+
+        return torch.from_numpy(predict(module, np.zeros((2, *sample_shape), dtype=dtype)))
     sample = torch.from_numpy(np.zeros((2, *sample_shape), dtype=dtype))
     was_training = module.training
     module.eval()
@@ -300,6 +311,10 @@ def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...],
 
 def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: Any) -> list[str]:
     """Run the module on two zero samples and check its output fits the loss and y."""
+    if is_keras_model(module):  # built here first when it is not yet, as Keras does
+        from dask_train.models._keras_eval import check_output
+
+        return check_output(module, tuple(X.shape[1:]), X.dtype, tuple(y.shape), y.dtype, loss)
     sample = np.zeros((2, *X.shape[1:]), dtype=X.dtype)
     try:
         out = probe_module(module, tuple(X.shape[1:]), X.dtype)
@@ -353,6 +368,10 @@ def job_metrics(module: Any, loss: Any, metrics: Mapping[str, Any] | None = None
     """The metrics a job's scores will hold."""
     if isinstance(module, ArrayModel):
         return ["loss"] + (["accuracy"] if module.predict is not None else [])
+    if is_keras_model(module):
+        from dask_train.models._keras_eval import metric_names as keras_metric_names
+
+        return keras_metric_names(loss, metrics)
     return metric_names(loss, metrics)
 
 
@@ -370,10 +389,10 @@ def check_metrics(metrics: Any, module: Any, loss: Any) -> list[str]:
     problems = []
     for name, metric in metrics.items():
         if isinstance(metric, str):
-            if metric not in metric_names(loss, None):
+            if metric not in job_metrics(module, loss):
                 problems.append(
                     f"metrics[{name!r}]={metric!r} is not a metric of loss={loss_name(loss)}: "
-                    f"use one of {metric_names(loss, None)}, a function or a metric object.")
+                    f"use one of {job_metrics(module, loss)}, a function or a metric object.")
         elif not (callable(metric) or all(hasattr(metric, a) for a in ("update", "compute", "reset"))):
             problems.append(f"metrics[{name!r}]={metric!r} is invalid: use a function "
                             "fn(output, target) -> number or an object with update/compute/reset.")
@@ -392,7 +411,7 @@ def check_stop_metrics(stop: Any, metrics: list[str]) -> list[str]:
 
 def check_labels(low: int, high: int, module_output: int, loss: Any) -> list[str]:
     """Problems with the label range for classification losses."""
-    if not is_classification(loss):
+    if not is_classification(loss) and not keras_sparse_labels(loss):
         return []
     if low < 0 or high >= module_output:
         return [

@@ -20,6 +20,7 @@ from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
 from dask_train.engines._stats import StatsReporter, topic_of
 from dask_train.engines._worker import read_slice
 from dask_train.models._buffers import BufferSet
+from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.runtime._plugin import register_handler, worker_state
 
@@ -92,7 +93,13 @@ def start_shard_task(
     """
     worker = get_worker()
     worker_state(worker).configure_torch()
-    flat = flatten_parameters(module).numpy()
+    held: Any
+    if is_keras_model(module):  # read its variables; torch parameters are what it lacks
+        from dask_train.models._keras import KerasBuffers, flatten_variables
+
+        flat, held = flatten_variables(module), KerasBuffers(module)
+    else:
+        flat, held = flatten_parameters(module).numpy(), BufferSet(module)
     server = ShardServer(
         flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
         max_step=max_step,
@@ -100,7 +107,7 @@ def start_shard_task(
     if shard.index == BUFFER_SHARD:
         # One holder keeps the buffers (see BUFFER_SHARD); a model without any
         # leaves None, and its messages and files carry nothing more.
-        server.buffers = BufferSet(module).gather()
+        server.buffers = held.gather()
     if restore is not None:
         state = read_slice(restore["files"], shard.start, shard.stop)
         server.restore(state, version=restore["step"], samples=restore["samples"])

@@ -180,6 +180,10 @@ def _loop(
     meta = reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
     started, comm_s, samples = time.perf_counter(), 0.0, 0
     stop_vote = False
+    # A model without autograd (Keras): its whole gradient comes from one GradientTape call, so
+    # it is added into the reducer's buffer here and every bucket starts after the batches
+    # (start_rest below): no overlap with the backward pass.
+    scratch = None if isinstance(model, FlatModel) else torch.empty(model.n_params)
     while True:
         reducer.reset()
         k, count, reduced = 0, 0, False
@@ -191,8 +195,11 @@ def _loop(
             if batch is None:
                 break
             xb, yb, wb = batch
-            loss = model.forward_loss(xb, yb, loss_fn, wb)
-            value = float(loss.detach())
+            if scratch is not None:
+                value = model.gradient(xb, yb, loss_fn, out=scratch, w=wb)
+            else:
+                loss = model.forward_loss(xb, yb, loss_fn, wb)
+                value = float(loss.detach())
             if not math.isfinite(value):
                 # Left out of the step (a non-finite sum would poison every rank); counted
                 # neither as samples nor as one of the k batches.
@@ -208,7 +215,10 @@ def _loop(
                 _votes(meta, count, state, stop_vote, pauser)
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
-            reducer.backward(loss * (len(xb) * scale), reduce=reduced)
+            if scratch is not None:
+                reducer.grad.add_(scratch, alpha=len(xb) * scale)
+            else:
+                reducer.backward(loss * (len(xb) * scale), reduce=reduced)
         if not reduced:
             _votes(meta, count, state, stop_vote, pauser)
         reducer.start_rest()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dask_train.models._buffers import BufferSet
+from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters, trainable
 
 #: ``mixed_precision`` values and the autocast dtype each means.
@@ -212,9 +213,14 @@ class FlatModel:
 
 
 def flat_model(module: Any, *, device: str | None = None, precision: str | None = None) -> Any:
-    """The engine-side adapter of ``module``: a :class:`FlatModel` for a torch module.
+    """The engine-side adapter of ``module``: a :class:`FlatModel` for a torch module, a
+    :class:`~dask_train.models._keras.KerasFlatModel` for a Keras model.
 
     The one place engines turn a user's model into something they can train, so another
     framework's adapter is one more branch here.
     """
+    if is_keras_model(module):
+        from dask_train.models._keras import KerasFlatModel
+
+        return KerasFlatModel(module, device=device, precision=precision)
     return FlatModel(module, device=device, precision=precision)

@@ -5,6 +5,8 @@ one of them changes shape in a new release.
 
 from __future__ import annotations
 
+import pickle
+import sys
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -78,3 +80,43 @@ def start_workers_without_main() -> None:
 
     get_preparation_data._dask_train = True  # type: ignore[attr-defined]
     spawn.get_preparation_data = get_preparation_data
+
+
+def _dumps_keras(model: Any) -> tuple[dict[str, Any], list[bytes]]:
+    return {}, [pickle.dumps(model, protocol=5)]
+
+
+def _loads_keras(header: dict[str, Any], frames: list[Any]) -> Any:
+    return pickle.loads(frames[0])
+
+
+def fix_keras_serialization() -> None:
+    """Make Dask send Keras 3 models pickled, through Keras 3's own ``__reduce__``.
+
+    A bug to work around: distributed registers a "dask" serializer for ``keras.Model`` that calls
+    ``model._updated_config()``, a Keras 2 method, so every Keras 3 model sent to a worker
+    (scattered, or a task argument) fails with "Could not serialize object of type Sequential".
+    Registering ours (public: ``dask_serialize.register``) is not enough. Private parts touched:
+    the dispatcher caches the broken function per subclass already seen (``Dispatch._lookup``),
+    and distributed's lazy registration (``register_lazy("keras")``, public) would run again when
+    keras is first met; both are replaced here. Idempotent; run in the client and in every worker
+    (the dask-train plugin does).
+    """
+    from distributed.protocol import dask_deserialize, dask_serialize
+
+    def register() -> None:
+        import keras
+
+        # distributed's own registration first (an import registers it once), then ours over it.
+        from distributed.protocol import keras as _distributed_keras  # noqa: F401
+
+        for dispatch, fn in ((dask_serialize, _dumps_keras), (dask_deserialize, _loads_keras)):
+            dispatch.register(keras.Model, fn)
+            for cls in list(dispatch._lookup):
+                if isinstance(cls, type) and issubclass(cls, keras.Model):
+                    dispatch._lookup[cls] = fn
+
+    for dispatch in (dask_serialize, dask_deserialize):
+        dispatch.register_lazy("keras", register)
+    if "keras" in sys.modules:
+        register()

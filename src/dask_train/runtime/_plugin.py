@@ -15,6 +15,7 @@ import collections
 import gc
 import importlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +23,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from distributed import Worker, WorkerPlugin, get_worker
+
+from dask_train.runtime._compat import fix_keras_serialization
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +171,20 @@ def _preload(modules: tuple[str, ...]) -> None:
             logger.debug("preloading %s failed", name, exc_info=True)
 
 
+def configure_tensorflow(threads: int) -> None:
+    """Size TensorFlow's thread pools in this process, before it is imported, without importing it.
+
+    Through its environment variables (read when TensorFlow starts its runtime), because the
+    first import often happens while a Keras model is unpickled, before any task code could
+    call ``tf.config.threading``. Intra-op: the worker's threads, as torch gets
+    (:meth:`WorkerState.configure_torch`; nannies set ``OMP_NUM_THREADS=1``). Inter-op: 2, not 1:
+    with one, a ParameterServerStrategy step hung here (a remote function's receive waited on
+    the only inter-op thread). Values the user set win.
+    """
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, threads)))
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
+
+
 def worker_state(worker: Worker | None = None) -> WorkerState:
     """The dask-train state of this worker process (inside a task or a handler)."""
     worker = worker or get_worker()
@@ -242,5 +259,7 @@ class DaskTrainPlugin(WorkerPlugin):
                              name="dask-train-preload").start()
         state = worker_state(worker)
         state.torch_threads = self.torch_threads or state.torch_threads
+        configure_tensorflow(int(state.torch_threads or worker.state.nthreads))
+        fix_keras_serialization()  # Keras 3 models arrive pickled (see runtime._compat)
         for name, target in self.handlers.items():
             worker.handlers[name] = _lazy_handler(worker, name, target)
