@@ -43,6 +43,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * report (tables, plots, run folders): imports errors and checkpoint (saving a model);
 #     usable by the controller (history tables) and above;
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
+#   * bench (the multi-host harness, the throughput grid): above api, below the cli; runs Trainers
+#     on datasets and probes with the engines;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -60,6 +62,8 @@ ALLOWED: dict[str, set[str]] = {
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report"},
+    "bench": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "controller",
+                      "api", "report", "datasets"},
 }
 _EVERYTHING = set(ALLOWED)
 ALLOWED["cli"] = _EVERYTHING | {ROOT}
@@ -335,6 +339,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.checkpoint": NOT_AT_IMPORT,
     "dask_train.report": NOT_AT_IMPORT,
     "dask_train.datasets": NOT_AT_IMPORT,
+    "dask_train.bench": NOT_AT_IMPORT,
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

@@ -1,7 +1,8 @@
 """``dask-train``: the command line.
 
 ``dask-train demo`` trains the digits MLP with asynchronous parameter servers on the embedded
-cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
+cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``. ``dask-train bench``
+measures throughput over a grid of trainers x parameter servers x model sizes (x link rates).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="checkpoint directory or fsspec URL (every 10 s, newest 3 kept)")
     demo.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint under --checkpoint")
+    from dask_train.bench._cli import DESCRIPTION, add_arguments
+
+    add_arguments(commands.add_parser(
+        "bench", help="measure throughput: trainers x parameter servers x model size x link rate",
+        description=DESCRIPTION))
     return parser
 
 
@@ -95,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo(args)
+        if args.command == "bench":
+            from dask_train.bench._cli import run
+
+            return run(args)
     except DaskTrainError as exc:
         print(f"dask-train: error: {exc}", file=sys.stderr)
         return 2
