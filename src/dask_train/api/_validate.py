@@ -78,7 +78,11 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     problems += _positive("lr", s["lr"])
     # Servers exist only in async-ps; sync ignores ps.
     min_ps = 0 if s["strategy"] == "sync" else 1
-    problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=min_ps)
+    # ps="auto" is resolved at fit time (api._auto_ps); any other value must be a count.
+    ps = min_ps if s["ps"] == "auto" else s["ps"]
+    problems += [p.replace("use an integer", "use 'auto' or an integer") if p.startswith("ps=") else p
+                 for p in check_role_counts(ps=ps, worker=s["workers"], scorer=s["scorer"],
+                                            min_ps=min_ps)]
     problems += _int_at_least("batch_size", s["batch_size"], 1)
     problems += _int_at_least("epochs", s["epochs"], 1)
     problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)

@@ -25,6 +25,7 @@ from dask_train.bench._netns import (
     Link,
     NetnsCluster,
     cleanup_leftovers,
+    netem_available,
     unavailable_reason,
 )
 
@@ -41,5 +42,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Grid", "HarnessUnavailable", "Link", "NetnsCluster", "cleanup_leftovers", "run_grid",
-           "unavailable_reason"]
+__all__ = ["Grid", "HarnessUnavailable", "Link", "NetnsCluster", "cleanup_leftovers",
+           "netem_available", "run_grid", "unavailable_reason"]

@@ -14,8 +14,8 @@ DESCRIPTION = """\
 Measure async-ps training throughput over a grid of trainers x parameter servers x model sizes
 (x link rates) on a Dask cluster: --scheduler ADDR, an embedded LocalCluster (the default), or,
 with --link-rate, a cluster of network-namespace hosts on this machine whose links are shaped
-with tc (needs root). Prints a table, writes bench.csv, bench.md and bench.png (throughput
-against workers, one line per ps count) to --out, and the cost model's ps recommendation for
+with tc (needs root). Prints a table, writes bench.csv, bench.md, bench.json and bench.png
+(throughput against workers, one line per ps count) to --out, and the cost model's ps recommendation for
 1 to 1,000 workers, calibrated on the measured points."""
 
 
@@ -84,10 +84,16 @@ def run(args: argparse.Namespace) -> int:
     from dask_train.errors import InvalidInput
 
     problems = check(args)
+    models = []
+    for text in args.model or ["64-256-10"]:
+        try:
+            models.append(parse_widths(text))
+        except InvalidInput as exc:
+            problems += exc.problems
     grid = None
     try:
         grid = Grid(workers=tuple(args.workers), ps=tuple(args.ps),
-                    models=tuple(parse_widths(m) for m in args.model or ["64-256-10"]),
+                    models=tuple(models) or ((64, 256, 10),),
                     link_rates=tuple(args.link_rate or [None]), seconds=args.seconds,
                     batch_size=args.batch_size, n_samples=args.n_samples)
     except InvalidInput as exc:
@@ -148,6 +154,7 @@ def _report(groups: list[Any], out: Path, *, where: str, seconds: float) -> None
         rows_of,
         table,
         write_csv,
+        write_json,
     )
 
     rows = rows_of(groups)
@@ -159,6 +166,7 @@ def _report(groups: list[Any], out: Path, *, where: str, seconds: float) -> None
             f"'yes', extrapolated to hosts like these):\n\n{recs}\n")
     (out / "bench.md").write_text(text)
     paths = [write_csv(rows, out / "bench.csv"), out / "bench.md",
+             write_json(groups, out / "bench.json", cluster=where, seconds=seconds),
              plot(groups, out / "bench.png", title=f"dask-train bench: {where}")]
     print()
     print(measured)

@@ -23,10 +23,11 @@ from distributed import Client
 from dask_train.errors import InvalidInput
 from dask_train.policy._cost import CostModel, Measured, calibrate
 
-#: The factors calibrate() fits from the measured points (the rest are probed), in the order they
-#: are taken when there are fewer points: the share of the link rate a transfer gets (seen with
-#: one server), then how much a trainer's replies overlap its pushes (seen with several servers).
-FIT = ("link_efficiency", "overlap")
+#: The factors calibrate() fits from the measured points (the rest are probed), as many as there
+#: are points: the fixed cost of an exchange (what a probe on a busy cluster gets least right), the
+#: share of the link rate a transfer gets, and how much a trainer's replies overlap its pushes
+#: (only seen with several server counts).
+FIT = ("message_s", "link_efficiency", "overlap")
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def _predict(group: GroupResult, grid: Grid) -> None:
     points = [Measured(w, p, by_point[(w, p)]["steps_per_s"])
               for w, p in grid.calibration_points() if (w, p) in by_point]
     model = group.probed
-    fit = FIT[: len({p.ps for p in points})]  # overlap only shows with several server counts
+    fit = [f for f in FIT if f != "overlap" or len({p.ps for p in points}) > 1][: len(points)]
     if points:
         model = calibrate(model, points, fit=fit)
         group.calibrated = model

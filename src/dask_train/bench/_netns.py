@@ -8,8 +8,9 @@ set (the kernel must have ``sch_netem``). Nothing leaves the namespaces this mod
 addresses are private ones on a bridge of its own, and the client reaches the scheduler from the
 root namespace through that bridge.
 
-It needs root, ``ip`` and ``tc``. Names carry the creating process's id (``dm<pid>x<n>``), so a
-run that crashed is cleaned up by the next one (:func:`cleanup_leftovers`).
+It needs root, ``ip`` and ``tc``. Names carry the creating process's id (``dtn<pid>x<n>``, both in
+base 36 so that interface names fit Linux's 15 characters), so a run that crashed is cleaned up
+by the next one (:func:`cleanup_leftovers`).
 
 Examples
 --------
@@ -40,9 +41,12 @@ from types import TracebackType
 
 from dask_train.errors import DaskTrainError, InvalidInput
 
-#: Names of everything created start with this, then the owner's pid: ``dm1234x0-h3``.
-PREFIX = "dm"
-_NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)")
+#: Names of everything created start with this, then the owner's pid and a counter, in base 36:
+#: namespaces ``dtn<pid>x<n>-s`` (scheduler) and ``-0``, ``-1``...; the bridge ``...b``; the veth
+#: ends ``...v0`` (on the bridge) and ``...n0`` (moved into the namespace and renamed ``hnet0``).
+PREFIX = "dtn"
+_NAME = re.compile(rf"^{PREFIX}([0-9a-z]+)x([0-9a-z]+)(-s|-\d+|b|[vn](s|\d+)|[pq])$")
+MAX_HOSTS = 199  # addresses .10 to .208 of the /24; interface names stay within 15 characters
 #: Private addresses on our own bridge only: 10.77.<k>.0/24, a free <k> per cluster.
 _SUPERNET = ipaddress.ip_network("10.77.0.0/16")
 _LOCK_PATH = Path(tempfile.gettempdir()) / "dask-train-netns.lock"
@@ -165,7 +169,7 @@ def cleanup_leftovers() -> list[str]:
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not _alive(int(match.group(1), 36)):
             _kill_netns(name)
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
@@ -173,10 +177,37 @@ def cleanup_leftovers() -> list[str]:
         parts = line.split(":")
         name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not _alive(int(match.group(1), 36)):
             _run("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if not n:
+            return out
+
+
+def _new_tag() -> str:
+    """A unique name stem: this process's pid and a counter (names must fit 15 characters)."""
+    with _counter_lock:
+        return f"{PREFIX}{_base36(os.getpid())}x{_base36(next(_counter))}"
+
+
+def netem_available() -> bool:
+    """Whether this kernel has tc's ``netem`` qdisc (needed for ``Link.delay_ms``); needs root."""
+    probe = _new_tag()
+    _run("ip", "link", "add", f"{probe}p", "type", "veth", "peer", "name", f"{probe}q")
+    try:
+        return _run("tc", "qdisc", "add", "dev", f"{probe}p", "root", "netem", "delay", "1ms",
+                    check=False).returncode == 0
+    finally:
+        _run("ip", "link", "del", f"{probe}p", check=False)  # takes its peer with it
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -235,9 +266,11 @@ class NetnsCluster:
         self.memory_limit = memory_limit
         self.dask = dask or str(Path(sys.executable).with_name("dask"))
         self.start_timeout = start_timeout
-        with _counter_lock:
-            self.tag = f"{PREFIX}{os.getpid()}x{next(_counter)}"
-        self.bridge = f"{self.tag}br"
+        if not (isinstance(n_workers, int) and 0 <= n_workers <= MAX_HOSTS):
+            raise InvalidInput([f"n_workers={n_workers!r} is invalid: use an integer from 0 to "
+                                f"{MAX_HOSTS}."])
+        self.tag = _new_tag()
+        self.bridge = f"{self.tag}b"
         self.scheduler: Host | None = None
         self.hosts: list[Host] = []
         self.links: dict[str, Link] = {}
@@ -264,10 +297,10 @@ class NetnsCluster:
                 _run("ip", "link", "add", self.bridge, "type", "bridge")
                 _run("ip", "addr", "add", f"{self._ip(1)}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
-            self.netem = self._netem_available()
+            self.netem = netem_available()
             scheduler = self._add_host("scheduler", "s", self._ip(2), "snet")
             for i in range(self.n_workers):
-                self._add_host(f"host-{i}", f"h{i}", self._ip(10 + i), f"hnet{i}")
+                self._add_host(f"host-{i}", str(i), self._ip(10 + i), f"hnet{i}")
             for host in [scheduler, *self.hosts]:
                 self.set_link(host, self.link)
             self._spawn(scheduler, [self.dask, "scheduler", "--host", scheduler.address,
@@ -275,7 +308,8 @@ class NetnsCluster:
             self._wait_port(scheduler, _SCHEDULER_PORT)
             for host in self.hosts:
                 self.start_worker(host)
-            self._wait_workers(self.n_workers)
+            if self.n_workers:
+                self._wait_workers(self.n_workers)
         except BaseException:
             self.close()
             raise
@@ -291,7 +325,7 @@ class NetnsCluster:
             for proc in host.procs:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 3
         for host in hosts:
             for proc in host.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -301,7 +335,10 @@ class NetnsCluster:
             for proc in host.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
-            _run("ip", "netns", "del", host.netns, check=False)  # takes the veth pair with it
+            _run("ip", "netns", "del", host.netns, check=False)
+            # The kernel frees a namespace (and the veth pair with it) only once nothing refers to
+            # it any more, sometimes much later: delete our end of the pair now.
+            _run("ip", "link", "del", host.outer, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -378,15 +415,6 @@ class NetnsCluster:
     def _ip(self, last: int) -> str:
         assert self.subnet is not None
         return str(self.subnet.network_address + last)
-
-    def _netem_available(self) -> bool:
-        probe = f"{self.tag}np"
-        _run("ip", "link", "add", probe, "type", "veth", "peer", "name", f"{self.tag}nq")
-        try:
-            return _run("tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms",
-                        check=False).returncode == 0
-        finally:
-            _run("ip", "link", "del", probe, check=False)
 
     def _add_host(self, name: str, short: str, address: str, iface: str) -> Host:
         netns, outer, inner = f"{self.tag}-{short}", f"{self.tag}v{short}", f"{self.tag}n{short}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +56,25 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     return path
+
+
+def write_json(groups: Sequence[GroupResult], path: Path, **extra: Any) -> Path:
+    """Every group's rows and its probed and calibrated cost models (to re-fit them later)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = [{"model": list(g.model), "link_mbit": g.link_mbit, "rows": g.rows,
+             "probed": dataclasses.asdict(g.probed),
+             "calibrated": dataclasses.asdict(g.calibrated) if g.calibrated else None}
+            for g in groups]
+    path.write_text(json.dumps({**extra, "groups": data}, indent=2, default=_plain) + "\n")
+    return path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
 
 
 def recommendations(groups: Sequence[GroupResult], scale: Sequence[int] = SCALE

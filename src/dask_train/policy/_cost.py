@@ -22,9 +22,9 @@ theory):
 * **servers**: a shard applies one update at a time, so the job makes at most
   ``1 / update time`` steps per second however many trainers push;
 * **cores**: each host has ``cores_per_host`` cores for its trainers' gradients, its servers'
-  updates and the copies of every byte sent or received (``cpu_s_per_byte``); or, for many
-  emulated hosts on one machine (network namespaces, a LocalCluster), all hosts share
-  ``shared_cores``.
+  updates and the handling of every message sent or received (``cpu_s_per_message`` plus
+  ``cpu_s_per_byte`` for each byte); or, for many emulated hosts on one machine (network
+  namespaces, a LocalCluster), all hosts share ``shared_cores``.
 
 The prediction is the bounds' soft minimum, ``(sum of bound ** -sharpness) ** (-1 / sharpness)``:
 near the smallest bound alone when one resource limits by far, and below it where several are
@@ -48,7 +48,7 @@ Examples
 >>> round(model.predict(workers=1, ps=1).steps_per_s, 1)
 14.2
 >>> model.recommend_ps(workers=8).ps
-6
+5
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from dask_train.errors import InvalidInput
 
 # Factors calibrate() may fit, and how far from their starting value it searches (a factor of
 # 10**SPAN each way, in log space).
-FITTABLE = ("link_efficiency", "message_s", "overlap", "sharpness", "compute_s",
-            "update_s_per_param", "cpu_s_per_byte")
+FITTABLE = ("link_efficiency", "message_s", "cpu_s_per_message", "overlap", "sharpness",
+            "compute_s", "update_s_per_param", "cpu_s_per_byte")
 _SPAN = 2.0
 
 
@@ -142,6 +142,9 @@ class CostModel:
         Cores of each host.
     shared_cores : float, optional
         Cores shared by all hosts (several emulated hosts on one machine); None: not shared.
+    cpu_s_per_message : float
+        CPU seconds a host spends on each message it sends or receives (an RPC through the
+        worker's event loop, framing), on top of its bytes.
     cpu_s_per_byte : float
         CPU seconds per byte sent or received (copies and serialization), on both ends.
     overlap : float
@@ -165,6 +168,7 @@ class CostModel:
     hosts: int | None = None
     cores_per_host: float = 1.0
     shared_cores: float | None = None
+    cpu_s_per_message: float = 0.0
     cpu_s_per_byte: float = 0.0
     overlap: float = 0.0
     sharpness: float = 3.0
@@ -175,7 +179,8 @@ class CostModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} is invalid: use an integer >= 1.")
-        for name in ("compute_s", "update_s_per_param", "latency_s", "message_s", "cpu_s_per_byte"):
+        for name in ("compute_s", "update_s_per_param", "latency_s", "message_s",
+                     "cpu_s_per_message", "cpu_s_per_byte"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 problems.append(f"{name}={value!r} is invalid: use a finite number >= 0.")
@@ -209,31 +214,29 @@ class CostModel:
         kinds = Counter(zip(*place(workers=workers, ps=ps, hosts=self.hosts)))
         shard_bytes = self.bytes_per_param * self.n_params / ps
         update_s = self.update_s_per_param * self.n_params / ps
-        rate = self.link_bytes_per_s * self.link_efficiency
+        message_cpu = self.cpu_s_per_message + shard_bytes * self.cpu_s_per_byte
         cycle_rate = 0.0
         link_load = 0.0  # the busiest link's bytes per step, one direction
         cpu_load: list[tuple[float, int]] = []  # (CPU seconds per step, hosts like it)
         for (t, k), n in kinds.items():
-            # Per step (one push by one trainer, each trainer pushing 1/workers of them): bytes into
-            # this host = pushes from other hosts' trainers to its shards + replies to its trainers
-            # from other hosts' shards; the bytes out are the same by symmetry.
-            remote_in = k * shard_bytes * (workers - t) / workers + t / workers * (ps - k) * shard_bytes
-            link_load = max(link_load, remote_in)
-            cpu_load.append((t / workers * self.compute_s + k * update_s
-                             + 2 * remote_in * self.cpu_s_per_byte, n))
+            # Per step (one push by one trainer, each trainer pushing 1/workers of them): messages
+            # into this host = pushes from other hosts' trainers to its shards + replies to its
+            # trainers from other hosts' shards; as many go out.
+            messages = k * (workers - t) / workers + t / workers * (ps - k)
+            link_load = max(link_load, messages * shard_bytes)
+            if self.shared_cores is not None or t + k > 1:
+                # A host with one role only has a core to itself: the trainers' and servers'
+                # own bounds already hold its work (counting it twice would lower the soft min).
+                cpu_load.append((t / workers * self.compute_s + k * update_s
+                                 + 2 * messages * message_cpu, n))
             if t:
-                away = ps - k  # shards on other hosts: this trainer's bytes go out and come back
-                hidden = self.overlap * (away - 1) / away if away else 0.0
-                transfer = (2 - hidden) * away * shard_bytes / rate
-                trip = (2 * self.latency_s + self.message_s + update_s + transfer
-                        + 2 * away * shard_bytes * self.cpu_s_per_byte)
-                cycle = (self.compute_s + trip if self.prefetch == 0
-                         else max(self.compute_s, trip / self.prefetch))
-                cycle_rate += n * t / cycle if cycle > 0 else math.inf
+                cycle_rate += n * t / self._cycle(away=ps - k, shard_bytes=shard_bytes,
+                                                  update_s=update_s, message_cpu=message_cpu)
+        rate = self.link_bytes_per_s * self.link_efficiency
         bounds = {
             "trainers": cycle_rate,
             "links": rate / link_load if link_load > 0 else math.inf,
-            "servers": 1 / update_s if update_s > 0 else math.inf,
+            "servers": 1 / (update_s + 2 * message_cpu) if update_s + message_cpu > 0 else math.inf,
             "cores": _cores_bound(cpu_load, self.cores_per_host, self.shared_cores),
         }
         bottleneck = min(bounds, key=lambda name: bounds[name])
@@ -242,17 +245,31 @@ class CostModel:
                           samples_per_s=steps * self.batch_size, bottleneck=bottleneck,
                           bounds=bounds)
 
+    def _cycle(self, *, away: int, shard_bytes: float, update_s: float, message_cpu: float
+               ) -> float:
+        """Seconds between one trainer's steps, alone; ``away`` of the shards on other hosts."""
+        hidden = self.overlap * (away - 1) / away if away else 0.0
+        transfer = (2 - hidden) * away * shard_bytes / (self.link_bytes_per_s * self.link_efficiency)
+        # The trainer handles its pushes and their replies on its own event loop, one at a time;
+        # a server the one push and its reply (the servers in parallel).
+        handling = 2 * away * message_cpu + (2 * message_cpu if away else 0.0)
+        trip = 2 * self.latency_s + self.message_s + update_s + transfer + handling
+        if self.prefetch == 0:
+            return self.compute_s + trip
+        return max(self.compute_s, trip / self.prefetch, 1e-12)
+
     def curve(self, workers: Iterable[int], *, ps: int) -> list[Prediction]:
         """Predictions for each worker count at a fixed server count."""
         return [self.predict(workers=w, ps=ps) for w in workers]
 
     def recommend_ps(self, *, workers: int, max_ps: int | None = None,
-                     tolerance: float = 0.05) -> Recommendation:
+                     tolerance: float = 0.1) -> Recommendation:
         """The fewest servers whose predicted rate is within ``tolerance`` of the best.
 
         Servers cost hosts (or CPU on the trainers' hosts), so more are taken only when they buy
-        more than ``tolerance`` of throughput. Candidates run from 1 to ``max_ps`` (default:
-        ``workers``, at least 1, at most 256).
+        more than ``tolerance`` of throughput: near a bottleneck the soft minimum keeps rising
+        slowly with more servers (less queueing), which is rarely worth a host each. Candidates
+        run from 1 to ``max_ps`` (default: ``workers``, at least 1, at most 256).
         """
         top = max_ps if max_ps is not None else min(max(workers, 1), 256)
         candidates = tuple(self.predict(workers=workers, ps=p) for p in range(1, max(top, 1) + 1))
@@ -349,7 +366,8 @@ def calibrate(model: CostModel, points: Sequence[Measured], *,
                  for i, p in enumerate(points) if not p.steps_per_s > 0]
     if problems:
         raise InvalidInput(problems)
-    floors = {"message_s": 1e-4, "cpu_s_per_byte": 1e-11, "compute_s": 1e-5,
+    floors = {"message_s": 1e-4, "cpu_s_per_message": 1e-5, "cpu_s_per_byte": 1e-11,
+              "compute_s": 1e-5,
               "update_s_per_param": 1e-11, "link_efficiency": 0.05, "overlap": 0.01,
               "sharpness": 1.0}
     ceilings = {"link_efficiency": 1.0, "overlap": 1.0, "sharpness": 50.0}
