@@ -33,10 +33,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _common import RESULTS_DIR, cpu_load, environment, write_results
+from _common import RESULTS_DIR, CpuLoad, cpu_load, environment, write_results
 
 from dask_train.bench import Link, NetnsCluster, unavailable_reason
-from dask_train.bench._grid import Grid, parse_widths, run_grid
+from dask_train.bench._grid import Grid, GroupResult, parse_widths, run_grid
 from dask_train.bench._output import plot, recommendation_table, recommendations, table
 from dask_train.runtime import connect
 
@@ -120,22 +120,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def report(settings: Settings, group: object, *, worst: float, load: object, recs: str,
+def report(settings: Settings, group: GroupResult, *, worst: float, load: CpuLoad, recs: str,
            seconds: float) -> str:
     """The markdown page: what ran, the table, the model and whether the aim was met."""
-    rows = group.rows  # type: ignore[attr-defined]
-    probed, fitted = group.probed, group.calibrated  # type: ignore[attr-defined]
+    rows = group.rows
+    probed, fitted = group.probed, group.calibrated
     lines = [
         f"# Parameter servers across hosts ({settings.hosts} namespace hosts, "
         f"{settings.rate:g} Mbit/s links)",
         "",
         f"MLP {'-'.join(map(str, settings.model))} ({rows[0]['params']:,} parameters), "
         f"async-ps, Adam, batch 128, prefetch=1, ~{settings.seconds:g} s of training per point; "
-        f"{seconds:.0f} s in all. CPU: {load.machine:.2f} cores busy on the machine, "  # type: ignore[attr-defined]
-        f"{load.foreign:.2f} of them other programs'.",  # type: ignore[attr-defined]
+        f"{seconds:.0f} s in all. CPU: {load.machine:.2f} cores busy on the machine, "
+        f"{load.foreign:.2f} of them other programs'.",
         "",
         table(rows),
         "",
+    ]
+    if load.foreign > 0.15:
+        lines += [f"**Other programs used {load.foreign:.2f} cores during this run: the numbers "
+                  "are those of a busy machine; run it again on a quiet one.**", ""]
+    lines += [
         f"Probed: a step's gradient {probed.compute_s * 1e3:.1f} ms, Adam "
         f"{probed.update_s_per_param * probed.n_params * 1e3:.1f} ms per full update, link "
         f"{probed.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, an exchange's fixed cost "

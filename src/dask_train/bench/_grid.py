@@ -124,6 +124,7 @@ def build_mlp(widths: Sequence[int], *, seed: int = 0) -> torch.nn.Module:
 
 
 def n_params(widths: Sequence[int]) -> int:
+    """Parameters of ``build_mlp(widths)``: weights and biases."""
     return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
 
 
@@ -138,10 +139,10 @@ def measure(client: Client, X: Any, y: Any, *, widths: Sequence[int], workers: i
     from dask_train.policy.stop import StopAfter, StopAtStep
 
     trainer = Trainer(build_mlp(widths), loss="cross_entropy", optimizer="adam", lr=1e-3,
-                         strategy="async-ps", ps=ps, workers=workers, scorer=0,
-                         batch_size=batch_size, epochs=10_000, prefetch=prefetch,
-                         stop=[StopAtStep(steps), StopAfter(seconds=timeout_s)],
-                         progress=False, timeout=120, client=client)
+                      strategy="async-ps", ps=ps, workers=workers, scorer=0,
+                      batch_size=batch_size, epochs=10_000, prefetch=prefetch,
+                      stop=[StopAtStep(steps), StopAfter(seconds=timeout_s)],
+                      progress=False, timeout=120, client=client)
     result = trainer.fit(X, y)
     ran = [t for t in result.trainers if t.get("busy_s", 0) > 0 and t.get("steps", 0) > 0]
     busy = sum(t["busy_s"] for t in ran)

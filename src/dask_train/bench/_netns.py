@@ -476,14 +476,14 @@ class NetnsCluster:
 def _qdisc(link: Link, *, outbound: bool) -> list[str]:
     """tc arguments for one direction of a link, or [] for none."""
     if link.delay_ms and outbound:
-        args = ["netem", "delay", f"{link.delay_ms}ms", "limit", "100000"]
-        return args + (["rate", f"{link.rate_mbit}mbit"] if link.rate_mbit else [])
+        args = ["netem", "delay", f"{link.delay_ms:g}ms", "limit", "100000"]
+        return args + (["rate", f"{link.rate_mbit:g}mbit"] if link.rate_mbit else [])
     if link.rate_mbit is None:
         return []
     # Burst: one millisecond of traffic, at least a few full-size packets; the queue holds at most
     # 20 ms of traffic beyond it (TCP adapts to the rate instead of filling a deep buffer).
     burst = max(16_384, int(link.rate_mbit * 1e6 / 8 / 1000))
-    return ["tbf", "rate", f"{link.rate_mbit}mbit", "burst", str(burst), "latency", "20ms"]
+    return ["tbf", "rate", f"{link.rate_mbit:g}mbit", "burst", str(burst), "latency", "20ms"]
 
 
 @contextlib.contextmanager

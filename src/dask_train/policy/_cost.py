@@ -13,14 +13,16 @@ theory):
 
 * **trainers**: each trainer makes at most one step per *cycle*: ``compute_s + round_trip`` with
   no prefetch, ``max(compute_s, round_trip / prefetch)`` with it, where a round trip is
-  ``2 * latency_s + message_s + server update + bytes out / link + bytes back / link``, less
+  ``2 * latency_s + message_s + server update + bytes out / link + bytes back / link`` plus
+  the CPU both ends spend on its messages (``cpu_s_per_message``, ``cpu_s_per_byte``), less
   the part of the replies that travel while later pushes are still being sent (``overlap``: 0
   when the pushes to several servers share the trainer's link fairly and finish together, 1
   when they go one after another and each reply follows its push at once);
 * **links**: every host's link carries, each way, ``link_bytes_per_s``; a step puts a shard's
   bytes on the trainer's and the server's links unless both roles share the host;
 * **servers**: a shard applies one update at a time, so the job makes at most
-  ``1 / update time`` steps per second however many trainers push;
+  ``1 / (update time + handling a push and its reply)`` steps per second however many trainers
+  push;
 * **cores**: each host has ``cores_per_host`` cores for its trainers' gradients, its servers'
   updates and the handling of every message sent or received (``cpu_s_per_message`` plus
   ``cpu_s_per_byte`` for each byte); or, for many emulated hosts on one machine (network
