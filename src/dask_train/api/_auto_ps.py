@@ -34,10 +34,12 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> int:
     from dask_train.runtime._roles import worker_threads
 
     n = min(int(X.shape[0]), int(trainer.batch_size))
+    # A prefetch the trainers choose as they run ("auto") starts from one push in flight.
+    prefetch = trainer.prefetch if isinstance(trainer.prefetch, (int, bool)) else 1
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
     model = probe_costs(
         client, trainer.module, xb, yb, loss=trainer.loss, optimizer=trainer.optimizer,
-        lr=float(trainer.lr), options=trainer.optimizer_options, prefetch=int(trainer.prefetch),
+        lr=float(trainer.lr), options=trainer.optimizer_options, prefetch=int(prefetch),
         grad_accumulation=int(trainer.grad_accumulation), timeout=float(trainer.timeout),
     )
     workers = int(trainer.workers)
