@@ -30,7 +30,12 @@ from distributed import Client, Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.engines._optim import FlatOptimizer
-from dask_train.models._torch import FlatModel, resolve_loss
+from dask_train.models._torch import resolve_loss
+
+try:  # where FlatModel lives on main since the device work
+    from dask_train.models._flat import FlatModel
+except ImportError:  # before it: drop this fallback once the branches are merged
+    from dask_train.models._torch import FlatModel  # type: ignore[attr-defined,no-redef]
 from dask_train.policy._cost import CostModel
 from dask_train.runtime._plugin import register_handler, worker_state
 from dask_train.runtime._roles import ensure_plugin, worker_threads
