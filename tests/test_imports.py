@@ -50,6 +50,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
 #     policy and runtime;
+#   * bench (the multi-host harness, the throughput grid): above api, below the cli; runs Trainers
+#     on datasets and probes with the engines;
 #   * cli and the root package (the lazy facade): the top; may import everything.
 _BASE = {"errors", "_lazy"}
 ALLOWED: dict[str, set[str]] = {
@@ -76,6 +78,8 @@ ALLOWED: dict[str, set[str]] = {
     # dt.search: trials are jobs of the api (Trainer), the classical GLMs or XGBoost.
     "tuning": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                        "controller", "report", "api", "prediction", "monitor"},
+    "bench": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "controller",
+                      "api", "report", "datasets"},
 }
 _EVERYTHING = set(ALLOWED)
 ALLOWED["cli"] = _EVERYTHING | {ROOT}
@@ -358,6 +362,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.prediction": NOT_AT_IMPORT,
     "dask_train.tuning": NOT_AT_IMPORT,
     "dask_train.tensorflow": NOT_AT_IMPORT + ("tensorflow", "keras"),
+    "dask_train.bench": NOT_AT_IMPORT,
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

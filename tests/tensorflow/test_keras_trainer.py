@@ -130,8 +130,9 @@ def test_keras_settings_are_checked_before_any_work(tf_client: Client) -> None:
     before = set(tf_client.who_has())
     with pytest.raises(dt.InvalidInput) as info:
         dt.Trainer(_mlp(), loss="cross_entropy", device="cuda", mixed_precision="bf16",
-                   metrics={"acc": "accuracy"}, client=tf_client).fit(X, y)
+                   metrics={"acc": "accuracy"}, ps="auto", client=tf_client).fit(X, y)
     text = str(info.value)
+    assert "ps='auto' measures torch modules only" in text
     assert "loss='cross_entropy' is a torch loss name" in text
     assert "sparse_categorical_crossentropy" in text
     assert "device='cuda'" in text

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from distributed import Client
 
+from dask_train.api._auto_ps import resolve_ps
 from dask_train.api._data import materialize, spread_validation
 from dask_train.api._result import FitResult, phase_timings
 from dask_train.api._validate import (
@@ -77,8 +78,11 @@ class Trainer:
         training, one rank per Dask worker in a torch process group (gloo) started by
         :func:`dask_train.start_torch`; every step applies the mean gradient of all ranks'
         batches. ``ps`` and ``prefetch`` do not apply to it.
-    ps : int
+    ps : int or "auto"
         Parameter servers; the flat parameters are split into this many balanced shards.
+        ``"auto"``: chosen at fit time by the cost model from the job's costs measured on the
+        cluster (a gradient, an optimizer step, an echo between two workers); the choice and its
+        predicted rate are logged (see ``dask_train.policy.CostModel``).
     workers : int
         Trainers. Each reads the blocks that live on its Dask worker first.
     scorer : {0, 1}
@@ -166,7 +170,7 @@ class Trainer:
         lr: float = 1e-3,
         optimizer_options: Mapping[str, Any] | None = None,
         strategy: str = "async-ps",
-        ps: int = 1,
+        ps: int | str = 1,
         workers: int = 2,
         scorer: int = 1,
         batch_size: int = 128,
@@ -304,6 +308,7 @@ class Trainer:
         keras = is_keras_model(self.module)  # TensorFlow places its math: no torch devices
         devices = probe_devices(client, "cpu" if keras else self.device,
                                 mixed_precision=self.mixed_precision)
+        self._fit_ps = resolve_ps(self, client, self._input_dtype(X, log=False), y)
         spec = self._spec(module=self._start_model(warm_start))
         spec.device_kind, spec.devices, spec.precision = \
             devices.kind, devices.by_worker, devices.precision
@@ -339,7 +344,7 @@ class Trainer:
 
         def plan(alive: Mapping[str, int]) -> Roles:
             sync = self.strategy == "sync"
-            return Roles(plan_roles(alive, ps=0 if sync else self.ps,
+            return Roles(plan_roles(alive, ps=0 if sync else self._servers(),
                                     worker=min(self.workers, len(alive)) if sync else self.workers,
                                     scorer=self.scorer if validation is not None else 0))
 
@@ -488,17 +493,21 @@ class Trainer:
             grad_accumulation=self.grad_accumulation,
             blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
             timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
-            progress=self.progress, strategy=self.strategy, ps=self.ps, workers=self.workers,
+            progress=self.progress, strategy=self.strategy, ps=self._servers(), workers=self.workers,
             scorer=self.scorer, checkpoint=self.checkpoint,
             failure=self.failure or FailureConfig(), on_nan=self.on_nan,
             metrics=dict(self.metrics) if self.metrics else None,
         )
 
+    def _servers(self) -> int:
+        """``ps`` as a count: with ``ps="auto"``, the one chosen for the current fit."""
+        return self.ps if isinstance(self.ps, int) else int(getattr(self, "_fit_ps", 1))
+
     def _roles(self, client: Client, *, has_validation: bool) -> Roles:
         ensure_plugin(client)
         threads = worker_threads(client)
         scorer = self.scorer if has_validation else 0
-        ps = 0 if self.strategy == "sync" else self.ps
+        ps = 0 if self.strategy == "sync" else self._servers()
         if self.strategy == "sync" and self.workers > len(threads):
             # torch's default process group is one per process: one rank per Dask worker.
             raise InvalidInput([

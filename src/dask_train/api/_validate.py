@@ -58,6 +58,9 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
 
         problems += check_keras(s["module"], loss, device=s.get("device", "auto"),
                                 mixed_precision=s.get("mixed_precision", False))
+        if s["ps"] == "auto":
+            problems.append("ps='auto' measures torch modules only: give a Keras model's job a "
+                            "server count, e.g. ps=1.")
     elif isinstance(loss, str) and loss not in LOSSES:
         problems.append(
             f"loss={loss!r} is unknown: use one of {sorted(LOSSES)}, a torch.nn loss module "
@@ -85,7 +88,11 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
     problems += _positive("lr", s["lr"])
     # Servers exist only in async-ps; sync ignores ps.
     min_ps = 0 if s["strategy"] == "sync" else 1
-    problems += check_role_counts(ps=s["ps"], worker=s["workers"], scorer=s["scorer"], min_ps=min_ps)
+    # ps="auto" is resolved at fit time (api._auto_ps); any other value must be a count.
+    ps = min_ps if s["ps"] == "auto" else s["ps"]
+    problems += [p.replace("use an integer", "use 'auto' or an integer") if p.startswith("ps=") else p
+                 for p in check_role_counts(ps=ps, worker=s["workers"], scorer=s["scorer"],
+                                            min_ps=min_ps)]
     problems += _int_at_least("batch_size", s["batch_size"], 1)
     problems += _check_global_batch(s)
     problems += _int_at_least("epochs", s["epochs"], 1)

@@ -3,7 +3,8 @@
 ``dask-train demo`` trains the digits MLP with asynchronous parameter servers on the embedded
 cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
 ``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
-of each shows an example) and write a run directory.
+of each shows an example) and write a run directory. ``dask-train bench`` measures throughput
+over a grid of trainers x parameter servers x model sizes (x link rates).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint under --checkpoint")
     _add_config_commands(commands)
+    from dask_train.bench._cli import DESCRIPTION, add_arguments
+
+    add_arguments(commands.add_parser(
+        "bench", help="measure throughput: trainers x parameter servers x model size x link rate",
+        description=DESCRIPTION))
     return parser
 
 
@@ -144,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo(args)
         if args.command in _CONFIG_COMMANDS:
             return run_config(args)
+        if args.command == "bench":
+            from dask_train.bench._cli import run
+
+            return run(args)
     except DaskTrainError as exc:
         print(f"dask-train: error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Pure policies over plain records: stop conditions, callbacks, the failure policy, the data
-ledger, role placement. Nothing here imports Dask's distributed runtime or an ML framework, so
-every rule is tested without a cluster.
+ledger, role placement, the cost model of parameter-server training. Nothing here imports Dask's
+distributed runtime or an ML framework, so every rule is tested without a cluster.
 """
 
+from dask_train.policy._cost import CostModel, Measured, Prediction, Recommendation, calibrate
 from dask_train.policy._failure import Action, Decision, Failure, FailureConfig, JobStatus, decide
 from dask_train.policy._ledger import Assignment, Block, Ledger, LedgerEntry
 from dask_train.policy._placement import Roles, balance_blocks, check_role_counts, plan_roles
@@ -21,6 +22,7 @@ __all__ = [
     "Assignment",
     "Block",
     "Callback",
+    "CostModel",
     "Decision",
     "EarlyStopping",
     "Failure",
@@ -29,12 +31,16 @@ __all__ = [
     "JobStatus",
     "Ledger",
     "LedgerEntry",
+    "Measured",
+    "Prediction",
+    "Recommendation",
     "Roles",
     "StopAfter",
     "StopAtScore",
     "StopAtStep",
     "StopCondition",
     "balance_blocks",
+    "calibrate",
     "check_role_counts",
     "check_stop",
     "decide",
