@@ -25,6 +25,7 @@ from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.engines._base import Ending, Engine
 from dask_train.engines._spec import JobSpec
+from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._placement import Roles
 from dask_train.policy.callbacks import run_callbacks
@@ -255,9 +256,14 @@ class Controller:
             step = await engine.exact_step()
             info = None
             if step > state.last_checkpoint_step:
-                info = await ckpt.write(engine, state, self._manifest(snapshot.ledger, snapshot.rng),
-                                        step=step, generation=state.generation,
-                                        pause_s=now - state.pause_started)
+                try:
+                    info = await ckpt.write(engine, state,
+                                            self._manifest(snapshot.ledger, snapshot.rng),
+                                            step=step, generation=state.generation,
+                                            pause_s=now - state.pause_started)
+                except WorkerLost as exc:
+                    # The next look at the roles acts on the loss, from the checkpoint before.
+                    logger.warning("checkpoint at step %d abandoned: %s", step, exc)
             else:
                 state.last_checkpoint_time = time.time()  # nothing new to save
         finally:

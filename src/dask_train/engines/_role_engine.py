@@ -26,7 +26,7 @@ from dask_train.engines._feeding import FeedingMixin
 from dask_train.engines._ps_client import ShardRef
 from dask_train.engines._ps_server import pull_params_task
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import RoleFailed, TrainingTimeout
+from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
@@ -353,10 +353,36 @@ class RoleEngine(FeedingMixin, Engine):
                         metadata={**metadata, "start": str(ref.start), "stop": str(ref.stop)})
             for ref in self.shards
         ]
-        await self.wait_for(futures, what=f"writing checkpoint {directory}")
+        await self._wait_for_holders(futures, what=f"writing checkpoint {directory}")
         results = await self.client.gather(futures, asynchronous=True)
         return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref, r in zip(self.shards, results)]
+
+    async def _wait_for_holders(self, futures: list[Future], *, what: str) -> None:
+        """``wait_for`` the holders' save tasks, giving up as soon as a holder's worker is gone.
+
+        A task pinned to a worker that left would wait for it until the timeout (and the job
+        would fail with it); the loss itself is the controller's to handle, from the checkpoint
+        before this one.
+        """
+        deadline = time.monotonic() + self.spec.timeout
+        holders = {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
+        while True:
+            try:
+                await wait_futures(futures, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    break  # wait_for below raises TrainingTimeout
+                alive = await alive_workers(self.client)
+                gone = [(addr, role) for addr, role in holders.items() if addr not in alive]
+                if gone:
+                    for fut in futures:
+                        fut.release()
+                    addr, role = gone[0]
+                    raise WorkerLost(f"{what}: {role}'s worker {addr} left the cluster",
+                                     worker=addr, role=role) from None
+        await self.wait_for(futures, what=what)
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
