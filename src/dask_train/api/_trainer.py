@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -14,8 +13,9 @@ import torch
 from distributed import Client
 
 from dask_train.api._auto_ps import resolve_ps
+from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
 from dask_train.api._data import materialize, spread_validation
-from dask_train.api._result import FitResult, phase_timings
+from dask_train.api._result import FitResult
 from dask_train.api._validate import (
     check_array_model,
     check_data,
@@ -36,12 +36,11 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
-from dask_train.models._torch import flatten_parameters, is_classification
+from dask_train.models._torch import is_classification
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
-from dask_train.report import history_frame, ledger_frame
 from dask_train.runtime._devices import probe_devices
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
@@ -329,7 +328,7 @@ class Trainer:
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)
-        engine_cls = _engine_class(self.strategy)  # first: its module registers RPC handlers
+        engine_cls = engine_class(self.strategy)  # first: its module registers RPC handlers
         roles = self._roles(client, has_validation=validation is not None)
         if keras:
             from dask_train.models._keras import warm_workers
@@ -454,12 +453,7 @@ class Trainer:
 
     def _float_dtype(self) -> Any:
         """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""
-        if is_keras_model(self.module):
-            from dask_train.models._frameworks import keras_float_dtype
-
-            return keras_float_dtype(self.module)
-        params = [p for p in self.module.parameters() if p.is_floating_point()]
-        return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
+        return float_dtype(self.module)
 
     def _input_dtype(self, X: Any, *, log: bool = True) -> Any:
         """X with floating data in the parameters' dtype; integer data (token ids) kept."""
@@ -477,27 +471,7 @@ class Trainer:
         return copy.deepcopy(last if warm_start and last is not None else self.module)
 
     def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
-        if n_params is None and is_keras_model(self.module):
-            from dask_train.models._frameworks import keras_param_count
-
-            n_params = keras_param_count(self.module)
-        if n_params is None:
-            n_params = int(flatten_parameters(self.module).numel())
-        return JobSpec(
-            module=module if module is not None else copy.deepcopy(self.module),
-            n_params=n_params,
-            loss=self.loss, optimizer=self.optimizer, lr=float(self.lr),
-            optimizer_options=self.optimizer_options, batch_size=self.per_trainer_batch(),
-            epochs=self.epochs, shuffle=self.shuffle, seed=self.seed,
-            prefetch=-1 if self.prefetch == "auto" else int(self.prefetch),
-            grad_accumulation=self.grad_accumulation,
-            blocks_ahead=self.blocks_ahead, score_every=float(self.score_every),
-            timeout=float(self.timeout), stop=self.stop, callbacks=self.callbacks,
-            progress=self.progress, strategy=self.strategy, ps=self._servers(), workers=self.workers,
-            scorer=self.scorer, checkpoint=self.checkpoint,
-            failure=self.failure or FailureConfig(), on_nan=self.on_nan,
-            metrics=dict(self.metrics) if self.metrics else None,
-        )
+        return job_spec(self, n_params=n_params, module=module)
 
     def _servers(self) -> int:
         """``ps`` as a count: with ``ps="auto"``, the one chosen for the current fit."""
@@ -518,53 +492,4 @@ class Trainer:
         return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
 
     def _result(self, outcome: Outcome, *, wall_s: float) -> FitResult:
-        model = self._trained_model(outcome.ending.params, outcome.ending.buffers)
-        log = outcome.log
-        return FitResult(
-            model=model, history=history_frame(log.records), stopped_by=outcome.stopped_by,
-            steps=outcome.ending.steps, samples=outcome.ending.samples,
-            epochs_completed=outcome.epochs_completed, wall_s=wall_s,
-            ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
-            trainers=outcome.ending.trainers, failures=list(log.failures),
-            checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
-            generations=log.generations, model_step=outcome.model_step,
-            validation_rows=dict((outcome.ending.final or {}).get("validation_rows") or {}),
-            timings=phase_timings(getattr(self, "_clock", {}), log), started_at=log.started,
-        )
-
-
-    def _trained_model(self, params: Any, buffers: Any = None) -> Any:
-        """A copy of the user's model holding ``params`` and ``buffers`` (running statistics),
-        never the user's object itself."""
-        if isinstance(self.module, ArrayModel):
-            return dataclasses.replace(self.module, params=np.array(params, dtype=np.float64))
-        from dask_train.models._buffers import BufferSet
-        from dask_train.models._flat import FlatModel
-
-        if is_keras_model(self.module):
-            from dask_train.models._keras import KerasFlatModel
-
-            model = copy.deepcopy(self.module)
-            adapter = KerasFlatModel(model)
-            adapter.set_flat(params)
-            adapter.buffers().scatter(buffers)
-            return model
-        model = copy.deepcopy(self.module)
-        flat = FlatModel(model)
-        flat.set_flat(params)
-        # Detach the parameters from the shared flat buffer so the result is an ordinary module.
-        for p in flat.params:
-            p.data = p.data.clone()
-        BufferSet(model).scatter(buffers)
-        return model
-
-
-def _engine_class(strategy: str) -> Any:
-    """The engine of a torch strategy (imported here: only the chosen one loads)."""
-    if strategy == "sync":
-        from dask_train.engines._sync_engine import TorchSyncEngine
-
-        return TorchSyncEngine
-    from dask_train.engines._ps_engine import AsyncPSEngine
-
-    return AsyncPSEngine
+        return fit_result(self, outcome, wall_s=wall_s)

@@ -1,0 +1,109 @@
+"""What a ``Trainer`` fit is built from and what it builds: the job spec, the engine class, the
+trained model and the ``FitResult``. Functions of a Trainer's settings, kept out of the Trainer
+so that it holds the user's entry points only."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dask_train.api._result import FitResult, phase_timings
+from dask_train.controller._controller import Outcome
+from dask_train.engines._spec import JobSpec
+from dask_train.models._array import ArrayModel
+from dask_train.models._frameworks import is_keras_model
+from dask_train.models._torch import flatten_parameters
+from dask_train.policy._failure import FailureConfig
+from dask_train.report import history_frame, ledger_frame
+
+
+def float_dtype(module: Any) -> Any:
+    """The numpy dtype of a model's floating parameters (float32 unless it says otherwise)."""
+    if is_keras_model(module):
+        from dask_train.models._frameworks import keras_float_dtype
+
+        return keras_float_dtype(module)
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
+
+
+def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None) -> JobSpec:
+    """The engines' view of a Trainer's settings; ``module`` is what the job starts from."""
+    if n_params is None and is_keras_model(trainer.module):
+        from dask_train.models._frameworks import keras_param_count
+
+        n_params = keras_param_count(trainer.module)
+    if n_params is None:
+        n_params = int(flatten_parameters(trainer.module).numel())
+    return JobSpec(
+        module=module if module is not None else copy.deepcopy(trainer.module),
+        n_params=n_params,
+        loss=trainer.loss, optimizer=trainer.optimizer, lr=float(trainer.lr),
+        optimizer_options=trainer.optimizer_options, batch_size=trainer.per_trainer_batch(),
+        epochs=trainer.epochs, shuffle=trainer.shuffle, seed=trainer.seed,
+        prefetch=-1 if trainer.prefetch == "auto" else int(trainer.prefetch),
+        grad_accumulation=trainer.grad_accumulation,
+        blocks_ahead=trainer.blocks_ahead, score_every=float(trainer.score_every),
+        timeout=float(trainer.timeout), stop=trainer.stop, callbacks=trainer.callbacks,
+        progress=trainer.progress, strategy=trainer.strategy, ps=trainer._servers(),
+        workers=trainer.workers, scorer=trainer.scorer, checkpoint=trainer.checkpoint,
+        failure=trainer.failure or FailureConfig(), on_nan=trainer.on_nan,
+        metrics=dict(trainer.metrics) if trainer.metrics else None,
+    )
+
+
+def engine_class(strategy: str) -> Any:
+    """The engine of a torch or Keras strategy (imported here: only the chosen one loads)."""
+    if strategy == "sync":
+        from dask_train.engines._sync_engine import TorchSyncEngine
+
+        return TorchSyncEngine
+    from dask_train.engines._ps_engine import AsyncPSEngine
+
+    return AsyncPSEngine
+
+
+def trained_model(module: Any, params: Any, buffers: Any = None) -> Any:
+    """A copy of the user's model holding ``params`` and ``buffers`` (running statistics),
+    never the user's object itself."""
+    if isinstance(module, ArrayModel):
+        return dataclasses.replace(module, params=np.array(params, dtype=np.float64))
+    if is_keras_model(module):
+        from dask_train.models._keras import KerasFlatModel
+
+        model = copy.deepcopy(module)
+        adapter = KerasFlatModel(model)
+        adapter.set_flat(params)
+        adapter.buffers().scatter(buffers)
+        return model
+    from dask_train.models._buffers import BufferSet
+    from dask_train.models._flat import FlatModel
+
+    model = copy.deepcopy(module)
+    flat = FlatModel(model)
+    flat.set_flat(params)
+    # Detach the parameters from the shared flat buffer so the result is an ordinary module.
+    for p in flat.params:
+        p.data = p.data.clone()
+    BufferSet(model).scatter(buffers)
+    return model
+
+
+def fit_result(trainer: Any, outcome: Outcome, *, wall_s: float) -> FitResult:
+    """The ``FitResult`` of a fit that ran ``outcome``."""
+    log = outcome.log
+    return FitResult(
+        model=trained_model(trainer.module, outcome.ending.params, outcome.ending.buffers),
+        history=history_frame(log.records), stopped_by=outcome.stopped_by,
+        steps=outcome.ending.steps, samples=outcome.ending.samples,
+        epochs_completed=outcome.epochs_completed, wall_s=wall_s,
+        ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
+        trainers=outcome.ending.trainers, failures=list(log.failures),
+        checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
+        generations=log.generations, model_step=outcome.model_step,
+        validation_rows=dict((outcome.ending.final or {}).get("validation_rows") or {}),
+        timings=phase_timings(getattr(trainer, "_clock", {}), log), started_at=log.started,
+    )
