@@ -177,8 +177,8 @@ def _mwms_rank(tf_config: dict, parts: list, x_val: np.ndarray, y_val: np.ndarra
         from_logits=True, reduction="sum")
 
     @tf.function
-    def step(x: Any, y: Any) -> Any:
-        def replica(x: Any, y: Any) -> Any:
+    def step(x, y):  # no annotations: AutoGraph cannot resolve them in a task
+        def replica(x, y):  # no annotations: AutoGraph cannot resolve them in a task
             with tf.GradientTape() as tape:
                 # Summed and divided by the global batch: the optimizer sums over the ranks.
                 loss = loss_fn(y, model(x, training=True)) / (2 * BATCH)

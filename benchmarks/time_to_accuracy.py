@@ -246,12 +246,15 @@ def _ray_loop(config: dict[str, Any]) -> None:
                 due = time.time() + SCORE_EVERY
                 with torch.no_grad():
                     acc = float((net.module(xv).argmax(1) == yv).float().mean())
-                flag[0] = 1.0 if acc >= TARGET else 0.0
+                flag[0] = 1.0 if acc >= TARGET or time.time() > config["deadline"] else 0.0
             torch.distributed.all_reduce(flag)
             if flag[0] > 0:
+                # Rank 0 writes its result to a file: ray.train.report is collective in Train v2
+                # (one rank reporting alone hung) and kept no metrics here (result.metrics: None).
                 if rank == 0:
-                    ray.train.report({"first_step": first, "target": time.time(), "accuracy": acc,
-                                      "steps": steps})
+                    Path(config["out"]).write_text(json.dumps({
+                        "first_step": first, "accuracy": acc, "steps": steps,
+                        "target": time.time() if acc and acc >= TARGET else None}))
                 return
 
 
@@ -262,10 +265,12 @@ def run_ray(data: Path, limit_s: float) -> None:
     from ray.train.torch import TorchTrainer
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    trainer = TorchTrainer(_ray_loop, train_loop_config={"data": str(data)},
+    out = Path(tempfile.mkdtemp()) / "ray-result.json"
+    config = {"data": str(data), "deadline": time.time() + limit_s, "out": str(out)}
+    trainer = TorchTrainer(_ray_loop, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False))
-    result = trainer.fit()
-    _report(**{k: result.metrics.get(k) for k in ("first_step", "target", "accuracy", "steps")})
+    trainer.fit()
+    _report(**json.loads(out.read_text()))
     ray.shutdown()
 
 

@@ -143,3 +143,27 @@ def test_keras_settings_are_checked_before_any_work(tf_client: Client) -> None:
     with pytest.raises(dt.InvalidInput, match="labels from 0 to 9"):
         three = keras.Sequential([keras.Input((64,)), keras.layers.Dense(3)])
         dt.Trainer(three, loss="sparse_categorical_crossentropy", client=tf_client).fit(X, y)
+
+
+def test_a_keras_job_writes_tensorboard_summaries(tf_client: Client, tmp_path) -> None:
+    """dt.callbacks.TensorBoard takes a Keras job's scores and per-trainer figures as a torch
+    job's: the controller writes them, from the events every engine publishes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "monitor"))
+    from _tensorboard_read import read_scalars
+
+    X, y = dt.datasets.digits(n_samples=40_000, seed=0, chunks=10_000)
+    Xv, yv = dt.datasets.digits_test()
+    runs = tmp_path / "runs"
+    result = dt.Trainer(
+        _mlp(32), loss="sparse_categorical_crossentropy", optimizer="adam", lr=1e-2, ps=1,
+        workers=2, scorer=1, batch_size=64, epochs=2, score_every=0.25, timeout=240,
+        progress=False, client=tf_client, callbacks=[dt.callbacks.TensorBoard(runs)],
+    ).fit(X, y, validation=(Xv, yv))
+    scalars = read_scalars(runs)
+    rows = scalars["score/accuracy"]
+    assert [step for step, _ in rows] == list(result.history["step"])
+    assert [v for _, v in rows] == pytest.approx(list(result.history["accuracy"]), rel=1e-6)
+    assert any(tag.startswith("trainer/") and tag.endswith("/samples_per_s") for tag in scalars)
