@@ -19,7 +19,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
 pytest.importorskip("tensorflow", reason="the tensorflow extra: pip install dask-train[tensorflow]")
-keras = pytest.importorskip("keras")
+keras = pytest.importorskip(
+    "keras", reason="the tensorflow extra (Keras 3): pip install dask-train[tensorflow]")
 
 
 @pytest.fixture(scope="package")
