@@ -123,29 +123,23 @@ def run_torch(data: Path, threads: int, limit_s: float) -> None:
     _report(first_step=first, target=None, accuracy=None, steps=steps)
 
 
-def _ddp_rank(rank: int, port: int, data: str, limit_s: float, out: Any) -> None:
-    from datetime import timedelta
-
+def _rank_loop(rank: int, world: int, data: str, net: Any, deadline: float) -> dict[str, Any]:
+    """A data-parallel rank's loop over its share of the files (rank::world), the model already
+    wrapped for all-reduce (DDP, or Ray's prepare_model); rank 0 scores every SCORE_EVERY s and
+    every rank learns at the same step whether to stop. Returns rank 0's result."""
     import numpy as np
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     import dask_train as dt
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    files = sorted(Path(data).glob("x-*.npy"))[rank::2]
+    files = sorted(Path(data).glob("x-*.npy"))[rank::world]
     X = torch.from_numpy(np.concatenate([np.load(p) for p in files]))
     Y = torch.from_numpy(np.concatenate([np.load(str(p).replace("x-", "y-")) for p in files]))
     xv, yv = (torch.from_numpy(a) for a in dt.datasets.digits_test())
-    net = DistributedDataParallel(_mlp())
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(rank)
-    half, flag = GLOBAL_BATCH // 2, torch.zeros(1)
-    first, steps, due, deadline, acc = None, 0, 0.0, time.time() + limit_s, None
+    half, flag = GLOBAL_BATCH // world, torch.zeros(1)
+    first, steps, due, acc = None, 0, 0.0, None
     while True:
         order = torch.randperm(len(X), generator=gen)
         for i in range(0, len(X) - half + 1, half):
@@ -161,13 +155,27 @@ def _ddp_rank(rank: int, port: int, data: str, limit_s: float, out: Any) -> None
                 with torch.no_grad():
                     acc = float((net.module(xv).argmax(1) == yv).float().mean())
                 flag[0] = 1.0 if acc >= TARGET or time.time() > deadline else 0.0
-            dist.all_reduce(flag)  # every rank learns at this step whether to stop
+            torch.distributed.all_reduce(flag)  # every rank learns at this step whether to stop
             if flag[0] > 0:
-                if rank == 0:
-                    out.put({"first_step": first, "target": time.time() if acc and acc >= TARGET
-                             else None, "accuracy": acc, "steps": steps})
-                dist.destroy_process_group()
-                return
+                return {"first_step": first, "target": time.time() if acc and acc >= TARGET
+                        else None, "accuracy": acc, "steps": steps}
+
+
+def _ddp_rank(rank: int, port: int, data: str, limit_s: float, out: Any) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    result = _rank_loop(rank, 2, data, DistributedDataParallel(_mlp()), time.time() + limit_s)
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
 
 
 def run_ddp(data: Path, limit_s: float) -> None:
@@ -214,48 +222,17 @@ def run_dask_train(data: Path, strategy: str, limit_s: float) -> None:
 
 
 def _ray_loop(config: dict[str, Any]) -> None:
-    import numpy as np
     import ray.train
     import ray.train.torch
-    import torch
-
-    import dask_train as dt
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    files = sorted(Path(config["data"]).glob("x-*.npy"))[rank::world]
-    X = torch.from_numpy(np.concatenate([np.load(p) for p in files]))
-    Y = torch.from_numpy(np.concatenate([np.load(str(p).replace("x-", "y-")) for p in files]))
-    xv, yv = (torch.from_numpy(a) for a in dt.datasets.digits_test())
     net = ray.train.torch.prepare_model(_mlp())
-    opt = torch.optim.Adam(net.parameters(), lr=LR)
-    half, flag, due, first, steps = GLOBAL_BATCH // world, torch.zeros(1), 0.0, None, 0
-    gen = torch.Generator().manual_seed(rank)
-    while True:
-        order = torch.randperm(len(X), generator=gen)
-        for i in range(0, len(X) - half + 1, half):
-            idx = order[i : i + half]
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(X[idx]), Y[idx]).backward()
-            opt.step()
-            steps += 1
-            first = first or time.time()
-            flag.zero_()
-            acc = None
-            if rank == 0 and time.time() >= due:
-                due = time.time() + SCORE_EVERY
-                with torch.no_grad():
-                    acc = float((net.module(xv).argmax(1) == yv).float().mean())
-                flag[0] = 1.0 if acc >= TARGET or time.time() > config["deadline"] else 0.0
-            torch.distributed.all_reduce(flag)
-            if flag[0] > 0:
-                # Rank 0 writes its result to a file: ray.train.report is collective in Train v2
-                # (one rank reporting alone hung) and kept no metrics here (result.metrics: None).
-                if rank == 0:
-                    Path(config["out"]).write_text(json.dumps({
-                        "first_step": first, "accuracy": acc, "steps": steps,
-                        "target": time.time() if acc and acc >= TARGET else None}))
-                return
+    result = _rank_loop(rank, world, config["data"], net, config["deadline"])
+    # Rank 0 writes its result to a file: ray.train.report is collective in Train v2 (one rank
+    # reporting alone hung) and kept no metrics here (result.metrics: None).
+    if rank == 0:
+        Path(config["out"]).write_text(json.dumps(result))
 
 
 def run_ray(data: Path, limit_s: float) -> None:
