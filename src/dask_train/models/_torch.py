@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dask_train.runtime._compat import without_dynamo
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Losses by name; classification losses also report accuracy.
@@ -184,6 +186,10 @@ def build_optimizer(
     cls: Any = OPTIMIZERS[name] if isinstance(name, str) else name
     name = name if isinstance(name, str) else \
         {c: n for n, c in OPTIMIZERS.items()}.get(cls, cls.__name__)
+    if cls in OPTIMIZERS.values():
+        # A built-in: the same class that never imports torch._dynamo (2 s a process, see
+        # runtime._compat). A user's own class is built as given.
+        cls = without_dynamo(cls)
     opts = dict(options)
     if name in _FUSED and not {"fused", "foreach", "differentiable"} & opts.keys():
         # One kernel over the flat shard instead of a dozen tensor ops: Adam on 1.1M parameters

@@ -94,8 +94,9 @@ def connect(
         )
     else:
         client = _remote(address, timeout=timeout)
-    # A program that imported torch will train with it: the workers import it meanwhile.
-    preload = ("torch", "torch._dynamo") if "torch" in sys.modules else ()
+    # A program that imported torch will train with it: the workers import it meanwhile. Not
+    # torch._dynamo: the built-in optimizers no longer need it (see runtime._compat).
+    preload = ("torch",) if "torch" in sys.modules else ()
     client.register_plugin(DaskTrainPlugin(torch_threads, preload=preload), name=PLUGIN_NAME)
     remember_handlers(client)
     link = client.dashboard_link if dashboard or address else None
