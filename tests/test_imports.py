@@ -340,6 +340,20 @@ def test_import_loads_no_heavy_library() -> None:
     assert "pandas" not in result["import"]
 
 
+def test_the_trainer_loads_no_dask_array_until_data_needs_it() -> None:
+    """``dt.Trainer`` alone does not import dask.array (0.7 s of a script's start-up); a
+    collection made by the user, or ``fit`` given in-memory data, brings it in."""
+    result = _run_fresh(
+        """
+        import json, sys
+        import dask_train as dt
+        dt.Trainer
+        print(json.dumps("dask.array" in sys.modules))
+        """
+    )
+    assert result is False, "dt.Trainer imported dask.array"
+
+
 # Packages whose import must stay light, and the heavy libraries each may not load at import:
 # torch, matplotlib and scikit-learn load inside the functions that use them, so a client or a
 # worker that imports the package for one light name never pays for them. SciPy is not listed:

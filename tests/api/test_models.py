@@ -55,7 +55,10 @@ def test_a_loss_function_trains_a_regression(client: Client) -> None:
         return torch.nn.functional.huber_loss(out, target)
 
     X, Y = da.from_array(x, chunks=(2_000, 4)), da.from_array(y, chunks=(2_000, 2))
-    result = _trainer(client, torch.nn.Linear(4, 2), loss=huber, lr=0.05, epochs=3).fit(
+    # One trainer, no push in flight: two async trainers' staleness made the last score vary
+    # 0.002-0.017 from run to run at this rate.
+    result = _trainer(client, torch.nn.Linear(4, 2), loss=huber, lr=0.05, epochs=3, workers=1,
+                      prefetch=False).fit(
         X, Y, validation=(x[:1000], y[:1000]))
     assert "accuracy" not in result.history or result.history["accuracy"].isna().all()
     assert result.history["loss"].iloc[-1] < 0.01

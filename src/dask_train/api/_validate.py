@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dask.array as da
 import numpy as np
 import torch
 
+from dask_train.data._blocks import is_dask_array
 from dask_train.models._array import ArrayModel
 from dask_train.models._evaluate import metric_names
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
@@ -24,6 +24,9 @@ from dask_train.models._torch import (
 from dask_train.policy._placement import check_role_counts
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
+
+if TYPE_CHECKING:
+    import dask.array as da
 
 STRATEGIES = ("async-ps", "sync")
 
@@ -152,7 +155,7 @@ def check_sample_weight(weights: Any, X: Any, module: Any, loss: Any) -> list[st
     if isinstance(module, ArrayModel):
         return ["sample_weight= is not available for a dt.ArrayModel: weigh the rows inside "
                 "its loss_grad function instead."]
-    if not isinstance(weights, da.Array) or not np.issubdtype(weights.dtype, np.number):
+    if not is_dask_array(weights) or not np.issubdtype(weights.dtype, np.number):
         return [f"sample_weight of type {type(weights).__name__} is invalid: pass one number per "
                 "row of X (a numpy or dask array)."]
     problems = []
@@ -248,7 +251,7 @@ def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[
     """Problems with the training arrays' types, shapes, chunks and dtypes (nothing computed)."""
     problems: list[str] = []
     for name, arr in ((name_x, X), (name_y, y)):
-        if not isinstance(arr, da.Array):
+        if not is_dask_array(arr):
             problems.append(f"{name} of type {type(arr).__name__} is invalid: pass a dask array.")
             continue
         if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
@@ -290,7 +293,7 @@ def check_validation(validation: Any, X: Any) -> list[str]:
         )
     if len(xv) == 0:
         problems.append("validation is empty: pass at least one validation sample.")
-    if isinstance(X, da.Array) and np.shape(xv)[1:] != X.shape[1:]:
+    if is_dask_array(X) and np.shape(xv)[1:] != X.shape[1:]:
         problems.append(
             f"validation X_val has sample shape {np.shape(xv)[1:]} but X has {X.shape[1:]}: "
             "use the same features."

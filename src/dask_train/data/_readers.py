@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
-import dask.array as da
 import numpy as np
 
 from dask_train.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import dask.array as da
 
 #: Default block size: large enough that a task per block is cheap against the rows it carries
 #: (a task costs ~10 ms of control), small enough to balance and to re-feed after a failure.
@@ -78,6 +80,8 @@ def from_npy(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *
         problems.append(f"block_rows={block_rows!r} is invalid: use an integer >= 1 or None.")
     if problems:
         raise InvalidInput(problems)
+    import dask.array as da  # here: a worker reading a block (_read_rows) never needs it
+
     row_bytes = max(1, int(np.prod(shape0[1:], dtype=np.int64)) * dtype0.itemsize)
     rows_per = block_rows or max(1, DEFAULT_BLOCK_BYTES // row_bytes)
     parts: list[Any] = []

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from dask_train.runtime._compat import without_dynamo
-
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Losses by name; classification losses also report accuracy.
@@ -178,6 +176,45 @@ def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+_LIGHT_OPTIMIZERS: dict[type, type] = {}
+
+
+def without_dynamo(cls: type) -> type:
+    """A subclass of the torch optimizer class ``cls`` whose construction, steps and state dicts
+    never import ``torch._dynamo``; the same name, state and arithmetic as ``cls``.
+
+    Missing public API: every built-in torch optimizer imports ``torch._dynamo`` the first time
+    it is built (``add_param_group`` is wrapped by ``torch._disable_dynamo``, which imports it
+    on first call) and stepped (``_use_grad_for_differentiable`` calls
+    ``torch._dynamo.graph_break()``): 1.9 s of CPU per process here, paid by every parameter
+    server and sync rank at start-up, on the same cores as the data loading. Both wrappers only
+    matter inside ``torch.compile``, and a shard's optimizer is never compiled. So the subclass
+    calls the functions they wrap (``inspect.unwrap``, through the ``functools.wraps`` chain),
+    with autograd set as the wrapper would set it. The subclass keeps ``cls.__name__``: a
+    checkpoint names its optimizer by class name.
+    """
+    light = _LIGHT_OPTIMIZERS.get(cls)
+    if light is not None:
+        return light
+    base = torch.optim.Optimizer
+    overrides: dict[str, Any] = {}
+    for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
+        if getattr(cls, name) is getattr(base, name):
+            overrides[name] = inspect.unwrap(getattr(base, name))
+    raw_step = inspect.unwrap(cls.step)  # type: ignore[attr-defined]
+
+    def step(self: Any, closure: Any = None) -> Any:
+        with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
+            return raw_step(self, closure)
+
+    step.__doc__ = raw_step.__doc__
+    overrides["step"] = step
+    light = type(cls.__name__, (cls,), {**overrides, "__module__": cls.__module__,
+                                        "__qualname__": cls.__qualname__})
+    _LIGHT_OPTIMIZERS[cls] = light
+    return light
+
+
 def build_optimizer(
     name: Any, params: Sequence[torch.Tensor], *, lr: float, options: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
@@ -188,7 +225,7 @@ def build_optimizer(
         {c: n for n, c in OPTIMIZERS.items()}.get(cls, cls.__name__)
     if cls in OPTIMIZERS.values():
         # A built-in: the same class that never imports torch._dynamo (2 s a process, see
-        # runtime._compat). A user's own class is built as given.
+        # without_dynamo). A user's own class is built as given.
         cls = without_dynamo(cls)
     opts = dict(options)
     if name in _FUSED and not {"fused", "foreach", "differentiable"} & opts.keys():

@@ -1,6 +1,7 @@
 """The private torch and distributed APIs dask-train needs, each in one place, each with the
 public API whose absence makes it necessary. ``tests/runtime/test_compat.py`` fails loudly when
-one of them changes shape in a new release.
+one of them changes shape in a new release. (One lives where it is used, below this layer:
+``models._torch.without_dynamo``, tested in ``tests/models/test_optimizers.py``.)
 """
 
 from __future__ import annotations
@@ -45,49 +46,6 @@ def reset_torch_group_count() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     c10d._world.group_count = 0
-
-
-_LIGHT_OPTIMIZERS: dict[type, type] = {}
-
-
-def without_dynamo(cls: type) -> type:
-    """A subclass of the torch optimizer class ``cls`` whose construction, steps and state dicts
-    never import ``torch._dynamo``; the same name, state and arithmetic as ``cls``.
-
-    Missing public API: every built-in torch optimizer imports ``torch._dynamo`` the first time
-    it is built (``add_param_group`` is wrapped by ``torch._disable_dynamo``, which imports it
-    on first call) and stepped (``_use_grad_for_differentiable`` calls
-    ``torch._dynamo.graph_break()``): 1.9 s of CPU per process here, paid by every parameter
-    server and sync rank at start-up, on the same cores as the data loading. Both wrappers only
-    matter inside ``torch.compile``, and a shard's optimizer is never compiled. So the subclass
-    calls the functions they wrap (``inspect.unwrap``, through the ``functools.wraps`` chain),
-    with autograd set as the wrapper would set it. The subclass keeps ``cls.__name__``: a
-    checkpoint names its optimizer by class name.
-    """
-    import inspect
-
-    import torch
-
-    light = _LIGHT_OPTIMIZERS.get(cls)
-    if light is not None:
-        return light
-    base = torch.optim.Optimizer
-    overrides: dict[str, Any] = {}
-    for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
-        if getattr(cls, name) is getattr(base, name):
-            overrides[name] = inspect.unwrap(getattr(base, name))
-    raw_step = inspect.unwrap(cls.step)  # type: ignore[attr-defined]
-
-    def step(self: Any, closure: Any = None) -> Any:
-        with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
-            return raw_step(self, closure)
-
-    step.__doc__ = raw_step.__doc__
-    overrides["step"] = step
-    light = type(cls.__name__, (cls,), {**overrides, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__})
-    _LIGHT_OPTIMIZERS[cls] = light
-    return light
 
 
 #: The name distributed's Nanny gives the worker processes it starts.
