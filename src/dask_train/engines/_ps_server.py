@@ -17,6 +17,7 @@ from distributed.protocol import to_serialize
 
 from dask_train.engines._optim import FlatOptimizer
 from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
+from dask_train.engines._ps_socket import push_endpoint
 from dask_train.engines._stats import StatsReporter, topic_of
 from dask_train.engines._worker import read_slice
 from dask_train.models._buffers import BufferSet
@@ -134,7 +135,7 @@ def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int, np.
     return result
 
 
-def _holder(worker: Worker, job: str, index: int) -> Any:
+def holder_or_reason(worker: Worker, job: str, index: int) -> Any:
     """The holder, or why it is not here. A reply, not an exception: a handler that raises logs
     a traceback on the worker, and a scorer asking before a sync rank 0 has published is normal.
     """
@@ -154,7 +155,7 @@ def make_push_handler(worker: Worker) -> Any:
         job: str, shard: int, grad: np.ndarray, samples: int, position: Any = None,
         buffers: np.ndarray | None = None,
     ) -> dict[str, Any]:
-        server = _holder(worker, job, shard)
+        server = holder_or_reason(worker, job, shard)
         if isinstance(server, str):
             return {"missing": server}
         # Off the event loop for a large shard (see FlatOptimizer.run): a step of a big model
@@ -169,7 +170,7 @@ def make_pull_handler(worker: Worker) -> Any:
     """The ``dask_train_pull`` handler: the parameters of a shard (or of a sync rank 0)."""
 
     async def dask_train_pull(job: str, shard: int) -> dict[str, Any]:
-        holder = _holder(worker, job, shard)
+        holder = holder_or_reason(worker, job, shard)
         if isinstance(holder, str):
             return {"missing": holder}
         params, version, samples, buffers = await holder.run(holder.pull)
@@ -183,3 +184,16 @@ def make_pull_handler(worker: Worker) -> Any:
 
 register_handler("dask_train_push", f"{__name__}:make_push_handler")
 register_handler("dask_train_pull", f"{__name__}:make_pull_handler")
+
+
+def make_endpoint_handler(worker: Worker) -> Any:
+    """The ``dask_train_endpoint`` handler: where to send pushes directly (``_ps_socket``), or
+    None where they keep Dask's RPC."""
+
+    async def dask_train_endpoint() -> str | None:
+        return push_endpoint(worker)
+
+    return dask_train_endpoint
+
+
+register_handler("dask_train_endpoint", f"{__name__}:make_endpoint_handler")

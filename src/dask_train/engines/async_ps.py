@@ -124,6 +124,7 @@ def run_trainer(
              "rows": consumed, "done": item.skip + consumed == item.rows, "steps": pusher.pushes},
         )
     pusher.drain()
+    ps.close()
     stats.report(step=pusher.version, force=True, samples=samples, steps=pusher.pushes,
                  feed_wait_s=feed_wait, server_wait_s=pusher.wait_s)
     # The last event: once the controller has it, it has every block report sent before it.

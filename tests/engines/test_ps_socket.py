@@ -1,0 +1,170 @@
+"""Pushes to a small remote shard go over a direct connection (``engines._ps_socket``).
+
+Real worker processes (the session's LocalCluster): a shard on one worker, a task on the other
+pushing to it through :class:`PSClient`, as a trainer does. The direct path must update exactly
+as the local update would, carry the trainer's position and buffers, answer "not here" as the RPC
+does, and fail fast, not at the timeout, when the shard's worker goes away.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, Event, get_worker
+from distributed.comm.core import CommClosedError
+
+import dask_train.engines._ps_server  # noqa: F401  (registers the push/pull/endpoint handlers)
+from dask_train.engines._optim import FlatOptimizer
+from dask_train.engines._ps_client import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
+from dask_train.engines._ps_server import start_shard_task
+from dask_train.engines._ps_socket import push_endpoint
+from dask_train.engines._worker import drop_job
+from dask_train.runtime._plugin import worker_state
+from dask_train.runtime._roles import ensure_plugin
+
+N_IN, N_OUT = 20, 5
+N_PARAMS = N_IN * N_OUT + N_OUT
+
+
+def _start(job: str, shard: ShardRef, n_in: int = N_IN, n_out: int = N_OUT) -> str:
+    torch.manual_seed(0)
+    return start_shard_task(torch.nn.Linear(n_in, n_out), job=job, shard=shard,
+                            optimizer="adam", lr=0.01, options={}, max_step=None)
+
+
+def _grads(n: int, count: int) -> list[np.ndarray]:
+    gen = np.random.default_rng(0)
+    return [gen.normal(size=n).astype(np.float32) for _ in range(count)]
+
+
+def _push(job: str, shards: list[ShardRef], n: int, count: int, depth: int) -> dict:
+    """Task: ``count`` pushes with ``depth`` in flight; the last parameters and how they went."""
+    worker = get_worker()
+    ps = PSClient(worker, job, worker_state(worker).job(job), shards, timeout=60)
+    buffers = [torch.empty(n) for _ in range(depth + 1)]
+    pending, last = [], None
+    for i, g in enumerate(_grads(n, count)):
+        buf = buffers[i % len(buffers)]
+        buf.copy_(torch.from_numpy(g))
+        pending.append(ps.push(buf, 64, [1, 0, 7, 64 * (i + 1)], np.array([float(i)])))
+        if len(pending) > depth - 1:
+            last = ps.wait(pending.pop(0))
+    for p in pending:
+        last = ps.wait(p)
+    direct = {i: c is not None for i, c in ps._direct.items()}
+    ps.close()
+    assert last is not None
+    params = np.concatenate([p for _, p in sorted(last.params, key=lambda rp: rp[0].start)])
+    return {"params": params, "version": last.version, "direct": direct}
+
+
+def _shard_state(job: str, index: int) -> dict:
+    server = worker_state(get_worker()).job(job).params[index]
+    return {"positions": server.positions, "buffers": server.buffers, "version": server.version}
+
+
+def _expected(count: int) -> np.ndarray:
+    """The same updates applied in this process."""
+    torch.manual_seed(0)
+    flat = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(N_IN, N_OUT).parameters()])
+    opt = FlatOptimizer(flat.numpy(), optimizer="adam", lr=0.01, options={})
+    for g in _grads(N_PARAMS, count):
+        opt.grad.copy_(torch.from_numpy(g))
+        opt.step(64)
+    return opt.param.detach().numpy()
+
+
+@pytest.fixture
+def job(client: Client):
+    ensure_plugin(client)
+    name = f"socket-{uuid.uuid4().hex[:8]}"
+    yield name
+    client.run(drop_job, name)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_remote_push_goes_direct_and_updates_exactly(client: Client, job: str,
+                                                       depth: int) -> None:
+    server, other = sorted(client.scheduler_info()["workers"])
+    shard = ShardRef(0, 0, N_PARAMS, server)
+    client.submit(_start, job, shard, workers=[server], pure=False).result()
+    got = client.submit(_push, job, [shard], N_PARAMS, 12, depth, workers=[other],
+                        pure=False).result()
+    assert got["direct"] == {0: True}
+    assert got["version"] == 12
+    np.testing.assert_array_equal(got["params"], _expected(12))
+    state = client.submit(_shard_state, job, 0, workers=[server], pure=False).result()
+    # The trainer's place in its data, and its buffers, arrived with the pushes.
+    assert state["positions"] == {1: {(0, 7): 64 * 12}}
+    np.testing.assert_array_equal(state["buffers"], [11.0])
+
+
+def test_two_shards_one_here_one_there(client: Client, job: str) -> None:
+    a, b = sorted(client.scheduler_info()["workers"])
+    half = N_PARAMS // 2
+    shards = [ShardRef(0, 0, half, a), ShardRef(1, half, N_PARAMS, b)]
+    for ref in shards:
+        client.submit(_start_slice, job, ref, workers=[ref.address], pure=False).result()
+    got = client.submit(_push, job, shards, N_PARAMS, 6, 1, workers=[a], pure=False).result()
+    assert got["direct"] == {1: True}  # the shard on the pusher's own worker is called in-thread
+    np.testing.assert_array_equal(got["params"], _expected(6))
+
+
+def _start_slice(job: str, shard: ShardRef) -> str:
+    return _start(job, shard)
+
+
+def test_a_large_shard_keeps_dasks_rpc(client: Client, job: str) -> None:
+    server, other = sorted(client.scheduler_info()["workers"])
+    n_in = DIRECT_MAX_ELEMENTS // 8 + 1
+    n = n_in * 8 + 8
+    shard = ShardRef(0, 0, n, server)
+    client.submit(_start, job, shard, n_in, 8, workers=[server], pure=False).result()
+    got = client.submit(_push, job, [shard], n, 2, 1, workers=[other], pure=False).result()
+    assert got["direct"] == {0: False}
+    assert got["version"] == 2
+
+
+def test_a_shard_that_is_not_there_is_a_key_error(client: Client, job: str) -> None:
+    server, other = sorted(client.scheduler_info()["workers"])
+    shard = ShardRef(0, 0, N_PARAMS, server)  # never started
+    with pytest.raises(KeyError, match="not on worker"):
+        client.submit(_push, job, [shard], N_PARAMS, 1, 1, workers=[other], pure=False).result()
+
+
+def _push_until_error(job: str, shard: ShardRef) -> str:
+    worker = get_worker()
+    ps = PSClient(worker, job, worker_state(worker).job(job), [shard], timeout=60)
+    grad = torch.zeros(N_PARAMS)
+    ps.wait(ps.push(grad, 1))
+    assert ps._direct[0] is not None
+    Event(f"{job}-pushing").set()
+    try:
+        while True:
+            ps.wait(ps.push(grad, 1))
+    except CommClosedError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(180)
+def test_losing_the_shards_worker_fails_the_push_at_once(client: Client, job: str) -> None:
+    """Not after the 60 s timeout: the closed connection says it."""
+    server, other = sorted(client.scheduler_info()["workers"])
+    shard = ShardRef(0, 0, N_PARAMS, server)
+    client.submit(_start, job, shard, workers=[server], pure=False).result()
+    pushing = client.submit(_push_until_error, job, shard, workers=[other], pure=False)
+    assert Event(f"{job}-pushing", client=client).wait(60)
+    client.restart_workers([server])
+    message = pushing.result(timeout=50)
+    assert f"parameter-server shard 0 on {server}" in message
+
+
+def test_only_plain_tcp_workers_open_an_endpoint() -> None:
+    """An in-process cluster (inproc://) keeps Dask's RPC, as TLS would."""
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                set_as_default=False) as c:
+        assert c.run(lambda dask_worker: push_endpoint(dask_worker)) == {
+            a: None for a in c.scheduler_info()["workers"]}
