@@ -27,6 +27,9 @@ The systems:
 * ``ray`` (``--with-ray``): Ray Train's ``TorchTrainer``, 2 CPU workers, each reading half of the
   files, batches of 64, rank 0 scoring every 0.5 s.
 
+For dask-train, "trainers waiting" is the share of the trainers' loop spent waiting for the
+parameter servers (async-ps) or the all-reduce (sync), summed over the trainers.
+
 Medians and ranges over ``--repeats`` runs are printed and written to
 ``results/time-to-accuracy.md``; nothing is asserted. Aims: dask-train's best default strategy
 reaches 0.97 before the hand-written DDP and within 1.5x of plain torch with 2 threads.
@@ -216,8 +219,12 @@ def run_dask_train(data: Path, strategy: str, limit_s: float) -> None:
     reached = result.stopped_by.startswith("StopAtScore")
     hit = result.history[result.history["accuracy"] >= TARGET]
     target = result.started_at + float(hit["time_s"].iloc[0]) if reached and len(hit) else None
+    # The share of the trainers' loop spent waiting for the servers (async-ps) or the all-reduce.
+    busy = sum(r.get("busy_s", 0.0) for r in result.trainers)
+    waited = sum(r.get("ps_wait_s", r.get("allreduce_s", 0.0)) for r in result.trainers)
     _report(first_step=result.started_at + t["roles"] + t["first_step"], target=target,
-            accuracy=float(result.history["accuracy"].max()), steps=result.steps, timings=t)
+            accuracy=float(result.history["accuracy"].max()), steps=result.steps, timings=t,
+            wait_share=waited / busy if busy else None)
     client.close()
 
 
@@ -280,7 +287,7 @@ def time_one(system: str, data: Path, limit_s: float) -> dict[str, Any]:
     return {"system": system, "setup_s": first - started if first else None,
             "to_target_s": target - started if target else None, "process_s": ended - started,
             "accuracy": got.get("accuracy"), "steps": got.get("steps"),
-            "timings": got.get("timings")}
+            "timings": got.get("timings"), "wait_share": got.get("wait_share")}
 
 
 def _summary(runs: list[dict[str, Any]], key: str) -> str:
@@ -327,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
              "sync": "dask-train sync", "ray": "Ray Train, 2 workers"}
     rows = [{"system": names[s], "setup (s)": _summary(runs[s], "setup_s"),
              f"script start to {TARGET} (s)": _summary(runs[s], "to_target_s"),
+             "trainers waiting (%)": _summary([{"w": 100 * r["wait_share"]} for r in runs[s]
+                                               if r.get("wait_share") is not None], "w")
+             if s in ("async-ps", "sync") else "",
              "runs": len(runs[s]), "failed": sum("error" in r for r in runs[s])}
             for s in systems]
     table = markdown_table(rows, list(rows[0]))

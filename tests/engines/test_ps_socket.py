@@ -9,7 +9,9 @@ does, and fail fast, not at the timeout, when the shard's worker goes away.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -163,8 +165,19 @@ def test_losing_the_shards_worker_fails_the_push_at_once(client: Client, job: st
 
 
 def test_only_plain_tcp_workers_open_an_endpoint() -> None:
-    """An in-process cluster (inproc://) keeps Dask's RPC, as TLS would."""
+    """An in-process cluster (inproc://) keeps Dask's RPC, as TLS would; so does a TCP worker
+    whose config turns the direct path off."""
+    def endpoint(dask_worker: Any) -> str | None:
+        return push_endpoint(dask_worker)
+
     with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 set_as_default=False) as c:
-        assert c.run(lambda dask_worker: push_endpoint(dask_worker)) == {
-            a: None for a in c.scheduler_info()["workers"]}
+        assert list(c.run(endpoint).values()) == [None]
+    with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                protocol="tcp", set_as_default=False) as c:
+        (address,) = c.scheduler_info()["workers"]
+        host = address.split("://")[1].rsplit(":", 1)[0]
+        with dask.config.set({"dask-train.direct-push": False}):
+            assert list(c.run(endpoint).values()) == [None]
+        (got,) = c.run(endpoint).values()
+        assert got is not None and got.startswith(f"{host}:")

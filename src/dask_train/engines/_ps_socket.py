@@ -11,8 +11,8 @@ The socket server is the framework's own network started inside the Dask worker,
 of the worker's own host, as torch.distributed is: one per worker process, started on the first
 request for it (``dask_train_endpoint``), one thread per connection. A connection serves one
 (job, shard) pair; a trainer opens one per remote shard. Only for ``tcp://`` workers: a cluster
-on TLS or another transport keeps Dask's RPC, with its security. Pulls (rare: start, scorer)
-stay on Dask's RPC.
+on TLS or another transport keeps Dask's RPC, with its security, as does a worker whose Dask
+config sets ``dask-train.direct-push: false``. Pulls (rare: start, scorer) stay on Dask's RPC.
 
 Wire format (little-endian), after a hello of ``<H`` job length, the job id, ``<i`` shard:
 request ``<q samples, B has_position, 4q position, q n_grad (float32), q n_buffers (float64)>``
@@ -130,9 +130,12 @@ class PushServer:
 
 def push_endpoint(worker: Worker) -> str | None:
     """This worker's push endpoint ``host:port``, starting its server on first use; None where
-    pushes must keep Dask's RPC (a worker not on plain TCP)."""
+    pushes must keep Dask's RPC: a worker not on plain TCP, or the Dask config
+    ``dask-train.direct-push`` set to False (a network that allows only Dask's ports)."""
+    import dask
+
     scheme, _, rest = worker.address.partition("://")
-    if scheme != "tcp":
+    if scheme != "tcp" or not dask.config.get("dask-train.direct-push", True):
         return None
     host = rest.rsplit(":", 1)[0].strip("[]")
     with _servers_lock:

@@ -60,16 +60,24 @@ def run_scorer(
         for old in sorted(snapshots)[:-_SNAPSHOTS]:
             del snapshots[old]
         worker.log_event(config["topic"], {"kind": "score", **record})
-    where = {"validation_rows": dict(spread.rows_by_worker) if spread else
-             {worker.address: len(validation[0]) if validation is not None else 0}}
+    def where() -> dict[str, Any]:
+        # Read after the last score: a job shorter than score_every has only the final one.
+        return {"validation_rows": dict(spread.rows_by_worker) if spread else
+                {worker.address: len(validation[0]) if validation is not None else 0}}
+
     if state.scorer_keep in snapshots:
         record, params, kept = snapshots[state.scorer_keep]
-        return {"record": record, "params": params, "buffers": kept, **where}
-    for _ in range(3):  # the last score of the final parameters
+        return {"record": record, "params": params, "buffers": kept, **where()}
+    # The last score of the final parameters. Retried for a while, not a fixed few times: a job
+    # shorter than score_every has had no score yet, and its spread validation blocks may still
+    # be settling on their workers.
+    deadline = time.monotonic() + min(10.0, float(config["timeout"]))
+    while True:
         record = scorer.score()
-        if record is not None:
+        if record is not None or time.monotonic() >= deadline:
             break
-    return {"record": record, "params": None, "buffers": None, **where}
+        time.sleep(0.05)
+    return {"record": record, "params": None, "buffers": None, **where()}
 
 
 # Scores reach the controller within milliseconds, so the one that stops a job is among the last.

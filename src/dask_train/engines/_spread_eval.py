@@ -130,8 +130,12 @@ class SpreadValidation:
         holders: dict[str, list[str]] = {}
         for key in self.keys:
             where = sorted(who_has.get(key) or [])
-            if where:
-                holders.setdefault(where[0], []).append(key)
+            if not where:
+                # Not held anywhere right now (being moved, or recomputed after a loss): a score
+                # over the blocks found would leave rows out; none this time, look again next.
+                self.holders = {}
+                return
+            holders.setdefault(where[0], []).append(key)
         self.holders = holders
 
     async def _evaluate(self, params: np.ndarray, buffers: Any, outputs: bool) -> list[Any]:
@@ -160,13 +164,14 @@ class SpreadValidation:
 
     def score(self, params: np.ndarray, buffers: Any) -> dict[str, float] | None:
         """The validation scores of ``params``; None when some block could not be found (a
-        worker was lost: Dask recomputes or moves the blocks, and the next score finds them)."""
+        worker was lost, or a block is moving: Dask recomputes or moves the blocks, and the next
+        score finds them)."""
         from dask_train.models._evaluate import extra_metrics
 
         metrics = {k: m for k, m in (self.config.get("metrics") or {}).items()
                    if not isinstance(m, str)}
         replies = self._call(self._evaluate(params, buffers, bool(metrics)))
-        if any(r.get("missing") or "rows" not in r for r in replies):
+        if not replies or any(r.get("missing") or "rows" not in r for r in replies):
             self.holders = {}  # look the blocks up again next time
             return None
         rows = sum(int(r["rows"]) for r in replies)
