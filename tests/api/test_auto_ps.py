@@ -12,7 +12,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
-from dask_train.engines._probe import probe_costs
+from dask_train.engines.ps.probe import probe_costs
 
 
 def _data(n: int = 8000):

@@ -13,8 +13,8 @@ from distributed import Client
 import dask_train as dt
 from dask_train.classical.full_batch import BlockData
 from dask_train.controller._controller import Controller
-from dask_train.engines._array_engine import ArrayEngine
 from dask_train.engines._spec import JobSpec
+from dask_train.engines.array.engine import ArrayEngine
 from dask_train.policy import FailureConfig, Roles
 
 

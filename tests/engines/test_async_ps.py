@@ -347,7 +347,7 @@ def test_deeper_prefetch_still_feeds_each_sample_once(client: Client) -> None:
 
 
 def test_auto_prefetch_adds_pushes_in_flight_while_waits_dominate() -> None:
-    from dask_train.engines.async_ps import AUTO_MAX_DEPTH, _Adapt
+    from dask_train.engines.ps.trainer import AUTO_MAX_DEPTH, _Adapt
 
     adapt, depth = _Adapt(window=4), 1
     for _ in range(40):  # waiting 60% of the time: one more in flight per window, up to the cap

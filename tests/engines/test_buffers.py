@@ -113,7 +113,7 @@ def test_buffer_vector_round_trips_int64_counters_exactly() -> None:
 
 
 def test_a_model_without_buffers_sends_and_keeps_nothing() -> None:
-    from dask_train.engines._ps_server import ShardServer
+    from dask_train.engines.ps.server import ShardServer
     from dask_train.models._buffers import BufferSet
 
     linear = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())

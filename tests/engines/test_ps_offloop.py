@@ -20,11 +20,11 @@ import pytest
 import torch
 from distributed import Client, Event, get_worker
 
-import dask_train.engines._ps_server  # noqa: F401  (registers the push/pull handlers)
-from dask_train.engines._optim import OFF_LOOP_MIN_ELEMENTS
-from dask_train.engines._ps_client import PSClient, ShardRef
-from dask_train.engines._ps_server import start_shard_task
-from dask_train.engines._worker import drop_job
+import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull handlers)
+from dask_train.engines.ps.server import start_shard_task
+from dask_train.engines.shared.control import drop_job
+from dask_train.engines.shared.optim import OFF_LOOP_MIN_ELEMENTS
+from dask_train.engines.shared.params import PSClient, ShardRef
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 

@@ -1,4 +1,4 @@
-"""Pushes to a small remote shard go over a direct connection (``engines._ps_socket``).
+"""Pushes to a small remote shard go over a direct connection (``engines.shared.push_socket``).
 
 Real worker processes (the session's LocalCluster): a shard on one worker, a task on the other
 pushing to it through :class:`PSClient`, as a trainer does. The direct path must update exactly
@@ -18,12 +18,12 @@ import torch
 from distributed import Client, Event, get_worker
 from distributed.comm.core import CommClosedError
 
-import dask_train.engines._ps_server  # noqa: F401  (registers the push/pull/endpoint handlers)
-from dask_train.engines._optim import FlatOptimizer
-from dask_train.engines._ps_client import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
-from dask_train.engines._ps_server import start_shard_task
-from dask_train.engines._ps_socket import push_endpoint
-from dask_train.engines._worker import drop_job
+import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull/endpoint handlers)
+from dask_train.engines.ps.server import start_shard_task
+from dask_train.engines.shared.control import drop_job
+from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.shared.params import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
+from dask_train.engines.shared.push_socket import push_endpoint
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 

@@ -2,7 +2,7 @@
 
 Before the roles are placed, the job's per-step costs are measured on the cluster (a few
 gradients of the module on one batch, an optimizer step, an echo between two workers: see
-``engines._probe``); the cost model (``policy._cost``) predicts the throughput of each server
+``engines.ps.probe``); the cost model (``policy._cost``) predicts the throughput of each server
 count from 1 to the number of Dask workers, and the fewest servers within 10% of the best are
 taken. The choice, its predicted rate and what limits it are logged at INFO.
 """
@@ -30,7 +30,7 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> int:
         return int(trainer.ps)
     if trainer.strategy == "sync":
         return 0
-    from dask_train.engines._probe import probe_costs
+    from dask_train.engines.ps.probe import probe_costs
     from dask_train.runtime._roles import worker_threads
 
     n = min(int(X.shape[0]), int(trainer.batch_size))

@@ -58,10 +58,10 @@ def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None) -
 def engine_class(strategy: str) -> Any:
     """The engine of a torch or Keras strategy (imported here: only the chosen one loads)."""
     if strategy == "sync":
-        from dask_train.engines._sync_engine import TorchSyncEngine
+        from dask_train.engines.torch_sync.engine import TorchSyncEngine
 
         return TorchSyncEngine
-    from dask_train.engines._ps_engine import AsyncPSEngine
+    from dask_train.engines.ps.engine import AsyncPSEngine
 
     return AsyncPSEngine
 

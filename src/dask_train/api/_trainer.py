@@ -362,7 +362,7 @@ class Trainer:
                    warm_start: bool = False, sample_weight: Any = None) -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.classical.full_batch import persist_data
-        from dask_train.engines._array_engine import ArrayEngine
+        from dask_train.engines.array.engine import ArrayEngine
 
         self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
         assert isinstance(self.module, ArrayModel)

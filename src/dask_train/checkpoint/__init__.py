@@ -10,7 +10,13 @@ Examples
 
 from dask_train.checkpoint._io import load_metadata, load_tensors, save_tensors
 from dask_train.checkpoint._module import load_module, save_module
-from dask_train.checkpoint._shard import ShardState, load_shard, restore_optimizer, save_shard
+from dask_train.checkpoint._shard import (
+    ShardState,
+    load_shard,
+    read_slice,
+    restore_optimizer,
+    save_shard,
+)
 from dask_train.checkpoint._store import CheckpointConfig, CheckpointStore
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "load_module",
     "load_shard",
     "load_tensors",
+    "read_slice",
     "restore_optimizer",
     "save_module",
     "save_shard",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -292,3 +292,43 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: ShardState) -> No
         {**{k: v for k, v in g.items() if k != "params"}, "params": [0]} for g in optimizer.param_groups
     ]
     optimizer.load_state_dict({"state": {0: values} if values else {}, "param_groups": groups})
+
+
+def read_slice(files: Sequence[Mapping[str, Any]], start: int, stop: int) -> Any:
+    """The checkpointed state of flat positions ``[start, stop)``, from the shard files covering it.
+
+    ``files`` are the manifest's shard records (``path``, ``start``, ``stop``). The slices may be cut
+    differently from the new shards (another number of servers): every optimizer here keeps its
+    state element by element, so a slice of the concatenation is exact. Scalar state (Adam's step)
+    is the same in every shard and is taken from the first.
+    """
+    import torch  # here, not at the top: reading a manifest must not import torch
+
+    params: list[Any] = []
+    pieces: dict[str, list[Any]] = {}
+    first: Any = None
+    buffers: Any = None  # in the one shard file that holds them (the first holder's)
+    for record in sorted(files, key=lambda r: int(r["start"])):
+        lo, hi = max(start, int(record["start"])), min(stop, int(record["stop"]))
+        if lo >= hi:
+            continue
+        shard = load_shard(record["path"])
+        first = first or shard
+        if shard.buffers is not None:
+            buffers = shard.buffers
+        a, b = lo - int(record["start"]), hi - int(record["start"])
+        params.append(shard.param.reshape(-1)[a:b])
+        n = shard.param.numel()
+        for key, value in shard.optimizer_state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == n and n > 1:
+                pieces.setdefault(key, []).append(value.reshape(-1)[a:b])
+    if first is None or sum(p.numel() for p in params) != stop - start:
+        raise ValueError(
+            f"the checkpoint's shard files do not cover parameters [{start}, {stop}); "
+            "it was written for another model"
+        )
+    state = dict(first.optimizer_state)
+    state.update({key: torch.cat(parts) for key, parts in pieces.items()})
+    return ShardState(param=torch.cat(params), optimizer_state=state,
+                      optimizer_name=first.optimizer_name, metadata=dict(first.metadata),
+                      buffers=buffers)

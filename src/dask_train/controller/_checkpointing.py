@@ -16,7 +16,7 @@ from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig, CheckpointStore
 from dask_train.controller._state import JobState
-from dask_train.engines._base import Engine
+from dask_train.engines._protocol import Engine
 from dask_train.errors import InvalidInput, TrainingTimeout
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The one controller: runs any engine (:class:`~dask_train.engines._base.Engine`) to the job's end.
+"""The one controller: runs any engine (:class:`~dask_train.engines._protocol.Engine`) to the job's end.
 
 One coroutine on the client's event loop. Per generation it starts the engine, then loops: take
 the engine's events (scores, non-finite losses, epochs, progress) into the history, the stop
@@ -23,7 +23,7 @@ from distributed import Client
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
-from dask_train.engines._base import Ending, Engine
+from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error

@@ -3,7 +3,7 @@
 A torch module is trained over a torch.distributed group; an :class:`ArrayModel` needs no
 framework at all. Each step, every worker evaluates ``loss_grad`` on its own mini-batch of the
 blocks it holds, and the sums are combined on the workers by a Dask tree reduction
-(:mod:`dask_train.engines.sync_array`).
+(:mod:`dask_train.engines.array.worker`).
 """
 
 from __future__ import annotations

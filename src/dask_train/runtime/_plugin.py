@@ -113,7 +113,7 @@ class WorkerState:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.jobs: dict[str, JobState] = {}
-        # Job -> the model this worker evaluates its validation blocks with (engines._spread_eval).
+        # Job -> the model this worker evaluates its validation blocks with (engines.shared.spread_eval).
         self.evaluators: dict[str, Any] = {}
         # Jobs dropped here (the most recent): a late message for one must not bring it back.
         self.ended: collections.deque[str] = collections.deque(maxlen=1024)

@@ -2,12 +2,12 @@
 
 The chief (this engine, on the client's event loop) holds the parameters and a torch optimizer
 over them. Per step it sends the parameters once, runs one task per group of co-located blocks
-(:func:`~dask_train.engines.sync_array.group_step`, where the blocks live, so no block moves),
+(:func:`~dask_train.engines.array.worker.group_step`, where the blocks live, so no block moves),
 adds the partial ``(loss_sum, grad_sum, rows)`` on the workers with a tree reduction, divides by
 the rows (the exact mean gradient over the union of the groups' batches) and steps. A scoring
 task runs in the background every ``score_every`` seconds.
 
-Behind the same :class:`~dask_train.engines._base.Engine` protocol as the torch engines, so the
+Behind the same :class:`~dask_train.engines._protocol.Engine` protocol as the torch engines, so the
 one controller gives it checkpoints (its parameters and optimizer state, and its position: epoch
 and step within it), exact resume, a timeout on every wait, a replaced scorer, and a new
 generation from the newest checkpoint when a step fails because a worker was lost.
@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from distributed import Client, Future
 
+from dask_train.checkpoint import read_slice
 from dask_train.classical.full_batch import EMBED_PARAMS_BYTES, BlockData, add_terms, tree_reduce
-from dask_train.engines._base import Emit, Ending, Engine, Snapshot
-from dask_train.engines._optim import FlatOptimizer
+from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec
-from dask_train.engines._worker import read_slice
-from dask_train.engines.sync_array import group_step, score_task
+from dask_train.engines.array.worker import group_step, score_task
+from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.errors import TrainingTimeout
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles

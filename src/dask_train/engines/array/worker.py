@@ -1,6 +1,6 @@
 """Synchronous data-parallel training of an :class:`~dask_train.models.ArrayModel` with Dask alone.
 
-The numpy counterpart of :mod:`dask_train.engines.sync_torch`: no torch.distributed group, the
+The numpy counterpart of :mod:`dask_train.engines.torch_sync.rank`: no torch.distributed group, the
 gradients are averaged by a Dask tree reduction instead of a collective. Per step:
 
 * each worker's group of co-located blocks (:meth:`BlockData.groups`, persisted once) evaluates

@@ -15,11 +15,11 @@ import torch
 from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
-from dask_train.engines._optim import FlatOptimizer
-from dask_train.engines._ps_client import BUFFER_SHARD, ShardRef
-from dask_train.engines._ps_socket import push_endpoint
-from dask_train.engines._stats import StatsReporter, topic_of
-from dask_train.engines._worker import read_slice
+from dask_train.checkpoint import read_slice
+from dask_train.engines.shared.holders import holder_or_reason
+from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.shared.params import BUFFER_SHARD, ShardRef
+from dask_train.engines.shared.stats import StatsReporter, topic_of
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
@@ -124,30 +124,6 @@ def start_shard_task(
     return worker.address
 
 
-def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int, np.ndarray | None]:
-    """Dask task: (parameters, version, samples, buffers) of the parameter holder ``index`` here."""
-    worker = get_worker()
-    state = worker_state(worker).jobs.get(job)
-    if state is None:
-        raise KeyError(f"job {job!r} is not on worker {worker.address}")
-    holder = state.holder(index, address=worker.address, job=job)
-    result: tuple[np.ndarray, int, int, np.ndarray | None] = holder.pull()
-    return result
-
-
-def holder_or_reason(worker: Worker, job: str, index: int) -> Any:
-    """The holder, or why it is not here. A reply, not an exception: a handler that raises logs
-    a traceback on the worker, and a scorer asking before a sync rank 0 has published is normal.
-    """
-    state = worker_state(worker).jobs.get(job)  # never create the state of an unknown job
-    if state is None:
-        return f"job {job!r} is not on worker {worker.address}"
-    try:
-        return state.holder(index, address=worker.address, job=job)
-    except KeyError as exc:
-        return str(exc.args[0])
-
-
 def make_push_handler(worker: Worker) -> Any:
     """The ``dask_train_push`` handler: apply a gradient to a shard, reply with its parameters."""
 
@@ -166,34 +142,4 @@ def make_push_handler(worker: Worker) -> Any:
     return dask_train_push
 
 
-def make_pull_handler(worker: Worker) -> Any:
-    """The ``dask_train_pull`` handler: the parameters of a shard (or of a sync rank 0)."""
-
-    async def dask_train_pull(job: str, shard: int) -> dict[str, Any]:
-        holder = holder_or_reason(worker, job, shard)
-        if isinstance(holder, str):
-            return {"missing": holder}
-        params, version, samples, buffers = await holder.run(holder.pull)
-        reply = {"params": to_serialize(params), "version": version, "samples": samples}
-        if buffers is not None:
-            reply["buffers"] = to_serialize(buffers)
-        return reply
-
-    return dask_train_pull
-
-
 register_handler("dask_train_push", f"{__name__}:make_push_handler")
-register_handler("dask_train_pull", f"{__name__}:make_pull_handler")
-
-
-def make_endpoint_handler(worker: Worker) -> Any:
-    """The ``dask_train_endpoint`` handler: where to send pushes directly (``_ps_socket``), or
-    None where they keep Dask's RPC."""
-
-    async def dask_train_endpoint() -> str | None:
-        return push_endpoint(worker)
-
-    return dask_train_endpoint
-
-
-register_handler("dask_train_endpoint", f"{__name__}:make_endpoint_handler")

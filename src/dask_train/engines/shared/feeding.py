@@ -23,7 +23,7 @@ from dask_train.runtime._feed import feed_block
 
 
 class FeedingMixin:
-    """The feeding half of :class:`~dask_train.engines._role_engine.RoleEngine`."""
+    """The feeding half of :class:`~dask_train.engines.shared.role_engine.RoleEngine`."""
 
     # Set by RoleEngine.__init__ (declared here for the type checker).
     client: Client
@@ -32,7 +32,6 @@ class FeedingMixin:
     blocks: BlockSet
     ledger: Ledger
     job: str
-    strategy: str
     stopping: bool
     ended: list[bool]
     idle: list[bool]
@@ -51,11 +50,7 @@ class FeedingMixin:
         if self.ended[trainer] or trainer in self.retired or self.stopping:
             return
         a = self.ledger.next_for(trainer)
-        if a is None and self.strategy != "sync":
-            # Async: no end marker yet. Until every block is consumed, a lost trainer's blocks
-            # may still come back to this one (see _end_idle).
-            self.idle[trainer] = True
-            self._end_idle()
+        if a is None and self.out_of_blocks(trainer):
             return
         self.idle[trainer] = False
         address = self.roles["worker"][trainer]
@@ -72,6 +67,12 @@ class FeedingMixin:
         else:
             fut = self._feed_task(trainer, address, a, common)
         self.feeds.append((trainer, fut))
+
+    def out_of_blocks(self, trainer: int) -> bool:
+        """``trainer`` has no block left to get: True when the engine takes care of it, False to
+        send it the end marker now (a sync rank ends with the others; the async engine overrides
+        this to keep it waiting while a lost trainer's blocks may still come back to it)."""
+        return False
 
     def _common(self, trainer: int) -> dict[str, Any]:
         common = {"job": self.job, "trainer": trainer, "seed": self.spec.seed,

@@ -26,9 +26,13 @@ import logging
 import socket
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 from distributed import Worker
+
+from dask_train.engines.shared.holders import holder_or_reason
+from dask_train.runtime._plugin import register_handler
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +93,6 @@ class PushServer:
                              name="dask-train-push-conn").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        from dask_train.engines._ps_server import holder_or_reason
-
         try:
             with conn:
                 (size,) = _HELLO.unpack(_recv_bytes(conn, _HELLO.size))
@@ -206,3 +208,16 @@ def connection_error(exc: OSError, shard: int, address: str) -> Exception:
         return TimeoutError(f"parameter-server shard {shard} on {address} did not answer a push "
                             f"in time ({exc})")
     return CommClosedError(f"parameter-server shard {shard} on {address}: {exc}")
+
+
+def make_endpoint_handler(worker: Worker) -> Any:
+    """The ``dask_train_endpoint`` handler: where to send pushes directly (``_ps_socket``), or
+    None where they keep Dask's RPC."""
+
+    async def dask_train_endpoint() -> str | None:
+        return push_endpoint(worker)
+
+    return dask_train_endpoint
+
+
+register_handler("dask_train_endpoint", f"{__name__}:make_endpoint_handler")

@@ -4,8 +4,8 @@
 (``workers=[address]``, ``allow_other_workers=False``, ``pure=False`` because it has side effects
 and must run once per call). It ``secede()``s from the worker's thread pool at once so that roles
 sharing a process, and the feed tasks, never wait for a thread. The servers it pushes to are in
-:mod:`dask_train.engines._ps_server`, the scorer every torch engine shares in
-:mod:`dask_train.engines._scorer`.
+:mod:`dask_train.engines.ps.server`, the scorer every torch engine shares in
+:mod:`dask_train.engines.shared.scorer`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from distributed import get_worker, secede
 
 from dask_train.data._feed import FeedReader, batches
-from dask_train.engines._ps_client import PSClient, ShardRef, write_params
-from dask_train.engines._stats import StatsReporter
-from dask_train.engines._worker import NanReporter, Pauser, model_for, rng_state, seed_trainer
+from dask_train.engines.shared.control import NanReporter, Pauser, model_for, rng_state, seed_trainer
+from dask_train.engines.shared.params import PSClient, ShardRef, write_params
+from dask_train.engines.shared.stats import StatsReporter
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.runtime._plugin import worker_state

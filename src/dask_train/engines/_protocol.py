@@ -11,7 +11,7 @@ gradients move. It talks back through one stream of plain-dict events (``emit``)
 * ``{"kind": "epochs", "completed": int}``: epochs fully consumed so far (for ``on_epoch_end``);
 * ``{"kind": "progress", "step": int}``: the engine's step count moved (checkpoint scheduling);
 * ``{"kind": "stats", "role", "index", ...}``: a trainer's or server's last second
-  (:mod:`~dask_train.engines._stats`; for ``Callback.on_stats``).
+  (:mod:`~dask_train.engines.shared.stats`; for ``Callback.on_stats``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from distributed import Worker
 from distributed.protocol import to_serialize
 
-from dask_train.engines._ps_socket import PushConnection, connection_error
+from dask_train.engines.shared.push_socket import PushConnection, connection_error
 from dask_train.runtime._plugin import JobState
 
 logger = logging.getLogger(__name__)

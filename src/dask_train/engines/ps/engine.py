@@ -1,16 +1,16 @@
 """The async parameter-server engine, client side: servers, trainers, and what a lost trainer
-or a joining worker changes. Worker code: :mod:`.async_ps` (trainers), :mod:`._ps_server`."""
+or a joining worker changes. Worker code: :mod:`.trainer` (trainers), :mod:`.server` (shards)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
 
-from dask_train.engines import _worker as worker_side
-from dask_train.engines._ps_client import ShardRef
-from dask_train.engines._ps_server import start_shard_task
-from dask_train.engines._role_engine import RoleEngine
-from dask_train.engines.async_ps import run_trainer
+from dask_train.engines.ps.server import start_shard_task
+from dask_train.engines.ps.trainer import run_trainer
+from dask_train.engines.shared import control as worker_side
+from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.shared.role_engine import RoleEngine
 from dask_train.models._torch import split_shards
 from dask_train.runtime._calls import run_on_live
 
@@ -42,6 +42,18 @@ class AsyncPSEngine(RoleEngine):
             for ref in self.shards
         ]
         await self.wait_for(starts, what="starting the parameter servers")
+
+    def out_of_blocks(self, trainer: int) -> bool:
+        """No end marker yet: until every block is consumed, a lost trainer's blocks may still
+        come back to this one (see ``_end_idle``)."""
+        self.idle[trainer] = True
+        self._end_idle()
+        return True
+
+    def reported_step(self) -> int:
+        """Every trainer's push is one server update: the restored step plus all pushes."""
+        base = int(self.restore["step"]) if self.restore is not None else 0
+        return base + sum(self.trainer_steps.values())
 
     async def retire_trainer(self, index: int) -> None:
         """Move a lost trainer's unconsumed rows to the survivors, minus the rows the servers

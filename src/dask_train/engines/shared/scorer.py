@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 from distributed import get_worker, secede
 
-from dask_train.engines._ps_client import PSClient, ShardRef, write_params
-from dask_train.engines._spread_eval import SpreadValidation
-from dask_train.engines._worker import model_for
+from dask_train.engines.shared.control import model_for
+from dask_train.engines.shared.params import PSClient, ShardRef, write_params
+from dask_train.engines.shared.spread_eval import SpreadValidation
 from dask_train.runtime._plugin import worker_state
 
 

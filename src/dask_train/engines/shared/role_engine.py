@@ -19,13 +19,13 @@ from distributed import Client, Future
 from distributed.comm import CommClosedError
 
 from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
-from dask_train.engines import _scorer
-from dask_train.engines import _worker as worker_side
-from dask_train.engines._base import Emit, Ending, Engine, Snapshot
-from dask_train.engines._feeding import FeedingMixin
-from dask_train.engines._ps_client import ShardRef
-from dask_train.engines._ps_server import pull_params_task
+from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec
+from dask_train.engines.shared import control as worker_side
+from dask_train.engines.shared import scorer as _scorer
+from dask_train.engines.shared.feeding import FeedingMixin
+from dask_train.engines.shared.holders import pull_params_task
+from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger
@@ -152,7 +152,7 @@ class RoleEngine(FeedingMixin, Engine):
         """Start (or restart, on another worker) the scorer on ``address``."""
         config = self.config
         if isinstance(self.validation, SpreadValidation):
-            # Scored where its blocks live (engines._spread_eval): nothing moves to the scorer.
+            # Scored where its blocks live (engines.shared.spread_eval): nothing moves to the scorer.
             val_f = None
             config = {**config, "validation_keys": self.validation.keys}
         else:
@@ -235,11 +235,10 @@ class RoleEngine(FeedingMixin, Engine):
         return count if isinstance(count, int) else -1
 
     def reported_step(self) -> int:
-        """The servers' step as the trainers last reported it."""
+        """The step as the trainers last reported it: every rank reports the shared step (a
+        sync job's); engines whose trainers count their own updates override this."""
         base = int(self.restore["step"]) if self.restore is not None else 0
-        if self.strategy == "sync":
-            return max(self.trainer_steps.values(), default=base)
-        return base + sum(self.trainer_steps.values())
+        return max(self.trainer_steps.values(), default=base)
 
     async def tick(self, now: float) -> str:
         """Detect the natural end; keep idle trainers' feed waits alive."""

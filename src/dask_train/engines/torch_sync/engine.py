@@ -1,5 +1,5 @@
 """The synchronous torch engine, client side: a torch process group over the trainers' workers,
-one rank per worker. Worker code: :mod:`.sync_torch`."""
+one rank per worker. Worker code: :mod:`.rank` (ranks), :mod:`.reducer` (bucketed all-reduce)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import functools
 import logging
 from typing import Any
 
-from dask_train.engines._ps_client import ShardRef
-from dask_train.engines._role_engine import RoleEngine
-from dask_train.engines.sync_torch import run_rank
+from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.shared.role_engine import RoleEngine
+from dask_train.engines.torch_sync.rank import run_rank
 from dask_train.runtime._torch_group import start_torch
 
 logger = logging.getLogger(__name__)
