@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # range would pull a CUDA build of several GB. The package itself keeps torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup dev demo test bench lint clean chromium
+.PHONY: setup dev demo test bench lint docs clean chromium
 
 $(VENV)/.setup: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,5 +48,13 @@ lint: $(VENV)/.dev
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m mypy
 
+# The documentation site, warnings as errors (tests/test_docs.py builds it as well, so CI catches a
+# broken docstring). -E: a fresh environment each time, so warnings from pages left unchanged since the
+# last build are reported again rather than hidden by the cache (a build takes seconds). Open
+# docs/_build/html/index.html.
+docs: $(VENV)/.setup
+	$(PY) -c "import sphinx, numpydoc, pydata_sphinx_theme, myst_parser" 2>/dev/null || $(PIP) install -q -e ".[docs]"
+	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) demo-output build *.egg-info src/*.egg-info
+	rm -rf $(VENV) demo-output build *.egg-info src/*.egg-info docs/_build docs/generated

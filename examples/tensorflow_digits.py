@@ -23,8 +23,8 @@ What it does, step by step, as the 2017 blog post "Dask and TensorFlow" did it w
 
 Why the batches travel through this process: under ParameterServerStrategy the coordinator
 dispatches every step and chooses the worker, so a batch is an argument of the step. ``dt.Trainer``
-with a Keras model is the alternative that reads each block where it lives (see README,
-"TensorFlow and Keras").
+with a Keras model is the alternative that reads each block where it lives (see
+docs/tensorflow.md, "TensorFlow and Keras").
 """
 
 from __future__ import annotations
