@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -11,8 +12,8 @@ import pytest
 from distributed import Client
 
 import dask_train as dt
-from dask_train.classical.full_batch import BlockData
 from dask_train.controller._controller import Controller
+from dask_train.data import BlockSet
 from dask_train.engines._spec import JobSpec
 from dask_train.engines.array.engine import ArrayEngine
 from dask_train.policy import FailureConfig, Roles
@@ -44,8 +45,8 @@ class _Run:
         self.nonfinite = outcome.log.nonfinite
 
 
-def _run(client: Client, model: dt.ArrayModel, data: BlockData, job: JobSpec) -> _Run:
-    job.module, job.n_params = model, model.params.size
+def _run(client: Client, model: dt.ArrayModel, data: BlockSet, job: JobSpec) -> _Run:
+    job = dataclasses.replace(job, module=model, n_params=model.params.size)  # JobSpec is frozen
 
     def make_engine(roles, key, restore):
         return ArrayEngine(client, job, data, None, job=key, restore=restore)
@@ -62,15 +63,16 @@ def _order(seed: int, epoch: int, group: int, rows: int) -> np.ndarray:
 
 
 def _placed(client: Client, blocks: list[tuple[np.ndarray, np.ndarray]], where: list[int],
-            threads: int = 1) -> BlockData:
+            threads: int = 1) -> BlockSet:
     """Blocks scattered to chosen workers (index into the sorted worker list).
 
     ``threads`` per worker sets the groups: one task per thread's share of a worker's blocks.
     """
     workers = sorted(client.scheduler_info()["workers"])
     futures = [client.scatter([b], workers=[workers[w]], direct=True)[0] for b, w in zip(blocks, where)]
-    return BlockData(futures, [len(b[0]) for b in blocks], [workers[w] for w in where],
-                     blocks[0][0].shape[1], client, {w: threads for w in workers})
+    return BlockSet.placed(futures, [len(b[0]) for b in blocks], [workers[w] for w in where],
+                           n_features=blocks[0][0].shape[1], client=client,
+                           threads={w: threads for w in workers})
 
 
 def _problem(rows: list[int], seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

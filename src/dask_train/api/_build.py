@@ -30,8 +30,10 @@ def float_dtype(module: Any) -> Any:
     return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
 
 
-def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None) -> JobSpec:
-    """The engines' view of a Trainer's settings; ``module`` is what the job starts from."""
+def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None,
+             devices: Any = None) -> JobSpec:
+    """The engines' view of a Trainer's settings, built once; ``module`` is what the job starts
+    from, ``devices`` the probed :class:`~dask_train.runtime._devices.Devices` (None: the CPU)."""
     if n_params is None and is_keras_model(trainer.module):
         from dask_train.models._frameworks import keras_param_count
 
@@ -52,6 +54,9 @@ def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None) -
         workers=trainer.workers, scorer=trainer.scorer, checkpoint=trainer.checkpoint,
         failure=trainer.failure or FailureConfig(), on_nan=trainer.on_nan,
         metrics=dict(trainer.metrics) if trainer.metrics else None,
+        **({} if devices is None else {"device_kind": devices.kind,
+                                       "devices": dict(devices.by_worker),
+                                       "precision": devices.precision}),
     )
 
 

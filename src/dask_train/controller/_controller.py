@@ -23,6 +23,7 @@ from distributed import Client
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.engines._events import Epochs, Event, NonFinite, Score, Started, Stats
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
@@ -81,7 +82,7 @@ class Controller:
         self.state = JobState()
         self.checkpoints = Checkpoints(spec.checkpoint, timeout=spec.timeout) \
             if spec.checkpoint is not None else None
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
@@ -152,27 +153,26 @@ class Controller:
         return None
 
     # -- events -> history, stop conditions, callbacks ----------------------------------------------
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("kind")
-        if kind == "started":
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, Started):
             self.log.first_step_at = self.log.first_step_at or time.time()
-        elif kind == "score":
+        elif isinstance(event, Score):
             self.on_score(event)
-        elif kind == "nan":
+        elif isinstance(event, NonFinite):
             self._on_nan(event)
-        elif kind == "epochs":
-            while self.state.epochs_seen < int(event["completed"]):
+        elif isinstance(event, Epochs):
+            while self.state.epochs_seen < event.completed:
                 self.state.epochs_seen += 1
                 last = self.log.records[-1] if self.log.records else None
                 if run_callbacks(self.spec.callbacks, "on_epoch_end", self.state.epochs_seen, last):
                     self._stop("callback")
-        elif kind == "stats":
-            run_callbacks(self.spec.callbacks, "on_stats", event)
+        elif isinstance(event, Stats):
+            run_callbacks(self.spec.callbacks, "on_stats", event.message())
 
-    def _on_nan(self, event: dict[str, Any]) -> None:
-        role = f"worker-{event['trainer']}" if event.get("trainer", -1) >= 0 else "worker"
-        record = {"role": role, "step": int(event["step"]), "loss": event["loss"],
-                  "epoch": event.get("epoch", -1), "block": event.get("block", -1)}
+    def _on_nan(self, event: NonFinite) -> None:
+        role = f"worker-{event.trainer}" if event.trainer >= 0 else "worker"
+        record = {"role": role, "step": event.step, "loss": event.loss, "epoch": event.epoch,
+                  "block": event.block}
         self.log.nonfinite.append(record)
         self.publisher.publish({"kind": "nonfinite", **record})
         logger.warning("non-finite loss %s at step %d on %s", record["loss"], record["step"], role)
@@ -180,10 +180,10 @@ class Controller:
             self.state.nan_stop = True
             self._stop(f"non-finite loss ({record['loss']}) at step {record['step']} on {role}")
 
-    def on_score(self, event: Mapping[str, Any]) -> None:
+    def on_score(self, event: Score) -> None:
         """A score: a history record, a progress update, callbacks and stop conditions."""
         record = self._record(event)
-        bad = list(event.get("nonfinite") or [])
+        bad = list(event.nonfinite)
         if bad:
             self.log.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
             self.publisher.publish({"kind": "nonfinite", **self.log.nonfinite[-1]})
@@ -204,16 +204,15 @@ class Controller:
                 and fired.max_step is None:
             self.state.stop_step = record["step"]
 
-    def _record(self, event: Mapping[str, Any]) -> dict[str, Any]:
+    def _record(self, event: Score) -> dict[str, Any]:
         now = self.log.elapsed()
         prev = self.log.records[-1] if self.log.records else {"time_s": 0.0, "samples": 0}
         span = now - prev["time_s"]
-        rate = (event["samples"] - prev["samples"]) / span if span > 0 else math.nan
-        metrics = {k: v for k, v in event.items()
-                   if k not in ("kind", "step", "samples", "wall", "nonfinite")}
-        return {"time_s": now, "step": int(event["step"]),
-                "epoch": event["samples"] / self.rows, "samples": int(event["samples"]),
-                "accuracy": math.nan, "loss": math.nan, **metrics, "samples_per_s": rate}
+        rate = (event.samples - prev["samples"]) / span if span > 0 else math.nan
+        return {"time_s": now, "step": event.step, "epoch": event.samples / self.rows,
+                "samples": event.samples, "accuracy": math.nan, "loss": math.nan,
+                **event.metrics, **({"worker": event.worker} if event.worker else {}),
+                "samples_per_s": rate}
 
     def _check_time(self, now: float) -> None:
         step = self.log.records[-1]["step"] if self.log.records else 0
@@ -366,7 +365,7 @@ class Controller:
         if final is not None and final["params"] is not None:
             ending.params = final["params"]  # a score stopped the job: the parameters that earned it
             ending.buffers = final.get("buffers")  # and the buffers they were scored with
-        elif final is not None:
+        elif final is not None and final["record"] is not None:
             self.on_score(final["record"])  # the final parameters' score closes the history
         if self.checkpoints is not None and not self.state.nan_stop:
             manifest = self._manifest(engine.ledger_state(), ending.rng)

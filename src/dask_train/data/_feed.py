@@ -1,6 +1,6 @@
 """Feeding, framework-free: blocks in a trainer's queue, read in assignment order, cut into
 shuffled minibatches of numpy arrays. An engine converts batches to its framework's tensors; the
-worker side that fills the queues is in :mod:`dask_train.runtime._feed`.
+worker side that fills the queues is in :mod:`dask_train.runtime._enqueue`.
 """
 
 from __future__ import annotations

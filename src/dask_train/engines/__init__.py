@@ -10,7 +10,7 @@ side) and its worker-side code:
 * :mod:`.array`: numpy :class:`~dask_train.models.ArrayModel` s trained by per-step tasks where the
   blocks live, summed by a tree reduction. ``engine.py``; ``worker.py``.
 * :mod:`.shared`: what the engines share: the base of the engines whose trainers are pinned tasks
-  (``role_engine.py``, ``feeding.py``), the worker-side role harness (``harness.py``), the scorer
+  (``role_engine.py``, ``granting.py``), the worker-side role harness (``harness.py``), the scorer
   and the score keeper (``scorer.py``, ``scoring.py``), parameter holders and how roles reach them
   (``holders.py``, ``params.py``, ``push_socket.py``), the flat optimizer (``optim.py``), control
   signals (``control.py``) and stats (``stats.py``).

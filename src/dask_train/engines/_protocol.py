@@ -4,14 +4,18 @@ An engine is one generation of a job on the cluster. The controller
 (:mod:`dask_train.controller`) owns everything that is the same for every engine: the score
 history, stop conditions and callbacks, non-finite handling, when to checkpoint and the manifest,
 the failure policy and the generations. An engine owns where its roles run and how data and
-gradients move. It talks back through one stream of plain-dict events (``emit``):
+gradients move. It talks back through one stream of typed events (``emit``), each a record of
+:mod:`dask_train.engines._events`:
 
-* ``{"kind": "score", "step", "samples", <metrics>..., "nonfinite": [...]}``: a validation score;
-* ``{"kind": "nan", "trainer", "loss", "step", "epoch", "block"}``: a non-finite training loss;
-* ``{"kind": "epochs", "completed": int}``: epochs fully consumed so far (for ``on_epoch_end``);
-* ``{"kind": "progress", "step": int}``: the engine's step count moved (checkpoint scheduling);
-* ``{"kind": "stats", "role", "index", ...}``: a trainer's or server's last second
-  (:mod:`~dask_train.engines.shared.stats`; for ``Callback.on_stats``).
+* :class:`~._events.Started`: start-up ended, the first step was applied (``FitResult.timings``);
+* :class:`~._events.Score`: a validation score (its metrics, and which are not finite);
+* :class:`~._events.NonFinite`: a non-finite training loss;
+* :class:`~._events.Epochs`: epochs fully consumed so far (for ``on_epoch_end``);
+* :class:`~._events.Progress`: the engine's step count moved (checkpoint scheduling);
+* :class:`~._events.Stats`: a trainer's or server's last second (for ``Callback.on_stats``).
+
+The trainers' own bookkeeping events (:class:`~._events.Block`, :class:`~._events.Paused`,
+:class:`~._events.Exit`) stay inside the role engines.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_train.engines._events import Event
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 
-Emit = Callable[[dict[str, Any]], None]
+Emit = Callable[[Event], None]
 
 
 @dataclass
@@ -44,7 +49,8 @@ class Ending:
     """What an engine hands back when it stops.
 
     ``final`` is the scorer's last answer (``{"record", "params"}``: the scored parameters when a
-    score stopped the job, else the final parameters' record and ``params=None``), or None.
+    score stopped the job, else the final parameters' :class:`~._events.Score` and
+    ``params=None``), or None.
     """
 
     params: Any

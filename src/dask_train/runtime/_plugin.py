@@ -33,7 +33,7 @@ _STATE_ATTR = "_dask_train_state"
 
 # Handler name -> "module:factory"; factory(worker) returns the handler coroutine function.
 _HANDLERS: dict[str, str] = {
-    "dask_train_feed": "dask_train.runtime._feed:make_feed_handler",
+    "dask_train_feed": "dask_train.runtime._enqueue:make_feed_handler",
 }
 
 
@@ -56,7 +56,7 @@ def handler_names() -> list[str]:
     return sorted(_HANDLERS)
 
 
-class JobState:
+class WorkerJob:
     """What one training job keeps on one worker."""
 
     def __init__(self) -> None:
@@ -112,7 +112,7 @@ class WorkerState:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.jobs: dict[str, JobState] = {}
+        self.jobs: dict[str, WorkerJob] = {}
         # Job -> the model this worker evaluates its validation blocks with (engines.shared.spread_eval).
         self.evaluators: dict[str, Any] = {}
         # Jobs dropped here (the most recent): a late message for one must not bring it back.
@@ -128,10 +128,10 @@ class WorkerState:
         self.objects: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.objects_lock = threading.Lock()
 
-    def job(self, job_id: str) -> JobState:
+    def job(self, job_id: str) -> WorkerJob:
         """The state of ``job_id`` on this worker, created on first use."""
         with self._lock:
-            return self.jobs.setdefault(job_id, JobState())
+            return self.jobs.setdefault(job_id, WorkerJob())
 
     def drop(self, job_id: str) -> None:
         """Forget a finished job: its parameters, queues and blocks are freed."""

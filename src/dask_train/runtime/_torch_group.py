@@ -21,7 +21,7 @@ from distributed import Client, Future, as_completed
 from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput, TrainingTimeout
-from dask_train.runtime._torch_rank import join, leave, probe, run_rank, start_store
+from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
 
 BACKENDS = ("gloo", "nccl")
 
@@ -136,7 +136,7 @@ class TorchGroup:
         token = uuid.uuid4().hex[:8]
         futures = [
             self.client.submit(
-                run_rank, self.id, rank, fn, list(args), kwargs,
+                call_on_rank, self.id, rank, fn, list(args), kwargs,
                 key=f"{funcname(fn)}-{self.id}-rank{rank}-{token}", **_pin(addr),
             )
             for rank, addr in self.ranks.items()

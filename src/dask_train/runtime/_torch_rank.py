@@ -206,7 +206,7 @@ def leave(gid: str, tombstone: bool, *, dask_worker: Any) -> tuple[int, bool]:
         return st.busy, st.joined or st.busy > 0
 
 
-def run_rank(gid: str, rank: int, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+def call_on_rank(gid: str, rank: int, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
     """Task on every rank: ``fn(*args, **kwargs)`` inside the group."""
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """Parameter-server shards: a flat slice of the parameters that trainers push gradients to.
 
-A shard lives in a worker's :class:`~dask_train.runtime._plugin.JobState` and is reached through
+A shard lives in a worker's :class:`~dask_train.runtime._plugin.WorkerJob` and is reached through
 the ``dask_train_push`` / ``dask_train_pull`` RPC handlers defined here and registered with the
 runtime's handler registry (installed lazily on every worker).
 """

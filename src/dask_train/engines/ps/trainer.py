@@ -13,19 +13,17 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from distributed import get_worker, secede
 
-from dask_train.data._feed import FeedReader, batches
-from dask_train.engines.shared.control import NanReporter, Pauser, model_for, rng_state, seed_trainer
+from dask_train.data._feed import FeedItem, batches
+from dask_train.engines._spec import WorkerConfig
+from dask_train.engines.shared.harness import TrainerRole
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
-from dask_train.engines.shared.stats import StatsReporter
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
-from dask_train.runtime._plugin import worker_state
 
 
 def run_trainer(
@@ -34,22 +32,17 @@ def run_trainer(
     job: str,
     index: int,
     shards: Sequence[ShardRef],
-    config: Mapping[str, Any],
+    config: WorkerConfig,
 ) -> dict[str, Any]:
     """Dask task: one trainer's loop. Pull, compute gradients, push, until the feed ends or stop.
 
-    Gradients of ``config["grad_accumulation"]`` batches are averaged into one push (one server
+    Gradients of ``config.grad_accumulation`` batches are averaged into one push (one server
     update), never across a block boundary, so a block reported consumed is fully pushed. A batch
     whose loss is not finite is never pushed: it is skipped or stops the trainer (``on_nan``).
     """
-    worker = get_worker()
-    worker_state(worker).configure_torch()
-    state = worker_state(worker).job(job)
-    secede()
-    role = f"worker-{index} on {worker.address}"
-    seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
-    ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
-    model = model_for(module, worker.address, config)
+    role = TrainerRole(job=job, index=index, config=config)
+    ps = PSClient(role.worker, job, role.state, shards, timeout=config.timeout)
+    model = role.model(module)
     model.train_mode()
     buffers = model.buffers()
     start = ps.pull()
@@ -57,85 +50,89 @@ def run_trainer(
     # Start from the kept buffers too: after a resume, or when joining a running job, they carry
     # the statistics of every batch trained so far.
     buffers.scatter(start.buffers)
-    pusher = _Pusher(ps, model, every=config["grad_accumulation"], depth=config["prefetch"],
+    pusher = _Pusher(ps, model, every=config.grad_accumulation, depth=config.prefetch,
                      buffers=buffers)
-    loss_fn = model.loss_fn(config["loss"])
-    pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
-    nans = NanReporter(worker, topic=config["topic"], trainer=index)
-    stats = StatsReporter(worker, topic=config["topic"], role="trainer", index=index)
     pusher.version = start.version
-    stopped = False
-
-    def pause_idle() -> None:
-        nonlocal stopped
-        if pauser.requested():
-            stopped = pusher.drain() or stopped
-            if not pauser.pause(None, steps=pusher.pushes):
-                stopped = True
-
-    feed = FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role,
-                      on_idle=pause_idle)
-    samples = 0
-    started_sent = False
-    started = time.perf_counter()
-    feed_wait = 0.0
-    while not stopped:
-        t0 = time.perf_counter()
-        item = feed.next()
-        feed_wait += time.perf_counter() - t0
-        if item is None or item.x is None:
-            break
-        consumed = 0
-        for xn, yn, wn in batches(item, config["batch_size"]):
-            xb, yb, wb = model.batch(xn, yn, wn)
-            if state.stop.is_set() or stopped:
-                stopped = True
-                break
-            pusher.position = [index, item.epoch, item.block, item.skip + consumed + len(xb)]
-            stop, loss = pusher.add(xb, yb, loss_fn, wb)
-            if pusher.pushes == 1 and pusher.count == 0 and not started_sent:
-                # The first gradient is on its way: when the controller learns that start-up
-                # ended and training began (FitResult.timings).
-                worker.log_event(config["topic"], {"kind": "started", "trainer": index})
-                started_sent = True
-            if not math.isfinite(loss):
-                nans.report(loss=loss, step=pusher.pushes, epoch=item.epoch, block=item.block)
-                if config["on_nan"] == "stop":
-                    stopped = True
-                    break
-            consumed += len(xb)
-            stats.report(step=pusher.version, samples=samples + consumed, steps=pusher.pushes,
-                         feed_wait_s=feed_wait, server_wait_s=pusher.wait_s)
-            if stop:
-                stopped = True
-                break
-            if pusher.count == 0 and pauser.requested():
-                # A consistent point: nothing half-accumulated; drain the pushes in flight.
-                stopped = pusher.drain()
-                position = [item.epoch, item.block, item.skip + consumed]
-                if not pauser.pause(position, steps=pusher.pushes) or stopped:
-                    stopped = True
-                    break
-        stopped = pusher.flush() or stopped
-        samples += consumed
-        worker.log_event(
-            config["topic"],
-            {"kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
-             "rows": consumed, "done": item.skip + consumed == item.rows, "steps": pusher.pushes},
-        )
+    loop = _TrainerLoop(role, model, pusher)
+    loop.run()
     pusher.drain()
     ps.close()
-    stats.report(step=pusher.version, force=True, samples=samples, steps=pusher.pushes,
-                 feed_wait_s=feed_wait, server_wait_s=pusher.wait_s)
-    # The last event: once the controller has it, it has every block report sent before it.
-    worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": pusher.pushes})
-    # Where the trainer's time went, so a slow job says whether it waited for data or servers.
-    return {
-        "trainer": index, "steps": pusher.pushes, "samples": samples, "worker": worker.address,
-        "busy_s": time.perf_counter() - started, "feed_wait_s": feed_wait,
-        "ps_wait_s": pusher.wait_s, "prefetch": pusher.depth, "nonfinite": nans.count,
-        "rng": rng_state(),
-    }
+    loop.report_stats(force=True)
+    role.exit(steps=pusher.pushes)
+    return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed_wait,
+                       ps_wait_s=pusher.wait_s, prefetch=pusher.depth)
+
+
+class _TrainerLoop:
+    """A trainer's blocks, batches, pushes and pauses (see :func:`run_trainer`)."""
+
+    def __init__(self, role: TrainerRole, model: FlatModel, pusher: _Pusher) -> None:
+        self.role, self.model, self.pusher = role, model, pusher
+        self.loss_fn = model.loss_fn(role.config.loss)
+        self.stats = role.stats()
+        self.stopped = False
+        self.samples = 0
+        self.feed_wait = 0.0
+
+    def report_stats(self, *, samples: int | None = None, force: bool = False) -> None:
+        """Publish this trainer's last second (``samples``: the total so far, block included)."""
+        self.stats.report(step=self.pusher.version, force=force,
+                          samples=self.samples if samples is None else samples,
+                          steps=self.pusher.pushes, feed_wait_s=self.feed_wait,
+                          server_wait_s=self.pusher.wait_s)
+
+    def _pause_idle(self) -> None:
+        """A pause asked for while the trainer waits for a block: between blocks, no position."""
+        if self.role.pauser.requested():
+            self.stopped = self.pusher.drain() or self.stopped
+            if not self.role.pauser.pause(None, steps=self.pusher.pushes):
+                self.stopped = True
+
+    def run(self) -> None:
+        """Train on every block the feed brings, until it ends or the job stops."""
+        feed = self.role.feed(on_idle=self._pause_idle)
+        while not self.stopped:
+            t0 = time.perf_counter()
+            item = feed.next()
+            self.feed_wait += time.perf_counter() - t0
+            if item is None or item.x is None:
+                break
+            consumed = self._block(item)
+            self.stopped = self.pusher.flush() or self.stopped
+            self.samples += consumed
+            self.role.block(item.epoch, item.block, rows=consumed,
+                            done=item.skip + consumed == item.rows, steps=self.pusher.pushes)
+
+    def _block(self, item: FeedItem) -> int:
+        """Train on one block's batches; the rows consumed."""
+        role, pusher, consumed = self.role, self.pusher, 0
+        for xn, yn, wn in batches(item, role.config.batch_size):
+            xb, yb, wb = self.model.batch(xn, yn, wn)
+            if role.stopped() or self.stopped:
+                self.stopped = True
+                break
+            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(xb)]
+            stop, loss = pusher.add(xb, yb, self.loss_fn, wb)
+            if pusher.pushes == 1 and pusher.count == 0:
+                role.started()  # the first gradient is on its way (FitResult.timings)
+            if not math.isfinite(loss):
+                role.nans.report(loss=loss, step=pusher.pushes, epoch=item.epoch, block=item.block)
+                if role.config.on_nan == "stop":
+                    self.stopped = True
+                    break
+            consumed += len(xb)
+            self.report_stats(samples=self.samples + consumed)
+            if stop:
+                self.stopped = True
+                break
+            if pusher.count == 0 and role.pauser.requested():
+                # A consistent point: nothing half-accumulated; drain the pushes in flight.
+                self.stopped = pusher.drain()
+                position = [item.epoch, item.block, item.skip + consumed]
+                if not role.pauser.pause(position, steps=pusher.pushes) or self.stopped:
+                    self.stopped = True
+                    break
+        return consumed
 
 
 #: ``prefetch="auto"``: the most pushes in flight it goes to, and how it decides (see _Adapt).

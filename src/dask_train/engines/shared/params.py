@@ -23,7 +23,7 @@ from distributed import Worker
 from distributed.protocol import to_serialize
 
 from dask_train.engines.shared.push_socket import PushConnection, connection_error
-from dask_train.runtime._plugin import JobState
+from dask_train.runtime._plugin import WorkerJob
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class PSClient:
     worker : distributed.Worker
         The worker the role runs on.
     job : str
-    state : JobState
+    state : WorkerJob
         This worker's state of the job (for shards that live here).
     shards : sequence of ShardRef
     timeout : float
@@ -93,7 +93,7 @@ class PSClient:
     """
 
     def __init__(
-        self, worker: Worker, job: str, state: JobState, shards: Sequence[ShardRef], timeout: float
+        self, worker: Worker, job: str, state: WorkerJob, shards: Sequence[ShardRef], timeout: float
     ) -> None:
         self.worker = worker
         self.job = job

@@ -10,6 +10,7 @@ the trainer function they run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -19,11 +20,12 @@ from distributed import Client, Future
 from distributed.comm import CommClosedError
 
 from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
+from dask_train.engines._events import Block, Epochs, Exit, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
-from dask_train.engines._spec import JobSpec
+from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.shared import control as worker_side
 from dask_train.engines.shared import scorer as _scorer
-from dask_train.engines.shared.feeding import FeedingMixin
+from dask_train.engines.shared.granting import BlockGranting
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
@@ -32,12 +34,12 @@ from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
-from dask_train.runtime._feed import feed_block
+from dask_train.runtime._enqueue import feed_block
 
 logger = logging.getLogger(__name__)
 
 
-class RoleEngine(FeedingMixin, Engine):
+class RoleEngine(BlockGranting, Engine):
     """Base of the engines whose trainers are pinned tasks reading per-trainer feed queues.
 
     Parameters
@@ -83,11 +85,11 @@ class RoleEngine(FeedingMixin, Engine):
         self.scorer_future: Future | None = None
         self.scorer_restarts = 0
         self.module_f: Future | None = None
-        self.config: dict[str, Any] = {}
+        self.config: WorkerConfig | None = None
         self.finished_at = 0.0
         self.last_heartbeat = 0.0
         self.stopping = False
-        self.pauses: dict[int, dict[int, dict[str, Any]]] = {}
+        self.pauses: dict[int, dict[int, Paused]] = {}
 
     @property
     def topic(self) -> str:
@@ -101,19 +103,9 @@ class RoleEngine(FeedingMixin, Engine):
     async def start_servers(self) -> None:
         """Start whatever holds the parameters before the trainers start."""
 
-    def trainer_config(self) -> dict[str, Any]:
+    def trainer_config(self) -> WorkerConfig:
         """Settings every trainer (and the scorer) receives."""
-        spec = self.spec
-        restore = self.restore or {}
-        return {
-            "loss": spec.loss, "batch_size": spec.batch_size, "prefetch": spec.prefetch,
-            "grad_accumulation": spec.grad_accumulation, "timeout": spec.timeout,
-            "topic": self.topic, "score_every": spec.score_every, "optimizer": spec.optimizer,
-            "lr": spec.lr, "optimizer_options": spec.optimizer_options, "max_step": spec.max_step,
-            "seed": spec.seed, "on_nan": spec.on_nan, "rng": restore.get("rng") or {},
-            "metrics": spec.metrics, "device_kind": spec.device_kind, "devices": spec.devices,
-            "precision": spec.precision,
-        }
+        return WorkerConfig.from_spec(self.spec, topic=self.topic, restore=self.restore)
 
     # -- starting ---------------------------------------------------------------------------------
     def pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:
@@ -151,10 +143,11 @@ class RoleEngine(FeedingMixin, Engine):
     async def start_scorer(self, address: str) -> None:
         """Start (or restart, on another worker) the scorer on ``address``."""
         config = self.config
+        assert config is not None, "start() sets the roles' config before the scorer starts"
         if isinstance(self.validation, SpreadValidation):
             # Scored where its blocks live (engines.shared.spread_eval): nothing moves to the scorer.
             val_f = None
-            config = {**config, "validation_keys": self.validation.keys}
+            config = dataclasses.replace(config, validation_keys=list(self.validation.keys))
         else:
             [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
                                                 asynchronous=True)
@@ -189,27 +182,26 @@ class RoleEngine(FeedingMixin, Engine):
         return len(self.live())
 
     # -- events -----------------------------------------------------------------------------------
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("kind")
-        if kind == "block":
-            trainer = event["trainer"]
-            if trainer in self.retired:
+    def _on_event(self, message: dict[str, Any]) -> None:
+        event = from_message(message)
+        if isinstance(event, Block):
+            if event.trainer in self.retired:
                 return
-            self.trainer_steps[trainer] = int(event["steps"])
+            self.trainer_steps[event.trainer] = event.steps
             before = self.ledger.epochs_completed
-            self.ledger.consumed(epoch=event["epoch"], block=event["block"], trainer=trainer,
-                                 rows=event["rows"], done=event["done"])
-            self._grant(trainer)
+            self.ledger.consumed(epoch=event.epoch, block=event.block, trainer=event.trainer,
+                                 rows=event.rows, done=event.done)
+            self._grant(event.trainer)
             self._end_idle()
             if self.ledger.epochs_completed > before:
-                self.emit({"kind": "epochs", "completed": self.ledger.epochs_completed})
-            self.emit({"kind": "progress", "step": self.reported_step()})
-        elif kind == "paused":
-            self.trainer_steps[event["trainer"]] = int(event["steps"])
-            self.pauses.setdefault(int(event["id"]), {})[int(event["trainer"])] = dict(event)
-        elif kind == "exit":
-            self.exited.add(int(event["trainer"]))
-        else:  # score, nan: the controller's
+                self.emit(Epochs(completed=self.ledger.epochs_completed))
+            self.emit(Progress(step=self.reported_step()))
+        elif isinstance(event, Paused):
+            self.trainer_steps[event.trainer] = event.steps
+            self.pauses.setdefault(event.id, {})[event.trainer] = event
+        elif isinstance(event, Exit):
+            self.exited.add(event.trainer)
+        else:  # started, score, nan, stats: the controller's
             self.emit(event)
 
     def epochs_completed(self) -> int:
@@ -331,10 +323,10 @@ class RoleEngine(FeedingMixin, Engine):
         reports = self.pauses.get(pause_id, {})
         if not all(t in reports for t in self._running()):
             return None
-        positions = {t: e.get("position") for t, e in reports.items()}
+        positions = {t: e.position for t, e in reports.items()}
         return Snapshot(step=self.reported_step(),
                         ledger=patch_positions(self.ledger.state(), positions),
-                        rng={str(t): e["rng"] for t, e in reports.items()})
+                        rng={str(t): e.rng for t, e in reports.items()})
 
     async def resume(self, pause_id: int) -> None:
         """Let every trainer paused for ``pause_id`` go on."""

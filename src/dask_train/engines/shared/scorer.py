@@ -6,16 +6,18 @@ never a Queue). It reads the parameters the way a trainer does: from the paramet
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from distributed import get_worker, secede
 
-from dask_train.engines.shared.control import model_for
+from dask_train.engines._events import Score
+from dask_train.engines._spec import WorkerConfig
+from dask_train.engines.shared.harness import model_for
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
+from dask_train.engines.shared.scoring import ScoreKeeper, score_event
 from dask_train.engines.shared.spread_eval import SpreadValidation
 from dask_train.runtime._plugin import worker_state
 
@@ -26,52 +28,53 @@ def run_scorer(
     *,
     job: str,
     shards: Sequence[ShardRef],
-    config: Mapping[str, Any],
+    config: WorkerConfig,
 ) -> dict[str, Any]:
     """Dask task: every ``score_every`` seconds evaluate the latest parameters and publish the score.
 
     Scores go out with ``worker.log_event`` (5,000 events in 0.12 s here), never through a Queue.
-    The last few scored parameter snapshots are kept: when a score stopped the job, the model that
-    earned it is returned (``{"record", "params", "buffers"}``), not the one a few asynchronous
-    steps later. Otherwise it scores the final parameters once more and returns that record alone.
-    The model is evaluated with the buffers pulled with the parameters (BatchNorm statistics).
-    ``validation`` is the held-out pair in this process, or None when it stays spread over the
-    cluster (``config["validation_keys"]``, see :mod:`._spread_eval`).
+    The last few scored parameter snapshots are kept (:class:`.scoring.ScoreKeeper`): when a score
+    stopped the job, the model that earned it is returned (``{"record", "params", "buffers"}``),
+    not the one a few asynchronous steps later. Otherwise it scores the final parameters once more
+    and returns that record alone. The model is evaluated with the buffers pulled with the
+    parameters (BatchNorm statistics). ``validation`` is the held-out pair in this process, or
+    None when it stays spread over the cluster (``config.validation_keys``, see
+    :mod:`.spread_eval`).
     """
     worker = get_worker()
     worker_state(worker).configure_torch()
     state = worker_state(worker).job(job)
     secede()
-    ps = PSClient(worker, job, state, shards, timeout=config["timeout"])
+    ps = PSClient(worker, job, state, shards, timeout=config.timeout)
     model = model_for(module, worker.address, config)
     spread = None if validation is not None else SpreadValidation(
-        worker, job=job, keys=config["validation_keys"], module=module, config=config)
+        worker, job=job, keys=list(config.validation_keys or []), module=module, config=config)
     scorer = _Scorer(ps, model, validation, spread, config)
-    snapshots: dict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = {}
+    keeper = ScoreKeeper()
     # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
     # one evaluation takes longer (a large model), never score_every plus the evaluation time.
-    due = time.monotonic() + config["score_every"]
+    due = time.monotonic() + config.score_every
     while not state.scorer_stop.wait(max(0.0, due - time.monotonic())):
-        due = max(due + config["score_every"], time.monotonic())
+        due = max(due + config.score_every, time.monotonic())
         record = scorer.score()
-        if record is None or record["step"] in snapshots:
+        if record is None or record.step in keeper:
             continue
-        snapshots[record["step"]] = (record, model.read_params(), scorer.buffers.gather())
-        for old in sorted(snapshots)[:-_SNAPSHOTS]:
-            del snapshots[old]
-        worker.log_event(config["topic"], {"kind": "score", **record})
+        keeper.keep_snapshot(record.step, (record, model.read_params(), scorer.buffers.gather()))
+        worker.log_event(config.topic, record.message())
+
     def where() -> dict[str, Any]:
         # Read after the last score: a job shorter than score_every has only the final one.
         return {"validation_rows": dict(spread.rows_by_worker) if spread else
                 {worker.address: len(validation[0]) if validation is not None else 0}}
 
-    if state.scorer_keep in snapshots:
-        record, params, kept = snapshots[state.scorer_keep]
-        return {"record": record, "params": params, "buffers": kept, **where()}
+    kept = keeper.get(state.scorer_keep)
+    if kept is not None:
+        record, params, buffers = kept
+        return {"record": record, "params": params, "buffers": buffers, **where()}
     # The last score of the final parameters. Retried for a while, not a fixed few times: a job
     # shorter than score_every has had no score yet, and its spread validation blocks may still
     # be settling on their workers.
-    deadline = time.monotonic() + min(10.0, float(config["timeout"]))
+    deadline = time.monotonic() + min(10.0, float(config.timeout))
     while True:
         record = scorer.score()
         if record is not None or time.monotonic() >= deadline:
@@ -80,21 +83,17 @@ def run_scorer(
     return {"record": record, "params": None, "buffers": None, **where()}
 
 
-# Scores reach the controller within milliseconds, so the one that stops a job is among the last.
-_SNAPSHOTS = 4
-
-
 class _Scorer:
     """One score of the current parameters, on local or spread validation data."""
 
     def __init__(self, ps: PSClient, model: Any, validation: Any, spread: Any,
-                 config: Mapping[str, Any]) -> None:
+                 config: WorkerConfig) -> None:
         self.ps, self.model, self.validation, self.spread = ps, model, validation, spread
         self.config = config
         self.buffers = model.buffers()
 
-    def score(self) -> dict[str, Any] | None:
-        """The record of one score; None when the parameters or the data cannot be read yet."""
+    def score(self) -> Score | None:
+        """One score's event; None when the parameters or the data cannot be read yet."""
         try:
             exchange = self.ps.pull()
         except KeyError:
@@ -103,14 +102,11 @@ class _Scorer:
             return None
         write_params(self.model, exchange)
         self.buffers.scatter(exchange.buffers)
-        config = self.config
         if self.spread is not None:
             scores = self.spread.score(self.model.read_params(), exchange.buffers)
             if scores is None:
                 return None
         else:
             x, y = self.validation
-            scores = self.model.evaluate(x, y, loss=config["loss"], metrics=config.get("metrics"))
-        bad = {k: v for k, v in scores.items() if not math.isfinite(v)}
-        return {"step": exchange.version, "samples": exchange.samples, "wall": time.time(),
-                "nonfinite": sorted(bad), **scores}
+            scores = self.model.evaluate(x, y, loss=self.config.loss, metrics=self.config.metrics)
+        return score_event(step=exchange.version, samples=exchange.samples, scores=scores)

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from distributed.protocol import to_serialize
 
 from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import register_handler, worker_state
+
+if TYPE_CHECKING:
+    from dask_train.engines._spec import WorkerConfig
 
 
 class Evaluator:
@@ -109,12 +112,12 @@ class SpreadValidation:
         The persisted validation blocks (see ``data.persist_pairs``).
     module : object
         The job's model, sent once to each holder.
-    config : mapping
+    config : WorkerConfig
         The job's settings (loss, metrics, devices, precision, timeout).
     """
 
     def __init__(self, worker: Any, *, job: str, keys: Sequence[str], module: Any,
-                 config: Mapping[str, Any]) -> None:
+                 config: WorkerConfig) -> None:
         self.worker, self.job, self.keys, self.module = worker, job, list(keys), module
         self.config = config
         self.holders: dict[str, list[str]] = {}
@@ -123,7 +126,7 @@ class SpreadValidation:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop).result(
-            self.config["timeout"])
+            self.config.timeout)
 
     async def _locate(self) -> None:
         who_has = await self.worker.scheduler.who_has(keys=self.keys)
@@ -146,12 +149,12 @@ class SpreadValidation:
                 kwargs: dict[str, Any] = {}
                 if address not in self.has_module:
                     kwargs = {"module": to_serialize(self.module),
-                              "device": (config.get("devices") or {}).get(address),
-                              "precision": config.get("precision")}
+                              "device": config.devices.get(address),
+                              "precision": config.precision}
                 reply = await self.worker.rpc(address).dask_train_evaluate(
                     job=self.job, keys=keys, params=to_serialize(params),
                     buffers=None if buffers is None else to_serialize(buffers),
-                    loss=to_serialize(config["loss"]), outputs=outputs, **kwargs)
+                    loss=to_serialize(config.loss), outputs=outputs, **kwargs)
                 self.has_module.add(address)
                 if not reply.get("need_module"):
                     return reply
@@ -168,7 +171,7 @@ class SpreadValidation:
         score finds them)."""
         from dask_train.models._evaluate import extra_metrics
 
-        metrics = {k: m for k, m in (self.config.get("metrics") or {}).items()
+        metrics = {k: m for k, m in (self.config.metrics or {}).items()
                    if not isinstance(m, str)}
         replies = self._call(self._evaluate(params, buffers, bool(metrics)))
         if not replies or any(r.get("missing") or "rows" not in r for r in replies):
@@ -185,7 +188,7 @@ class SpreadValidation:
             outputs = [np.asarray(r["outputs"]) for r in replies]
             targets = [np.asarray(r["targets"]) for r in replies]
             scores.update(extra_metrics(metrics, outputs, targets))
-        for name, builtin in (self.config.get("metrics") or {}).items():  # aliases
+        for name, builtin in (self.config.metrics or {}).items():  # aliases
             if isinstance(builtin, str) and builtin in scores:
                 scores[name] = scores[builtin]
         return scores

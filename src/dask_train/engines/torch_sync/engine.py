@@ -4,10 +4,12 @@ one rank per worker. Worker code: :mod:`.rank` (ranks), :mod:`.reducer` (buckete
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from typing import Any
 
+from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.role_engine import RoleEngine
 from dask_train.engines.torch_sync.rank import run_rank
@@ -35,12 +37,12 @@ class TorchSyncEngine(RoleEngine):
                                  backend=backend, timeout=self.spec.timeout)
         self.group = await asyncio.get_running_loop().run_in_executor(None, call)
 
-    def trainer_config(self) -> dict[str, Any]:
+    def trainer_config(self) -> WorkerConfig:
         """Every rank loads the checkpoint itself: each applies the same updates with its own
         optimizer, so each needs the optimizer state, not only the parameters."""
         restore = self.restore
-        return {**super().trainer_config(), "restore": None if restore is None else {
-            "files": restore["files"], "step": restore["step"], "samples": restore["samples"]}}
+        return dataclasses.replace(super().trainer_config(), restore=None if restore is None else {
+            "files": restore["files"], "step": restore["step"], "samples": restore["samples"]})
 
     async def close(self) -> None:
         """Close the generation, then its process group."""

@@ -26,29 +26,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed import get_worker, secede
 
 from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
-from dask_train.engines.shared.control import (
-    NanReporter,
-    Pauser,
-    model_for,
-    rng_state,
-    seed_trainer,
-)
+from dask_train.engines._spec import WorkerConfig
+from dask_train.engines.shared.harness import TrainerRole
 from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.stats import StatsReporter
 from dask_train.engines.torch_sync.reducer import GradientReducer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
-from dask_train.runtime._plugin import JobState, worker_state
 
 _END = object()  # a block with no batch left
 
@@ -115,30 +108,25 @@ def run_rank(
     job: str,
     index: int,
     shards: Sequence[ShardRef],
-    config: Mapping[str, Any],
+    config: WorkerConfig,
 ) -> dict[str, Any]:
     """Dask task: one rank of a synchronous job, until every rank is out of data or told to stop."""
-    worker = get_worker()
-    worker_state(worker).configure_torch()
-    state = worker_state(worker).job(job)
-    secede()
+    role = TrainerRole(job=job, index=index, config=config, kind="rank")
     if not dist.is_initialized() or dist.get_rank() != index:
         raise RuntimeError(
-            f"rank {index} on {worker.address} has no torch process group for it; "
+            f"rank {index} on {role.address} has no torch process group for it; "
             "start one with dt.start_torch on the job's workers"
         )
-    seed_trainer(seed=config["seed"], index=index, saved=config.get("rng"))
-    if config.get("device_kind") == "cuda":
-        # The GPU the process group gave this rank (start_torch sets it for NCCL).
-        config = {**config, "devices": {worker.address: f"cuda:{torch.cuda.current_device()}"}}
-    model = model_for(module, worker.address, config)
+    # On GPUs: the device the process group gave this rank (start_torch sets it for NCCL).
+    device = f"cuda:{torch.cuda.current_device()}" if config.device_kind == "cuda" else None
+    model = role.model(module, device)
     model.train_mode()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
     reducer = GradientReducer(model)
-    server = FlatOptimizer(model.flat, optimizer=config["optimizer"], lr=config["lr"],
-                         options=config["optimizer_options"], max_step=config["max_step"],
-                         grad=reducer.grad)
-    restore = config.get("restore")
+    server = FlatOptimizer(model.flat, optimizer=config.optimizer, lr=config.lr,
+                           options=config.optimizer_options, max_step=config.max_step,
+                           grad=reducer.grad)
+    restore = config.restore
     if restore is not None:
         # Every rank loads the same checkpoint: each applies the same updates with its own
         # optimizer, so each needs the optimizer state too, not only the parameters.
@@ -147,125 +135,142 @@ def run_rank(
     buffers = _BufferSync(model.buffers(), server, rank=index, device=model.device)
     buffers.start(restored=restore is not None)
     if index == 0:
-        state.params[0] = server  # the scorer and the final pull read rank 0's parameters
+        role.state.params[0] = server  # the scorer and the final pull read rank 0's parameters
 
     def report(item: FeedItem, consumed: int) -> None:
-        worker.log_event(config["topic"], {
-            "kind": "block", "trainer": index, "epoch": item.epoch, "block": item.block,
-            "rows": consumed - item.skip, "done": consumed == item.rows, "steps": server.version,
-        })
+        role.block(item.epoch, item.block, rows=consumed - item.skip, done=consumed == item.rows,
+                   steps=server.version)
 
-    role = f"rank {index} on {worker.address}"
-    feed = _RankFeed(FeedReader(state.feed(index), state.stop, timeout=config["timeout"], role=role),
-                     batch_size=config["batch_size"], report=report, model=model)
-    pauser = Pauser(worker, state, topic=config["topic"], trainer=index, timeout=config["timeout"])
-    nans = NanReporter(worker, topic=config["topic"], trainer=index)
+    feed = _RankFeed(role.feed(), batch_size=config.batch_size, report=report, model=model)
     # Steps count from the restored step: the first report must not count those as its own.
-    stats = StatsReporter(worker, topic=config["topic"], role="trainer", index=index,
-                          start={"steps": server.version})
-    result = _loop(model, server, reducer, feed, state, config, index=index,
-                   worker=worker.address, pauser=pauser, nans=nans, buffers=buffers, stats=stats)
-    # The last event: once the controller has it, it has every block report sent before it.
-    worker.log_event(config["topic"], {"kind": "exit", "trainer": index, "steps": server.version})
-    return result
+    stats = role.stats(start={"steps": server.version})
+    loop = _RankLoop(role, model, server, reducer, feed, buffers, stats)
+    loop.run()
+    feed.close_block()
+    loop.report_stats(force=True)
+    role.exit(steps=server.version)
+    return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s)
 
 
-def _loop(
-    model: FlatModel, server: FlatOptimizer, reducer: GradientReducer, feed: _RankFeed,
-    state: JobState, config: Mapping[str, Any], *, index: int, worker: str, pauser: Pauser,
-    nans: NanReporter, buffers: _BufferSync, stats: StatsReporter | None = None,
-) -> dict[str, Any]:
-    loss_fn = model.loss_fn(config["loss"])
-    every = config["grad_accumulation"]
-    meta = reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
-    started, comm_s, samples = time.perf_counter(), 0.0, 0
-    stop_vote = False
-    # A model without autograd (Keras): its whole gradient comes from one GradientTape call, so
-    # it is added into the reducer's buffer here and every bucket starts after the batches
-    # (start_rest below): no overlap with the backward pass.
-    scratch = None if isinstance(model, FlatModel) else torch.empty(model.n_params)
-    while True:
-        reducer.reset()
+class _RankLoop:
+    """A rank's steps: batches in, one all-reduce of gradients and votes, one update."""
+
+    def __init__(self, role: TrainerRole, model: FlatModel, server: FlatOptimizer,
+                 reducer: GradientReducer, feed: _RankFeed, buffers: _BufferSync,
+                 stats: StatsReporter) -> None:
+        self.role, self.model, self.server, self.reducer = role, model, server, reducer
+        self.feed, self.buffers, self.stats = feed, buffers, stats
+        self.loss_fn = model.loss_fn(role.config.loss)
+        self.comm_s, self.samples = 0.0, 0
+        self.stop_vote = False
+        # A model without autograd (Keras): its whole gradient comes from one GradientTape call,
+        # so it is added into the reducer's buffer here and every bucket starts after the batches
+        # (start_rest below): no overlap with the backward pass.
+        self.scratch = None if isinstance(model, FlatModel) else torch.empty(model.n_params)
+
+    def report_stats(self, *, force: bool = False) -> None:
+        """Publish this rank's last second."""
+        self.stats.report(step=self.server.version, force=force, samples=self.samples,
+                          steps=self.server.version, feed_wait_s=self.feed.wait_s,
+                          server_wait_s=self.comm_s)
+
+    def run(self) -> None:
+        """Step with the other ranks until every rank is out of data, a stop, or the limit."""
+        meta = self.reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
+        pauser = self.role.pauser
+        while True:
+            self.reducer.reset()
+            # float16 loss scaling: every rank uses the same scale (each sees the same reduced
+            # sums and so makes the same overflow decisions).
+            scale = self.model.scaler.scale if self.model.scaler is not None else 1.0
+            count = self._accumulate(scale)
+            self.reducer.start_rest()
+            self.feed.prefetch()  # cut the next batch while the collectives run
+            t0 = time.perf_counter()
+            self.reducer.wait()
+            self.comm_s += time.perf_counter() - t0
+            self.samples += count
+            self.report_stats()
+            total = float(meta[0])
+            if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
+                break
+            at_limit = self._update(total, scale)
+            if meta[1] > 0 or at_limit:
+                break
+            if meta[2] > 0:
+                # Some rank was asked to pause: all pause after this same step, so the checkpoint
+                # is one consistent state of every rank.
+                if not pauser.pause(self.feed.position(), steps=self.server.version,
+                                    pause_id=pauser.handled + 1):
+                    break
+
+    def _accumulate(self, scale: float) -> int:
+        """This step's batches into the reducer's buffer (votes written before the last one's
+        backward starts the all-reduce); the samples they hold."""
+        every = self.role.config.grad_accumulation
         k, count, reduced = 0, 0, False
-        # float16 loss scaling: every rank uses the same scale (each sees the same reduced sums
-        # and so makes the same overflow decisions).
-        scale = model.scaler.scale if model.scaler is not None else 1.0
         while k < every:
-            batch = feed.next()
+            batch = self.feed.next()
             if batch is None:
                 break
             xb, yb, wb = batch
-            if scratch is not None:
-                value = model.gradient(xb, yb, loss_fn, out=scratch, w=wb)
+            if self.scratch is not None:
+                value = self.model.gradient(xb, yb, self.loss_fn, out=self.scratch, w=wb)
             else:
-                loss = model.forward_loss(xb, yb, loss_fn, wb)
+                loss = self.model.forward_loss(xb, yb, self.loss_fn, wb)
                 value = float(loss.detach())
             if not math.isfinite(value):
                 # Left out of the step (a non-finite sum would poison every rank); counted
                 # neither as samples nor as one of the k batches.
-                nans.report(loss=value, step=server.version, epoch=-1, block=-1)
-                if config["on_nan"] == "stop":
-                    stop_vote = True
+                self.role.nans.report(loss=value, step=self.server.version, epoch=-1, block=-1)
+                if self.role.config.on_nan == "stop":
+                    self.stop_vote = True
                     break
                 continue
             count += len(xb)
             k += 1
             reduced = k == every  # the step's last batch: its backward starts the all-reduce
             if reduced:
-                _votes(meta, count, state, stop_vote, pauser)
+                self._votes(count)
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
-            if scratch is not None:
-                reducer.grad.add_(scratch, alpha=len(xb) * scale)
+            if self.scratch is not None:
+                self.reducer.grad.add_(self.scratch, alpha=len(xb) * scale)
             else:
-                reducer.backward(loss * (len(xb) * scale), reduce=reduced)
+                self.reducer.backward(loss * (len(xb) * scale), reduce=reduced)
         if not reduced:
-            _votes(meta, count, state, stop_vote, pauser)
-        reducer.start_rest()
-        feed.prefetch()  # cut the next batch while the collectives run
-        t0 = time.perf_counter()
-        reducer.wait()
-        comm_s += time.perf_counter() - t0
-        samples += count
-        if stats is not None:
-            stats.report(step=server.version, samples=samples, steps=server.version,
-                         feed_wait_s=feed.wait_s, server_wait_s=comm_s)
-        total = float(meta[0])
-        if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
-            break
-        at_limit = False
+            self._votes(count)
+        return count
+
+    def _update(self, total: float, scale: float) -> bool:
+        """Apply the reduced mean gradient; True at the step limit."""
+        model, reducer, server = self.model, self.reducer, self.server
         if total > 0 and model.scaler is not None:
             reducer.grad.div_(scale)
             finite = bool(torch.isfinite(reducer.grad).all())
             model.scaler.update(finite)
             if not finite:  # an overflow of the scaled float16 gradients: skip this step
                 total = 0.0
-        if total > 0:  # a non-finite batch was left out above, so the mean is finite
-            reducer.grad.div_(total)
-            before = server.version
-            at_limit = server.step(int(total))
-            if server.version == 1 and before == 0 and index == 0:
-                # The first step is applied: start-up ended (FitResult.timings).
-                get_worker().log_event(config["topic"], {"kind": "started", "trainer": 0})
-            if server.version > before:
-                # Only with an applied step (every rank sees the same versions, so all ranks
-                # take part or none): a step refused at the limit must not publish the
-                # statistics of batches whose gradients were never applied.
-                buffers.step()
-        if meta[1] > 0 or at_limit:
-            break
-        if meta[2] > 0:
-            # Some rank was asked to pause: all pause after this same step, so the checkpoint
-            # is one consistent state of every rank.
-            if not pauser.pause(feed.position(), steps=server.version, pause_id=pauser.handled + 1):
-                break
-    feed.close_block()
-    if stats is not None:
-        stats.report(step=server.version, force=True, samples=samples, steps=server.version,
-                     feed_wait_s=feed.wait_s, server_wait_s=comm_s)
-    return {"trainer": index, "steps": server.version, "samples": samples, "worker": worker,
-            "busy_s": time.perf_counter() - started, "allreduce_s": comm_s, "nonfinite": nans.count,
-            "rng": rng_state()}
+        if total <= 0:
+            return False
+        reducer.grad.div_(total)  # a non-finite batch was left out, so the mean is finite
+        before = server.version
+        at_limit = server.step(int(total))
+        if server.version == 1 and before == 0 and self.role.index == 0:
+            self.role.started()  # the first step is applied: start-up ended (FitResult.timings)
+        if server.version > before:
+            # Only with an applied step (every rank sees the same versions, so all ranks take
+            # part or none): a step refused at the limit must not publish the statistics of
+            # batches whose gradients were never applied.
+            self.buffers.step()
+        return at_limit
+
+    def _votes(self, count: int) -> None:
+        """Write this rank's samples and votes, before the collective that carries them starts."""
+        meta = self.reducer.meta
+        meta[0] = count
+        meta[1] = 1.0 if self.role.stopped() or self.stop_vote else 0.0
+        meta[2] = 1.0 if self.role.pauser.requested() else 0.0
 
 
 class _BufferSync:
@@ -309,10 +314,3 @@ class _BufferSync:
             assert self.received is not None
             dist.broadcast(self.received, src=0)
             self.buffers.scatter(self.received)
-
-
-def _votes(meta: torch.Tensor, count: int, state: JobState, stop: bool, pauser: Pauser) -> None:
-    """Write this rank's samples and votes, before the collective that carries them starts."""
-    meta[0] = count
-    meta[1] = 1.0 if state.stop.is_set() or stop else 0.0
-    meta[2] = 1.0 if pauser.requested() else 0.0

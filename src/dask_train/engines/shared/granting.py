@@ -19,10 +19,10 @@ from dask_train.data._blocks import BlockSet
 from dask_train.engines._spec import JobSpec
 from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
-from dask_train.runtime._feed import feed_block
+from dask_train.runtime._enqueue import feed_block
 
 
-class FeedingMixin:
+class BlockGranting:
     """The feeding half of :class:`~dask_train.engines.shared.role_engine.RoleEngine`."""
 
     # Set by RoleEngine.__init__ (declared here for the type checker).

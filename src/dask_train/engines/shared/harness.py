@@ -1,0 +1,205 @@
+"""The worker side every trainer role shares: an async-ps trainer and a sync rank are each a
+:class:`TrainerRole` plus their own loop.
+
+The harness does what is the same for every role: configure torch in the worker, find the job's
+state, leave the worker's thread pool (``secede``: roles sharing a process and the feed tasks must
+never wait for a thread), seed or restore the RNG, build the model on the role's device, read the
+role's feed, publish the typed events of :mod:`dask_train.engines._events`, pause for checkpoints,
+report non-finite losses and stats, and build the result record the engine gathers.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distributed import get_worker, secede
+
+from dask_train.data._feed import FeedReader
+from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
+from dask_train.engines._spec import WorkerConfig
+from dask_train.engines.shared.stats import StatsReporter
+from dask_train.runtime._plugin import worker_state
+
+
+class TrainerRole:
+    """One trainer role on its worker (call from the role's Dask task, before anything else).
+
+    Parameters
+    ----------
+    job : str
+        The generation's key on the workers.
+    index : int
+        The trainer's index (a sync job's rank).
+    config : WorkerConfig
+    kind : str
+        How the role names itself in errors ("worker" or "rank").
+
+    Examples
+    --------
+    Inside a role's task::
+
+        role = TrainerRole(job=job, index=index, config=config, kind="rank")
+        model = role.model(module)
+        feed = role.feed()
+        ...
+        role.block(epoch, block, rows=rows, done=True, steps=steps)
+        role.exit(steps=steps)
+        return role.result(steps=steps, samples=samples, allreduce_s=comm_s)
+    """
+
+    def __init__(self, *, job: str, index: int, config: WorkerConfig, kind: str = "worker") -> None:
+        self.worker = get_worker()
+        worker_state(self.worker).configure_torch()
+        self.state = worker_state(self.worker).job(job)
+        secede()
+        self.job, self.index, self.config = job, index, config
+        self.name = f"{kind}-{index} on {self.worker.address}" if kind == "worker" \
+            else f"{kind} {index} on {self.worker.address}"
+        seed_trainer(seed=config.seed, index=index, saved=config.rng)
+        self.pauser = Pauser(self.worker, self.state, topic=config.topic, trainer=index,
+                             timeout=config.timeout)
+        self.nans = NanReporter(self.worker, topic=config.topic, trainer=index)
+        self.started_at = time.perf_counter()
+        self._started_sent = False
+
+    @property
+    def address(self) -> str:
+        """The worker's address."""
+        return str(self.worker.address)
+
+    def model(self, module: Any, device: str | None = None) -> Any:
+        """The role's model adapter: a copy of ``module`` on its device, in the job's precision."""
+        return model_for(module, self.address, self.config, device)
+
+    def feed(self, on_idle: Callable[[], None] | None = None) -> Any:
+        """The reader of this trainer's feed queue (blocks granted by the engine)."""
+        return FeedReader(self.state.feed(self.index), self.state.stop,
+                          timeout=self.config.timeout, role=self.name, on_idle=on_idle)
+
+    def stats(self, start: dict[str, float] | None = None) -> StatsReporter:
+        """A reporter of this trainer's last second (``start``: totals already counted)."""
+        return StatsReporter(self.worker, topic=self.config.topic, role="trainer",
+                             index=self.index, start=start)
+
+    def stopped(self) -> bool:
+        """True once the controller asked the job to stop."""
+        return bool(self.state.stop.is_set())
+
+    # -- events -----------------------------------------------------------------------------------
+    def started(self) -> None:
+        """Start-up ended: the first step is on its way (sent once)."""
+        if not self._started_sent:
+            self._started_sent = True
+            self.worker.log_event(self.config.topic, Started(trainer=self.index).message())
+
+    def block(self, epoch: int, block: int, *, rows: int, done: bool, steps: int) -> None:
+        """``rows`` rows of a block were trained on (``done``: the block is finished)."""
+        self.worker.log_event(self.config.topic, Block(
+            trainer=self.index, epoch=int(epoch), block=int(block), rows=int(rows),
+            done=bool(done), steps=int(steps)).message())
+
+    def exit(self, *, steps: int) -> None:
+        """The last event: once the controller has it, it has every block report sent before."""
+        self.worker.log_event(self.config.topic, Exit(trainer=self.index, steps=int(steps)).message())
+
+    def result(self, *, steps: int, samples: int, **timings: Any) -> dict[str, Any]:
+        """The record the engine gathers: where the trainer's time went (``timings``), so a slow
+        job says whether it waited for data, servers or collectives."""
+        return {"trainer": self.index, "steps": int(steps), "samples": int(samples),
+                "worker": self.address, "busy_s": time.perf_counter() - self.started_at,
+                **timings, "nonfinite": self.nans.count, "rng": rng_state()}
+
+
+def model_for(module: Any, address: str, config: WorkerConfig, device: str | None = None) -> Any:
+    """The model adapter a role on ``address`` trains or scores with: a copy of ``module`` on the
+    device the controller chose for that worker (or ``device``), in the job's precision."""
+    from dask_train.models._flat import flat_model
+
+    return flat_model(copy.deepcopy(module), device=device or config.device_for(address),
+                      precision=config.precision)
+
+
+def rng_state() -> str:
+    """This process's torch RNG state as text (it travels in an event and a JSON manifest)."""
+    import torch
+
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+
+
+def set_rng_state(text: str) -> None:
+    """Restore a state from :func:`rng_state`."""
+    import torch
+
+    raw = bytearray(base64.b64decode(text))
+    torch.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+
+
+def seed_trainer(*, seed: int, index: int, saved: Mapping[str, str] | None) -> None:
+    """Seed torch's RNG (dropout, random layers) per trainer, or restore a checkpointed state.
+
+    Seeding makes a run reproducible from its seed; restoring makes a resumed run continue the
+    uninterrupted one's random stream.
+    """
+    import torch
+
+    text = (saved or {}).get(str(index))
+    if text:
+        set_rng_state(text)
+    else:
+        torch.manual_seed(int(seed) * 1_000_003 + index)
+
+
+class Pauser:
+    """A trainer's side of checkpoint pauses.
+
+    Parameters
+    ----------
+    worker : distributed.Worker
+    state : WorkerJob
+        The job's state on this worker (pause and resume ids live there).
+    topic : str
+        The job's event topic.
+    trainer : int
+    timeout : float
+        Longest wait for the controller to resume.
+    """
+
+    def __init__(self, worker: Any, state: Any, *, topic: str, trainer: int, timeout: float) -> None:
+        self.worker, self.state, self.topic = worker, state, topic
+        self.trainer, self.timeout = trainer, timeout
+        self.handled = 0
+
+    def requested(self) -> bool:
+        """True when the controller asked for a pause this trainer has not taken yet."""
+        return bool(self.state.pause_id > self.handled)
+
+    def pause(self, position: list[int] | None, *, steps: int, pause_id: int | None = None) -> bool:
+        """Report ``position`` ([epoch, block, rows] or None between blocks) and wait.
+
+        Returns False when the job was stopped while paused.
+        """
+        self.handled = int(pause_id if pause_id is not None else self.state.pause_id)
+        self.worker.log_event(self.topic, Paused(
+            trainer=self.trainer, id=self.handled, steps=steps, position=position,
+            rng=rng_state()).message())
+        return bool(self.state.wait_resume(self.handled, timeout=self.timeout))
+
+
+class NanReporter:
+    """Reports non-finite losses to the controller: the first few in full, then a count."""
+
+    def __init__(self, worker: Any, *, topic: str, trainer: int, limit: int = 5) -> None:
+        self.worker, self.topic, self.trainer, self.limit = worker, topic, trainer, limit
+        self.count = 0
+
+    def report(self, *, loss: float, step: int, epoch: int, block: int) -> None:
+        """Publish one non-finite loss (silently counted after ``limit`` reports)."""
+        self.count += 1
+        if self.count <= self.limit:
+            self.worker.log_event(self.topic, NonFinite(
+                trainer=self.trainer, loss=str(loss), step=step, epoch=epoch, block=block,
+                count=self.count).message())
