@@ -46,9 +46,7 @@ class AsyncPSEngine(RoleEngine):
     def out_of_blocks(self, trainer: int) -> bool:
         """No end marker yet: until every block is consumed, a lost trainer's blocks may still
         come back to this one (see ``_end_idle``)."""
-        self.idle[trainer] = True
-        self._end_idle()
-        return True
+        return self.granter.wait_idle(trainer)
 
     def reported_step(self) -> int:
         """Every trainer's push is one server update: the restored step plus all pushes."""
@@ -65,33 +63,24 @@ class AsyncPSEngine(RoleEngine):
         applied = {(int(e), int(b)): int(rows) for e, b, rows in
                    (seen if isinstance(seen, list) else [])}
         moved = self.ledger.retire(index, applied)
-        self.retired.add(index)
-        stale = [f for t, f in self.feeds if t == index and f.status == "pending"]
-        stale.append(self.trainer_futures[index])
+        stale = [*self.granter.retire(index), self.trainer_futures[index]]
         await self.client.cancel(stale, asynchronous=True)
-        self.feeds = [(t, f) for t, f in self.feeds if t != index]
         logger.warning("trainer %d retired; %d blocks moved to the survivors", index, len(moved))
-        for i in self.live():
-            if self.idle[i]:
-                self.idle[i] = False
-                self._grant(i)
 
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
         """A worker that joined (a restarted one too) gets a trainer, up to ``workers``."""
         live = self.live()
         if self.stopping or len(live) >= self.spec.workers or \
-                all(self.ended[i] or self.idle[i] for i in live):
+                all(self.granter.ended[i] or self.granter.idle[i] for i in live):
             return
         # Workers without a live trainer (a replaced scorer may already run on a new worker).
         used = {self.roles["worker"][i] for i in live}
         for address in [a for a in sorted(alive) if a not in used][: self.spec.workers - len(live)]:
             index = self.ledger.add_trainer(address)
             self.roles = self.roles.replace("worker", [*self.roles["worker"], address])
-            assert index == len(self.roles["worker"]) - 1
-            self.ended.append(False)
-            self.idle.append(False)
-            self.sequence.append(0)
+            granted = self.granter.add_trainer(address)
+            assert index == len(self.roles["worker"]) - 1 == granted
             self.trainer_futures.append(self._trainer_task(index, address))
             for _ in range(self.spec.blocks_ahead):
-                self._grant(index)
+                self.granter.grant(index)
             logger.info("job %s: trainer %d joined on %s", self.job, index, address)

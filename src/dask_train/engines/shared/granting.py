@@ -5,47 +5,93 @@ the data is handed out.
 
 The queue is bounded by credit: a trainer holds at most ``blocks_ahead`` blocks it has not yet
 reported consumed, and each report grants the next (see ``RoleEngine._on_event``).
+A :class:`Granter` owns that state (what each trainer was sent, which are idle, ended or
+retired); its engine holds one and calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distributed import Client, Future
 
 from dask_train.data._blocks import BlockSet
-from dask_train.engines._spec import JobSpec
 from dask_train.policy._ledger import Ledger
-from dask_train.policy._placement import Roles
 from dask_train.runtime._enqueue import feed_block
 
 
-class BlockGranting:
-    """The feeding half of :class:`~dask_train.engines.shared.role_engine.RoleEngine`."""
+class Granter:
+    """Hands each trainer of one generation its blocks, in the ledger's order.
 
-    # Set by RoleEngine.__init__ (declared here for the type checker).
-    client: Client
-    spec: JobSpec
-    roles: Roles
-    blocks: BlockSet
-    ledger: Ledger
-    job: str
-    stopping: bool
-    ended: list[bool]
-    idle: list[bool]
-    retired: set[int]
-    sequence: list[int]
-    feeds: list[tuple[int, Future]]
-    direct_feeds: set[asyncio.Task[None]]
-    pinned: Callable[..., Future]
+    Parameters
+    ----------
+    client : distributed.Client
+    blocks : BlockSet
+        The persisted training blocks.
+    ledger : Ledger
+        The data position: which block each trainer gets next, and what was consumed.
+    job : str
+        The generation's key on the workers.
+    seed, shuffle
+        The job's shuffling (each block's rows are shuffled where it is queued).
+    trainers : sequence of str
+        Each trainer's worker address, by index.
+    pinned : callable
+        Submits a task to run once on one worker (``RoleEngine.pinned``).
+    out_of_blocks : callable
+        Called with a trainer that has no block left to get: True when the engine takes care of
+        it (the async engine keeps it waiting, a lost trainer's blocks may still come back to it:
+        :meth:`wait_idle`), False to send it the end marker now (a sync rank ends with the others).
+    """
+
+    def __init__(self, *, client: Client, blocks: BlockSet, ledger: Ledger, job: str, seed: int,
+                 shuffle: bool, trainers: Sequence[str], pinned: Callable[..., Future],
+                 out_of_blocks: Callable[[int], bool]) -> None:
+        self.client, self.blocks, self.ledger, self.job = client, blocks, ledger, job
+        self.seed, self.shuffle = seed, shuffle
+        self.pinned, self.out_of_blocks = pinned, out_of_blocks
+        self.addresses = list(trainers)
+        self.feeds: list[tuple[int, Future]] = []  # (trainer, feed task) not yet released
+        self.direct_feeds: set[asyncio.Task[None]] = set()
+        self.ended = [False] * len(self.addresses)
+        self.idle = [False] * len(self.addresses)  # out of blocks, waiting for the job's end
+        self.sequence = [0] * len(self.addresses)
+        self.retired: set[int] = set()
+        self.stopping = False
 
     def live(self) -> list[int]:
         """Trainers not lost (retired)."""
-        return [i for i in range(len(self.roles["worker"])) if i not in self.retired]
+        return [i for i in range(len(self.addresses)) if i not in self.retired]
 
-    def _grant(self, trainer: int) -> None:
+    def add_trainer(self, address: str) -> int:
+        """A trainer that joins on ``address``; its index."""
+        self.addresses.append(address)
+        self.ended.append(False)
+        self.idle.append(False)
+        self.sequence.append(0)
+        return len(self.addresses) - 1
+
+    def retire(self, index: int) -> list[Future]:
+        """Forget trainer ``index``; its feed tasks still pending (to cancel). Idle survivors are
+        granted again: the lost trainer's blocks went back to the ledger."""
+        self.retired.add(index)
+        stale = [f for t, f in self.feeds if t == index and f.status == "pending"]
+        self.feeds = [(t, f) for t, f in self.feeds if t != index]
+        for i in self.live():
+            if self.idle[i]:
+                self.idle[i] = False
+                self.grant(i)
+        return stale
+
+    def wait_idle(self, trainer: int) -> bool:
+        """Keep ``trainer`` waiting for the job's end instead of ending it (an ``out_of_blocks``)."""
+        self.idle[trainer] = True
+        self.end_idle()
+        return True
+
+    def grant(self, trainer: int) -> None:
         """Hand ``trainer`` its next block, or the end marker once every epoch is handed out."""
         if self.ended[trainer] or trainer in self.retired or self.stopping:
             return
@@ -53,7 +99,7 @@ class BlockGranting:
         if a is None and self.out_of_blocks(trainer):
             return
         self.idle[trainer] = False
-        address = self.roles["worker"][trainer]
+        address = self.addresses[trainer]
         common = self._common(trainer)
         if a is None:
             self.ended[trainer] = True
@@ -68,15 +114,18 @@ class BlockGranting:
             fut = self._feed_task(trainer, address, a, common)
         self.feeds.append((trainer, fut))
 
-    def out_of_blocks(self, trainer: int) -> bool:
-        """``trainer`` has no block left to get: True when the engine takes care of it, False to
-        send it the end marker now (a sync rank ends with the others; the async engine overrides
-        this to keep it waiting while a lost trainer's blocks may still come back to it)."""
-        return False
+    def keep_idle_alive(self, now: float) -> None:
+        """Idle trainers wait for the others' last blocks: a heartbeat keeps their feed wait alive."""
+        for i in self.live():
+            if self.idle[i]:
+                self.feeds.append((i, self.pinned(
+                    feed_block, None, address=self.addresses[i],
+                    key=f"dt-beat-{i}-{int(now * 1000)}", job=self.job, trainer=i,
+                    seed=0, shuffle=False, seq=-1, epoch=-1, block=-2)))
 
     def _common(self, trainer: int) -> dict[str, Any]:
-        common = {"job": self.job, "trainer": trainer, "seed": self.spec.seed,
-                  "shuffle": self.spec.shuffle, "seq": self.sequence[trainer]}
+        common = {"job": self.job, "trainer": trainer, "seed": self.seed,
+                  "shuffle": self.shuffle, "seq": self.sequence[trainer]}
         self.sequence[trainer] += 1
         return common
 
@@ -125,7 +174,7 @@ class BlockGranting:
         task.add_done_callback(self.direct_feeds.discard)
         return True
 
-    def _end_idle(self) -> None:
+    def end_idle(self) -> None:
         """Send end markers to idle trainers once every block handed out has been consumed."""
         live = self.live()
         if not all(self.idle[i] for i in live) or not self.ledger.all_reported():
@@ -133,6 +182,6 @@ class BlockGranting:
         for i in live:
             self.idle[i] = False
             self.ended[i] = True
-            fut = self.pinned(feed_block, None, address=self.roles["worker"][i],
+            fut = self.pinned(feed_block, None, address=self.addresses[i],
                               key=f"dt-end-{i}", epoch=-1, block=-1, **self._common(i))
             self.feeds.append((i, fut))

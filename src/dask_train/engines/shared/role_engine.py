@@ -25,7 +25,7 @@ from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.shared import control as worker_side
 from dask_train.engines.shared import scorer as _scorer
-from dask_train.engines.shared.granting import BlockGranting
+from dask_train.engines.shared.granting import Granter
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
@@ -34,12 +34,11 @@ from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
-from dask_train.runtime._enqueue import feed_block
 
 logger = logging.getLogger(__name__)
 
 
-class RoleEngine(BlockGranting, Engine):
+class RoleEngine(Engine):
     """Base of the engines whose trainers are pinned tasks reading per-trainer feed queues.
 
     Parameters
@@ -73,14 +72,11 @@ class RoleEngine(BlockGranting, Engine):
                        if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
         self.shards = self.make_shards()
         self.emit: Emit = lambda event: None
-        self.feeds: list[tuple[int, Future]] = []
-        self.direct_feeds: set[asyncio.Task[None]] = set()
-        self.ended = [False] * len(trainers)
-        self.idle = [False] * len(trainers)  # out of blocks, waiting for the job's end (async)
-        self.retired: set[int] = set()
+        self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job,
+                               seed=spec.seed, shuffle=spec.shuffle, trainers=trainers,
+                               pinned=self.pinned, out_of_blocks=self.out_of_blocks)
         self.exited: set[int] = set()  # trainers whose last event has arrived
         self.trainer_steps: dict[int, int] = {}
-        self.sequence = [0] * len(trainers)
         self.trainer_futures: list[Future] = []
         self.scorer_future: Future | None = None
         self.scorer_restarts = 0
@@ -88,7 +84,6 @@ class RoleEngine(BlockGranting, Engine):
         self.config: WorkerConfig | None = None
         self.finished_at = 0.0
         self.last_heartbeat = 0.0
-        self.stopping = False
         self.pauses: dict[int, dict[int, Paused]] = {}
 
     @property
@@ -133,7 +128,7 @@ class RoleEngine(BlockGranting, Engine):
         # before the others get one.
         for _ in range(self.spec.blocks_ahead):
             for i in range(len(self.roles["worker"])):
-                self._grant(i)
+                self.granter.grant(i)
 
     def _trainer_task(self, index: int, address: str) -> Future:
         return self.pinned(type(self).run_trainer, self.module_f, address=address,
@@ -177,6 +172,20 @@ class RoleEngine(BlockGranting, Engine):
         raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
 
     # -- feeding ----------------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        """Trainers not lost (retired)."""
+        return self.granter.live()
+
+    @property
+    def stopping(self) -> bool:
+        """True once the generation is stopping: no block is granted any more."""
+        return self.granter.stopping
+
+    def out_of_blocks(self, trainer: int) -> bool:
+        """``trainer`` has no block left to get: True when the engine takes care of it, False to
+        send it the end marker now (a sync rank ends with the others)."""
+        return False
+
     def live_trainers(self) -> int:
         """Trainers still taking part."""
         return len(self.live())
@@ -185,14 +194,14 @@ class RoleEngine(BlockGranting, Engine):
     def _on_event(self, message: dict[str, Any]) -> None:
         event = from_message(message)
         if isinstance(event, Block):
-            if event.trainer in self.retired:
+            if event.trainer in self.granter.retired:
                 return
             self.trainer_steps[event.trainer] = event.steps
             before = self.ledger.epochs_completed
             self.ledger.consumed(epoch=event.epoch, block=event.block, trainer=event.trainer,
                                  rows=event.rows, done=event.done)
-            self._grant(event.trainer)
-            self._end_idle()
+            self.granter.grant(event.trainer)
+            self.granter.end_idle()
             if self.ledger.epochs_completed > before:
                 self.emit(Epochs(completed=self.ledger.epochs_completed))
             self.emit(Progress(step=self.reported_step()))
@@ -243,15 +252,9 @@ class RoleEngine(BlockGranting, Engine):
             self.finished_at = self.finished_at or now
             if now - self.finished_at > 5.0:
                 return "trainers ended"
-        elif any(self.idle) and now - self.last_heartbeat > self.spec.timeout / 4:
-            # Idle trainers wait for the others' last blocks: keep their feed wait alive.
+        elif any(self.granter.idle) and now - self.last_heartbeat > self.spec.timeout / 4:
             self.last_heartbeat = now
-            for i in self.live():
-                if self.idle[i]:
-                    self.feeds.append((i, self.pinned(
-                        feed_block, None, address=self.roles["worker"][i],
-                        key=f"dt-beat-{i}-{int(now * 1000)}", job=self.job, trainer=i,
-                        seed=0, shuffle=False, seq=-1, epoch=-1, block=-2)))
+            self.granter.keep_idle_alive(now)
         return ""
 
     # -- failures ---------------------------------------------------------------------------------
@@ -261,7 +264,7 @@ class RoleEngine(BlockGranting, Engine):
         lost = [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
                 for kind in ("ps", "worker", "scorer")
                 for i, address in enumerate(self.roles.get(kind, []))
-                if address not in alive and not (kind == "worker" and i in self.retired)]
+                if address not in alive and not (kind == "worker" and i in self.granter.retired)]
         if lost:
             return lost
         scorer = self.scorer_future
@@ -283,10 +286,11 @@ class RoleEngine(BlockGranting, Engine):
                     if set(self.roles.addresses) - set(now_alive):
                         return await self.failures(now_alive)
             await self.raise_role_error(fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
-        for _trainer, fut in self.feeds:
+        granter = self.granter
+        for _trainer, fut in granter.feeds:
             if fut.status == "error":
                 await self.raise_role_error(fut, f"feeding block task {fut.key}")
-        self.feeds = [(t, f) for t, f in self.feeds if f.status != "finished"]
+        granter.feeds = [(t, f) for t, f in granter.feeds if f.status != "finished"]
         return []
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
@@ -378,7 +382,7 @@ class RoleEngine(BlockGranting, Engine):
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
         """Stop every role (each wait bounded by the timeout); pull the final parameters."""
-        self.stopping = True
+        self.granter.stopping = True
         scorer = self.scorer_future is not None
         if scorer and keep_step is not None:
             # A score stopped the job: stop the scorer first, while it still holds the snapshot
@@ -431,19 +435,19 @@ class RoleEngine(BlockGranting, Engine):
             logger.exception("cleaning up job %s failed", self.job)
 
     async def _close(self) -> None:
-        self.stopping = True
+        self.granter.stopping = True
         self.client.unsubscribe_topic(self.topic)
         # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with it
         # this engine, its blocks and role futures, for as long as the client lives.
         drop_topic_handler(self.client, self.topic)
         pending = [f for f in self.trainer_futures if f.status == "pending"]
-        pending += [f for _, f in self.feeds if f.status == "pending"]
+        pending += [f for _, f in self.granter.feeds if f.status == "pending"]
         if self.scorer_future is not None and self.scorer_future.status == "pending":
             pending.append(self.scorer_future)
         if pending:
             # Tasks pinned to a lost worker wait in no-worker forever: cancel them.
             await self.client.cancel(pending, asynchronous=True)
-        self.trainer_futures, self.feeds, self.scorer_future = [], [], None
+        self.trainer_futures, self.granter.feeds, self.scorer_future = [], [], None
         holders: list[str] = []
         if isinstance(self.validation, SpreadValidation):
             # Workers that evaluated validation blocks keep a copy of the model for the job.
