@@ -23,7 +23,7 @@ b) **Logistic regression** on generated data (5M x 50 by default; ``--quick``: 2
    L-BFGS and Newton). dask-glm and dask-ml are optional (``pip install .[bench]``). For each reference,
    the time dask-train's fit needed to reach the same mean log-loss (from ``time_history_``, which
    counts from the start of ``fit``, checks and persisting included) and the iterations that took.
-c) **Sending the parameters each iteration** (the choice in ``full_batch.send_params``): one
+c) **Sending the parameters each iteration** (the choice in ``dask_train.runtime.send_params``): one
    ``evaluate_sum`` over 8 small blocks in 2 groups, with parameters of 400 B, 800 kB and 40 MB
    passed in the task arguments, by ``scatter`` (via the scheduler / direct to a worker), by
    ``scatter(broadcast=True)``, by ``scatter`` + ``replicate``; median time and bytes the client
@@ -60,6 +60,8 @@ from distributed import Client, as_completed, wait
 
 import dask_train as dt
 from dask_train.classical import GLMBlockLoss, full_batch
+from dask_train.data import persist_data
+from dask_train.runtime import send_params
 
 NETNS, HOST_IP, NS_IP, RATE = "dtbench", "10.231.0.1", "10.231.0.2", "1gbit"
 PART_FLOATS = 500_000  # 4 MB
@@ -156,14 +158,14 @@ def _block_fn(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, 
 def broadcast_rows(client: Client, repeats: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     X = da.from_array(rng.normal(size=(8000, 10)), chunks=(1000, 10))
-    data = full_batch.persist_data(X, da.zeros(8000, chunks=1000), client=client)
+    data = persist_data(X, da.zeros(8000, chunks=1000), client=client)
     ways: dict[str, Callable[[np.ndarray], Any]] = {
         "in the task arguments": lambda p: p,
         "scatter (via the scheduler)": lambda p: client.scatter(p, hash=False),
         "scatter(direct=True)": lambda p: client.scatter(p, hash=False, direct=True),
         "scatter(broadcast=True)": lambda p: client.scatter(p, hash=False, broadcast=True),
         "scatter + replicate": lambda p: _replicated(client, p),
-        "send_params (the library's choice)": lambda p: full_batch.send_params(client, p, copies=2),
+        "send_params (the library's choice)": lambda p: send_params(client, p, copies=2),
     }
     rows = []
     for floats in PARAM_FLOATS:

@@ -38,8 +38,9 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * models (framework adapters): import only errors and policy; usable by engines and above;
 #   * checkpoint (safetensors IO): imports only errors; usable by engines and above;
 #   * classical: at the engines level; may import policy, data, runtime, errors and models._array
-#     only (see MODULE_ONLY) -- never torch (see test_classical_never_imports_torch). engines may
-#     use it (the array loop reuses its tree reduction); it never imports engines;
+#     only (see MODULE_ONLY) -- never torch (see test_classical_never_imports_torch). It never
+#     imports engines, nor engines it: the plumbing both use (the blocks, the tree reduction) is
+#     in data and runtime;
 #   * report (tables, plots, run folders): imports errors and checkpoint (saving a model);
 #     usable by the controller (history tables) and above;
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
@@ -63,7 +64,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": _BASE | {"policy"},
     "checkpoint": _BASE,
     "classical": _BASE | {"policy", "data", "runtime", "models"},
-    "engines": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical"},
+    "engines": _BASE | {"policy", "data", "runtime", "models", "checkpoint"},
     "report": _BASE | {"checkpoint"},
     "datasets": _BASE | {"policy", "data"},
     "monitor": _BASE,

@@ -42,7 +42,7 @@ _LAZY = {
     "FailureConfig": ".policy",
     "Roles": ".policy",
     "CheckpointConfig": ".checkpoint",
-    # the runtime: connecting, roles, torch process groups
+    # the runtime: connecting, roles, torch process groups, tree reduction
     "connect": ".runtime",
     "start_roles": ".runtime",
     "start_torch": ".runtime",
@@ -57,7 +57,7 @@ _LAZY = {
     "LogisticRegression": ".classical",
     "PoissonRegression": ".classical",
     "distributed_loss_grad": ".classical",
-    "tree_reduce": ".classical",
+    "tree_reduce": ".runtime",
     "datasets": ".datasets",
     "from_npy": ".data",
     "callbacks": ".callbacks",
@@ -128,7 +128,6 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         LogisticRegression,
         PoissonRegression,
         distributed_loss_grad,
-        tree_reduce,
     )
     from dask_train.data import from_npy
     from dask_train.models import ArrayModel, softmax_regression
@@ -144,6 +143,6 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         StopCondition,
     )
     from dask_train.prediction import predict
-    from dask_train.runtime import TorchGroup, connect, start_roles, start_torch
+    from dask_train.runtime import TorchGroup, connect, start_roles, start_torch, tree_reduce
     from dask_train.tensorflow import TensorFlowCluster, start_tensorflow
     from dask_train.tuning import SearchResult, intuniform, loguniform, search, uniform

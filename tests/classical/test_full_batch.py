@@ -16,7 +16,7 @@ import pytest
 from distributed import Client, get_worker, wait
 
 import dask_train as dt
-from dask_train.classical.full_batch import BlockData, persist_data
+from dask_train.data import BlockSet, persist_data
 
 
 def _part(i: int, size: int) -> np.ndarray:
@@ -215,9 +215,8 @@ def test_client_receives_one_partial_result_per_call(client: Client) -> None:
         data.release()
 
 
-def test_block_data_groups_follow_the_holders() -> None:
-    data = BlockData(futures=[], rows=[1] * 5, holders=["a", "b", "a", "a", "b"], n_features=1,
-                     client=None, threads={"a": 2, "b": 1})  # type: ignore[arg-type]
+def test_block_set_groups_follow_the_holders() -> None:
+    data = BlockSet.placed([], [1] * 5, ["a", "b", "a", "a", "b"], threads={"a": 2, "b": 1})
     assert data.groups() == [[0, 2], [3], [1, 4]]
 
 

@@ -41,6 +41,7 @@ from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
+from dask_train.runtime._connect import default_client
 from dask_train.runtime._devices import probe_devices
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
@@ -336,7 +337,7 @@ class Trainer:
 
             fix_keras_serialization()  # distributed's Keras serializer is for Keras 2
             warm_workers(client, roles.addresses, timeout=self.timeout)
-        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.rows})
+        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows})
 
         def make_engine(roles: Roles, job: str, restore: Any) -> Any:
             return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
@@ -347,10 +348,10 @@ class Trainer:
                                     worker=min(self.workers, len(alive)) if sync else self.workers,
                                     scorer=self.scorer if validation is not None else 0))
 
-        with Progress(total=self.epochs * blocks.rows, enabled=self.progress) as progress:
+        with Progress(total=self.epochs * blocks.n_rows, enabled=self.progress) as progress:
             started = time.time()
             controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan,
-                                    roles=roles, rows=blocks.rows, progress=progress)
+                                    roles=roles, rows=blocks.n_rows, progress=progress)
             outcome = client.sync(controller.run, resume=resume)
             progress.close(outcome.stopped_by)
         result = self._result(outcome, wall_s=time.time() - started)
@@ -361,7 +362,7 @@ class Trainer:
     def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
                    warm_start: bool = False, sample_weight: Any = None) -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
-        from dask_train.classical.full_batch import persist_data
+        from dask_train.data import persist_data
         from dask_train.engines.array.engine import ArrayEngine
 
         self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
@@ -433,23 +434,15 @@ class Trainer:
             raise InvalidInput(problems)
 
     def _client(self) -> Client:
-        """The client given, the current one, or an embedded cluster started once and kept
-        privately: ``fit`` never changes ``self.client`` (a hyper-parameter, as in get_params)."""
+        """The client given, else :func:`~dask_train.runtime.default_client`: the current one, or
+        an embedded cluster started once (it is the current client from then on, so the next fit
+        finds it). ``fit`` never changes ``self.client`` (a hyper-parameter, as in get_params)."""
         if self.client is not None:
             return self.client
-        try:
-            from distributed import default_client
-
-            return default_client()
-        except ValueError:  # no client yet: the embedded default
-            from dask_train.runtime import connect
-
-            if getattr(self, "_embedded", None) is None:
-                t = time.time()
-                self._embedded = connect()
-                getattr(self, "_clock", {})["connect"] = time.time() - t
-            embedded: Client = self._embedded
-            return embedded
+        t = time.time()
+        client = default_client()
+        getattr(self, "_clock", {})["connect"] = time.time() - t
+        return client
 
     def _float_dtype(self) -> Any:
         """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""

@@ -29,8 +29,9 @@ from dask_train.classical._solvers import (
     SolverResult,
     solve,
 )
-from dask_train.classical.full_batch import default_client, evaluate_sum
+from dask_train.classical.full_batch import evaluate_sum
 from dask_train.errors import InvalidInput
+from dask_train.runtime import default_client
 
 PENALTIES = ("l2", "l1", "elasticnet", "none")
 
@@ -94,7 +95,8 @@ class _GLM(BaseEstimator):  # type: ignore[misc]
         started = time.perf_counter()
         # Bad hyper-parameters are reported together with every problem of X and y that can be
         # seen without a pass over the data; prepare_fit raises them all at once.
-        fd = prepare_fit(self, X, y, task=self._task, client=lambda: self.client or default_client(),
+        fd = prepare_fit(self, X, y, task=self._task,
+                         client=lambda: self.client or default_client(quiet=True),
                          problems=self._check_params())
         try:
             fn = GLMBlockLoss(self._family_for(fd), fd.n_features, self._n_outputs(fd),

@@ -21,8 +21,9 @@ from sklearn.exceptions import DataConversionWarning
 from sklearn.utils.multiclass import type_of_target
 from sklearn.utils.validation import validate_data
 
-from dask_train.classical.full_batch import BlockData, map_blocks_inplace, persist_data
+from dask_train.data import BlockSet, persist_data
 from dask_train.data._blocks import as_dask_array
+from dask_train.data._persist import map_blocks_inplace
 from dask_train.errors import InvalidInput
 
 TASKS = ("classification", "regression", "count")
@@ -37,7 +38,7 @@ class InvalidInputType(InvalidInput, TypeError):
 class FitData:
     """Validated, persisted training data: labels already encoded for the loss."""
 
-    data: BlockData
+    data: BlockSet
     n_rows: int
     n_features: int
     classes: np.ndarray | None
@@ -286,9 +287,10 @@ def prepare_fit(
         raise InvalidInput(problems + more)
     assert Xd is not None and yd is not None
     est.n_features_in_ = int(Xd.shape[1])
-    data = persist_data(Xd, yd, client=client())
+    cluster = client()
+    data = persist_data(Xd, yd, client=cluster)
     try:
-        stats = data.client.gather(data.client.map(_block_stats, data.futures, pure=False))
+        stats = cluster.gather(cluster.map(_block_stats, data.futures, pure=False))
         classes, problems = _stats_problems(stats, task=task, name=name)
         if problems:
             raise InvalidInput(problems)

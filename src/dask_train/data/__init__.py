@@ -3,6 +3,7 @@ minibatches (numpy; an engine converts them to its framework's tensors)."""
 
 from dask_train.data._blocks import BlockSet, as_dask_array, persist_blocks
 from dask_train.data._feed import FeedItem, FeedReader, batches, block_order
+from dask_train.data._persist import persist_data
 from dask_train.data._readers import from_npy
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "block_order",
     "from_npy",
     "persist_blocks",
+    "persist_data",
 ]

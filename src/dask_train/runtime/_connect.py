@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 import dask
-from distributed import Client
+from distributed import Client, get_client
 
 from dask_train.errors import ClusterUnreachable, InvalidInput
 from dask_train.runtime._compat import start_workers_without_main
@@ -105,6 +105,30 @@ def connect(
         print(f"dask-train: dashboard at {link}", file=sys.stderr)
     logger.debug("connected to %s (dashboard %s)", client.scheduler.address, link)
     return client
+
+
+def default_client(*, quiet: bool = False) -> Client:
+    """The client to use when none was given: the current one, else a new embedded cluster.
+
+    "Current" as :func:`distributed.get_client` sees it: inside a task, the worker's client;
+    inside ``with client.as_current()`` (a search trial's thread), that client; else the global
+    default client. Only when there is none does it start one with :func:`connect` (the embedded
+    LocalCluster, or ``DASK_SCHEDULER_ADDRESS``); that client is the global default from then on,
+    so the next call returns it instead of starting another cluster.
+
+    Parameters
+    ----------
+    quiet : bool
+        Passed to :func:`connect`: do not print the dashboard link of a new cluster.
+
+    Examples
+    --------
+    >>> client = default_client()                      # doctest: +SKIP
+    """
+    try:
+        return get_client()
+    except ValueError:  # no client anywhere: the embedded default
+        return connect(quiet=quiet)
 
 
 def _embedded(

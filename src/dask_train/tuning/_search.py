@@ -25,6 +25,7 @@ from distributed import Client
 
 from dask_train.errors import InvalidInput
 from dask_train.policy.stop import StopCondition, check_stop
+from dask_train.runtime import default_client
 from dask_train.tuning._checks import (
     check_arguments,
     make_pruner,
@@ -118,7 +119,7 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
         problems += exc.problems
     if problems:
         raise InvalidInput(problems)
-    client = client or getattr(model, "client", None) or _default_client()
+    client = client or getattr(model, "client", None) or default_client()
     checks = SearchData(*_lazy_arrays(X, y), validation=_numpy_pair(validation))
     metric, mode, runner = make_runner(model, parsed, data=checks, metric=metric, mode=mode,
                                        client=client, workers_per_trial=workers_per_trial,
@@ -141,17 +142,6 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
                    n_trials=n_trials, max_concurrent=concurrent, stop=stops, timeout=timeout,
                    progress=progress)
     return loop.run(lambda: prepare_data(X, y, validation, client=client))
-
-
-def _default_client() -> Client:
-    try:
-        from distributed import default_client
-
-        return default_client()
-    except ValueError:
-        from dask_train.runtime import connect
-
-        return connect()
 
 
 def _lazy_arrays(X: Any, y: Any) -> tuple[Any, Any]:

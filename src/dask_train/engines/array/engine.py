@@ -28,7 +28,7 @@ import torch
 from distributed import Client, Future
 
 from dask_train.checkpoint import read_slice
-from dask_train.classical.full_batch import EMBED_PARAMS_BYTES, BlockData, add_terms, tree_reduce
+from dask_train.data import BlockSet as BlockData
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.engines.array.worker import group_step, score_task
@@ -36,6 +36,7 @@ from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.errors import TrainingTimeout
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
+from dask_train.runtime._reduce import EMBED_PARAMS_BYTES, add_terms, tree_reduce
 
 logger = logging.getLogger(__name__)
 
