@@ -16,6 +16,7 @@ from dask_train.api._auto_ps import resolve_ps
 from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
 from dask_train.api._data import materialize, spread_validation
 from dask_train.api._result import FitResult
+from dask_train.api._settings import Settings
 from dask_train.api._validate import (
     check_array_model,
     check_data,
@@ -309,9 +310,7 @@ class Trainer:
         devices = probe_devices(client, "cpu" if keras else self.device,
                                 mixed_precision=self.mixed_precision)
         self._fit_ps = resolve_ps(self, client, self._input_dtype(X, log=False), y)
-        spec = self._spec(module=self._start_model(warm_start))
-        spec.device_kind, spec.devices, spec.precision = \
-            devices.kind, devices.by_worker, devices.precision
+        spec = self._spec(module=self._start_model(warm_start), devices=devices)
         if devices.kind == "cuda" or devices.precision:
             logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
                         f", autocast {devices.precision}" if devices.precision else "")
@@ -402,8 +401,7 @@ class Trainer:
 
     def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
                   sample_weight: Any = None) -> None:
-        settings = self.get_params()
-        settings["stop"], settings["callbacks"] = self.stop, self.callbacks
+        settings = Settings.of(self)
         problems = check_settings(settings)
         if resume and self.checkpoint is None:
             problems.append(
@@ -463,8 +461,9 @@ class Trainer:
         last = getattr(self, "_last_model", None)
         return copy.deepcopy(last if warm_start and last is not None else self.module)
 
-    def _spec(self, *, n_params: int | None = None, module: Any = None) -> JobSpec:
-        return job_spec(self, n_params=n_params, module=module)
+    def _spec(self, *, n_params: int | None = None, module: Any = None,
+              devices: Any = None) -> JobSpec:
+        return job_spec(self, n_params=n_params, module=module, devices=devices)
 
     def _servers(self) -> int:
         """``ps`` as a count: with ``ps="auto"``, the one chosen for the current fit."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dask_train.api._settings import Settings
 from dask_train.data._blocks import is_dask_array
 from dask_train.models._array import ArrayModel
 from dask_train.models._evaluate import metric_names
@@ -43,25 +44,25 @@ def _positive(name: str, value: object) -> list[str]:
     return []
 
 
-def check_settings(settings: Mapping[str, Any]) -> list[str]:
+def check_settings(settings: Settings) -> list[str]:
     """Problems with a Trainer's hyper-parameters (no data needed)."""
     s = settings
     problems: list[str] = []
-    keras = is_keras_model(s["module"])
-    if not isinstance(s["module"], (torch.nn.Module, ArrayModel)) and not keras:
+    keras = is_keras_model(s.module)
+    if not isinstance(s.module, (torch.nn.Module, ArrayModel)) and not keras:
         problems.append(
-            f"module={type(s['module']).__name__} is invalid: pass a torch.nn.Module instance, "
+            f"module={type(s.module).__name__} is invalid: pass a torch.nn.Module instance, "
             "a Keras 3 model, or a dt.ArrayModel (with strategy='sync')."
         )
-    if s["strategy"] not in STRATEGIES:
-        problems.append(f"strategy={s['strategy']!r} is unknown: use one of {list(STRATEGIES)}.")
-    loss = s["loss"]
+    if s.strategy not in STRATEGIES:
+        problems.append(f"strategy={s.strategy!r} is unknown: use one of {list(STRATEGIES)}.")
+    loss = s.loss
     if keras:  # Keras losses, TensorFlow's devices (its own checks)
         from dask_train.models._keras_eval import check_settings as check_keras
 
-        problems += check_keras(s["module"], loss, device=s.get("device", "auto"),
-                                mixed_precision=s.get("mixed_precision", False))
-        if s["ps"] == "auto":
+        problems += check_keras(s.module, loss, device=s.device,
+                                mixed_precision=s.mixed_precision)
+        if s.ps == "auto":
             problems.append("ps='auto' measures torch modules only: give a Keras model's job a "
                             "server count, e.g. ps=1.")
     elif isinstance(loss, str) and loss not in LOSSES:
@@ -73,55 +74,55 @@ def check_settings(settings: Mapping[str, Any]) -> list[str]:
         problems.append(
             f"loss={loss!r} is invalid: pass a loss name, a torch.nn loss module or a function "
             "fn(output, target) -> scalar tensor.")
-    optimizer = s["optimizer"]
+    optimizer = s.optimizer
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         if optimizer in (torch.optim.LBFGS,):
             problems.append(
                 f"optimizer={optimizer.__name__} is invalid: it needs a closure over the whole "
                 "model; use an element-wise optimizer such as torch.optim.SGD or Adam.")
         else:
-            problems += _check_optimizer_options(optimizer, s["lr"], s["optimizer_options"])
+            problems += _check_optimizer_options(optimizer, s.lr, s.optimizer_options)
     elif optimizer not in OPTIMIZERS:
         problems.append(
             f"optimizer={optimizer!r} is unknown: use one of {sorted(OPTIMIZERS)} or a "
             "torch.optim.Optimizer subclass such as torch.optim.SGD."
         )
     else:
-        problems += _check_optimizer_options(optimizer, s["lr"], s["optimizer_options"])
-    problems += _positive("lr", s["lr"])
+        problems += _check_optimizer_options(optimizer, s.lr, s.optimizer_options)
+    problems += _positive("lr", s.lr)
     # Servers exist only in async-ps; sync ignores ps.
-    min_ps = 0 if s["strategy"] == "sync" else 1
+    min_ps = 0 if s.strategy == "sync" else 1
     # ps="auto" is resolved at fit time (api._auto_ps); any other value must be a count.
-    ps = min_ps if s["ps"] == "auto" else s["ps"]
+    ps = min_ps if s.ps == "auto" else s.ps
     problems += [p.replace("use an integer", "use 'auto' or an integer") if p.startswith("ps=") else p
-                 for p in check_role_counts(ps=ps, worker=s["workers"], scorer=s["scorer"],
+                 for p in check_role_counts(ps=ps, worker=s.workers, scorer=s.scorer,
                                             min_ps=min_ps)]
-    problems += _int_at_least("batch_size", s["batch_size"], 1)
+    problems += _int_at_least("batch_size", s.batch_size, 1)
     problems += _check_global_batch(s)
-    problems += _int_at_least("epochs", s["epochs"], 1)
-    problems += _int_at_least("blocks_ahead", s["blocks_ahead"], 1)
-    problems += _int_at_least("grad_accumulation", s["grad_accumulation"], 1)
-    prefetch = s["prefetch"]
+    problems += _int_at_least("epochs", s.epochs, 1)
+    problems += _int_at_least("blocks_ahead", s.blocks_ahead, 1)
+    problems += _int_at_least("grad_accumulation", s.grad_accumulation, 1)
+    prefetch = s.prefetch
     if isinstance(prefetch, bool):
         prefetch = int(prefetch)
     if prefetch != "auto":
         problems += [p.replace("an integer", "'auto', True, False or an integer")
                      for p in _int_at_least("prefetch", prefetch, 0)]
-    problems += _int_at_least("seed", s["seed"], 0)
-    problems += _positive("score_every", s["score_every"])
-    problems += _positive("timeout", s["timeout"])
-    for i, cond in enumerate(s["stop"]):
+    problems += _int_at_least("seed", s.seed, 0)
+    problems += _positive("score_every", s.score_every)
+    problems += _positive("timeout", s.timeout)
+    for i, cond in enumerate(s.stop):
         if not isinstance(cond, StopCondition):
             problems.append(
                 f"stop[{i}]={cond!r} is invalid: use dt.StopAtScore, dt.StopAtStep, dt.StopAfter "
                 "or dt.EarlyStopping."
             )
-    for i, cb in enumerate(s["callbacks"]):
+    for i, cb in enumerate(s.callbacks):
         if not isinstance(cb, Callback):
             problems.append(f"callbacks[{i}]={cb!r} is invalid: subclass dt.Callback.")
     problems += _check_recovery(s)
-    problems += check_metrics(s.get("metrics"), s["module"], s["loss"])
-    problems += check_device(s.get("device", "auto"), s.get("mixed_precision", False), s["module"])
+    problems += check_metrics(s.metrics, s.module, s.loss)
+    problems += check_device(s.device, s.mixed_precision, s.module)
     return problems
 
 
@@ -169,15 +170,15 @@ def check_sample_weight(weights: Any, X: Any, module: Any, loss: Any) -> list[st
     return problems
 
 
-def _check_global_batch(s: Mapping[str, Any]) -> list[str]:
-    global_batch, workers = s.get("global_batch_size"), s["workers"]
+def _check_global_batch(s: Settings) -> list[str]:
+    global_batch, workers = s.global_batch_size, s.workers
     if global_batch is None:
         return []
     problems = _int_at_least("global_batch_size", global_batch, 1)
     if problems or not isinstance(workers, int) or workers < 1:
         return problems
-    if s["batch_size"] != 128:
-        problems.append(f"batch_size={s['batch_size']!r} and global_batch_size={global_batch!r} "
+    if s.batch_size != 128:
+        problems.append(f"batch_size={s.batch_size!r} and global_batch_size={global_batch!r} "
                         "are both given: pass one (batch_size is per trainer).")
     if global_batch % workers:
         problems.append(f"global_batch_size={global_batch} does not split evenly over "
@@ -189,35 +190,35 @@ def _check_global_batch(s: Mapping[str, Any]) -> list[str]:
 ON_NAN = ("stop", "skip")
 
 
-def _check_recovery(s: Mapping[str, Any]) -> list[str]:
+def _check_recovery(s: Settings) -> list[str]:
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.policy._failure import FailureConfig
 
     problems = []
-    if s.get("checkpoint") is not None and not isinstance(s["checkpoint"], CheckpointConfig):
+    if s.checkpoint is not None and not isinstance(s.checkpoint, CheckpointConfig):
         problems.append(
-            f"checkpoint={s['checkpoint']!r} is invalid: pass dt.CheckpointConfig(path, "
+            f"checkpoint={s.checkpoint!r} is invalid: pass dt.CheckpointConfig(path, "
             "every_seconds=30, keep=3) or None."
         )
-    if s.get("failure") is not None and not isinstance(s["failure"], FailureConfig):
+    if s.failure is not None and not isinstance(s.failure, FailureConfig):
         problems.append(
-            f"failure={s['failure']!r} is invalid: pass dt.FailureConfig(max_failures=3) or None."
+            f"failure={s.failure!r} is invalid: pass dt.FailureConfig(max_failures=3) or None."
         )
-    if s.get("on_nan", "stop") not in ON_NAN:
+    if s.on_nan not in ON_NAN:
         problems.append(
-            f"on_nan={s.get('on_nan')!r} is invalid: use 'stop' (end the job, keep the last good "
+            f"on_nan={s.on_nan!r} is invalid: use 'stop' (end the job, keep the last good "
             "checkpoint) or 'skip' (leave the batch or score out and go on)."
         )
     return problems
 
 
-def check_array_model(model: ArrayModel, settings: Mapping[str, Any], X: Any, y: Any, *,
+def check_array_model(model: ArrayModel, settings: Settings, X: Any, y: Any, *,
                       resume: bool) -> list[str]:
     """Problems with training an ArrayModel under these settings, found before any task runs."""
     problems = model.problems()
-    if settings["strategy"] != "sync":
+    if settings.strategy != "sync":
         problems.append(
-            f"strategy={settings['strategy']!r} cannot train a dt.ArrayModel: use strategy='sync' "
+            f"strategy={settings.strategy!r} cannot train a dt.ArrayModel: use strategy='sync' "
             "(its gradients are averaged by a Dask tree reduction; async-ps trains torch modules)."
         )
     if not problems and getattr(X, "ndim", 0) == 2:
