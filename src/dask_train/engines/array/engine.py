@@ -28,11 +28,13 @@ import torch
 from distributed import Client, Future
 
 from dask_train.checkpoint import read_slice
-from dask_train.data import BlockSet as BlockData
+from dask_train.data import BlockSet
+from dask_train.engines._events import Epochs, NonFinite, Started
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.engines.array.worker import group_step, score_task
 from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.shared.scoring import ScoreKeeper, score_event
 from dask_train.errors import TrainingTimeout
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
@@ -40,7 +42,6 @@ from dask_train.runtime._reduce import EMBED_PARAMS_BYTES, add_terms, tree_reduc
 
 logger = logging.getLogger(__name__)
 
-_SNAPSHOTS = 4  # scored parameter sets kept: the one that stops the job is among the last
 
 
 class ArrayEngine(Engine):
@@ -51,7 +52,7 @@ class ArrayEngine(Engine):
     client : distributed.Client
     spec : JobSpec
         ``spec.module`` is the :class:`~dask_train.models.ArrayModel`.
-    data : BlockData
+    data : BlockSet
         The training blocks, persisted where they will stay.
     validation : (numpy.ndarray, numpy.ndarray) or None
     job : str
@@ -63,7 +64,7 @@ class ArrayEngine(Engine):
 
     strategy = "sync"
 
-    def __init__(self, client: Client, spec: JobSpec, data: BlockData, validation: Any, *,
+    def __init__(self, client: Client, spec: JobSpec, data: BlockSet, validation: Any, *,
                  job: str, restore: Mapping[str, Any] | None = None, split_every: int = 2) -> None:
         self.client, self.spec, self.data, self.validation = client, spec, data, validation
         self.model, self.job, self.split_every = spec.module, job, split_every
@@ -97,7 +98,7 @@ class ArrayEngine(Engine):
         self.resumed = asyncio.Event()
         self.val_ref: Any = None
         self.scoring: tuple[Future, int, int] | None = None  # (future, step, samples)
-        self.scored: dict[int, np.ndarray] = {}
+        self.scored = ScoreKeeper()  # the last scored parameter sets
         self.last_score = 0.0
 
     # -- starting and the step loop ---------------------------------------------------------------
@@ -125,7 +126,7 @@ class ArrayEngine(Engine):
                         break
                     at_limit = await self._step(consumed)
                     if self.next_step == 0:
-                        self.emit({"kind": "started", "trainer": -1})
+                        self.emit(Started(trainer=-1))
                     self.next_step += 1
                     await self._poll_score()
                     if at_limit:
@@ -136,7 +137,7 @@ class ArrayEngine(Engine):
                     break
                 self.epoch, self.next_step = self.epoch + 1, 0
                 self.epochs_done += 1
-                self.emit({"kind": "epochs", "completed": self.epochs_done})
+                self.emit(Epochs(completed=self.epochs_done))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a lost worker's blocks, a timeout: the controller decides
@@ -177,8 +178,8 @@ class ArrayEngine(Engine):
         for g, group_rows in enumerate(self.group_rows):
             consumed[g] = min(group_rows, (s + 1) * self.rows_per_step)
         if not (math.isfinite(loss) and np.isfinite(grad).all()):
-            self.emit({"kind": "nan", "trainer": -1, "loss": str(loss), "step": self.opt.version,
-                       "epoch": self.epoch, "block": -1})
+            self.emit(NonFinite(trainer=-1, loss=str(loss), step=self.opt.version,
+                                epoch=self.epoch, block=-1))
             self.stopping = self.stopping or self.spec.on_nan == "stop"
             return False
         self.opt.grad.copy_(torch.from_numpy(grad / rows))
@@ -190,19 +191,14 @@ class ArrayEngine(Engine):
             future, step, samples = self.scoring
             self.scoring = None
             if future.status == "finished":
-                scores = await future
-                bad = sorted(k for k, v in scores.items() if not math.isfinite(v))
-                self.emit({"kind": "score", "step": step, "samples": samples, **scores,
-                           "nonfinite": bad})
+                self.emit(score_event(step=step, samples=samples, scores=await future))
         now = time.monotonic()
         if self.val_ref is None or self.scoring is not None or \
                 (not force and now - self.last_score < self.spec.score_every):
             return
         self.last_score = now
         params = self.opt.param.detach().numpy().copy()
-        self.scored[self.opt.version] = params
-        for old in sorted(self.scored)[:-_SNAPSHOTS]:
-            del self.scored[old]
+        self.scored.keep_snapshot(self.opt.version, params)
         future = self.client.submit(score_task, self.model.loss_grad, self.model.predict,
                                     params, self.val_ref, pure=False)
         self.scoring = (future, self.opt.version, self.opt.samples)
@@ -308,17 +304,15 @@ class ArrayEngine(Engine):
                 logger.warning("the last score of job %s did not arrive", self.job)
             await self._poll_score_done()
         if keep_step is not None and keep_step in self.scored:
-            return {"record": None, "params": self.scored[keep_step]}
+            return {"record": None, "params": self.scored.get(keep_step)}
         if self.val_ref is None or self.opt.version in self.scored:
             return None  # the final parameters were scored already
         future = self.client.submit(score_task, self.model.loss_grad, self.model.predict,
                                     self.opt.param.detach().numpy().copy(), self.val_ref,
                                     pure=False)
         scores = await asyncio.wait_for(future, self.spec.timeout)
-        bad = sorted(k for k, v in scores.items() if not math.isfinite(v))
-        return {"record": {"kind": "score", "step": self.opt.version,
-                           "samples": self.opt.samples, **scores, "nonfinite": bad},
-                "params": None}
+        return {"record": score_event(step=self.opt.version, samples=self.opt.samples,
+                                      scores=scores), "params": None}
 
     async def _poll_score_done(self) -> None:
         last, self.last_score = self.last_score, math.inf  # publish, never start another
