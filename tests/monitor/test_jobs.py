@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dask_train.monitor import Jobs, Series, TrainingDashboard, parse_topic
-from dask_train.monitor import _plugin as plugin_module
+from dask_train.monitor._live import PLUGINS
 from dask_train.monitor._metrics import TrainingCollector
 
 T0 = 1_000.0
@@ -150,9 +150,9 @@ def test_events_of_other_topics_are_ignored() -> None:
 @pytest.fixture
 def live_plugin() -> Iterator[TrainingDashboard]:
     plugin = TrainingDashboard()
-    plugin_module.PLUGINS.add(plugin)  # what plugin.start does on a scheduler
+    PLUGINS.add(plugin)  # what plugin.start does on a scheduler
     yield plugin
-    plugin_module.PLUGINS.discard(plugin)
+    PLUGINS.discard(plugin)
 
 
 def test_the_metrics_of_a_job(live_plugin: TrainingDashboard) -> None:
@@ -186,7 +186,7 @@ def test_the_metrics_of_a_job(live_plugin: TrainingDashboard) -> None:
 
 def test_a_closed_plugin_leaves_the_metrics() -> None:
     plugin = TrainingDashboard()
-    plugin_module.PLUGINS.add(plugin)
+    PLUGINS.add(plugin)
     _a_job(plugin.jobs)
     registry = CollectorRegistry()
     registry.register(TrainingCollector())

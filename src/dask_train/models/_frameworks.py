@@ -2,15 +2,29 @@
 
 A Keras model can only exist once ``keras`` is imported, so the check looks at ``sys.modules``:
 ``import dask_train`` and a torch job never pay for TensorFlow's import (20 s and more here).
+When a Keras model is trained, :func:`import_tf` is the one place TensorFlow and Keras are
+imported (by the Keras adapter, :mod:`._keras`, and its losses and checks, :mod:`._keras_eval`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 #: Keras losses that take integer class labels (the job then reports accuracy and checks labels).
 SPARSE_LOSSES = frozenset({"sparse_categorical_crossentropy", "SparseCategoricalCrossentropy"})
+
+
+def import_tf() -> tuple[Any, Any]:
+    """``(tensorflow, keras)``, with TensorFlow's C++ INFO lines (CPU features, ...) kept out of
+    the logs unless the user chose a level."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    import keras
+
+    import tensorflow as tf
+
+    return tf, keras
 
 
 def is_keras_model(obj: Any) -> bool:

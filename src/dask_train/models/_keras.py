@@ -8,8 +8,9 @@ step, a few in-graph copies), so whatever wrote into it (a pull from the servers
 step on it in place, a broadcast) needs no notification. Gradients come from a
 ``tf.GradientTape`` in one ``tf.function``, concatenated and written into the caller's buffer.
 
-TensorFlow and Keras are imported only here and in :mod:`._keras_eval`, when a Keras model is
-trained; ``import dask_train`` and torch jobs never load them.
+TensorFlow and Keras are imported only through :func:`._frameworks.import_tf`, called here and in
+:mod:`._keras_eval` when a Keras model is trained; ``import dask_train`` and torch jobs never load
+them.
 """
 
 from __future__ import annotations
@@ -21,16 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def import_tf() -> tuple[Any, Any]:
-    """``(tensorflow, keras)``, with TensorFlow's C++ INFO lines (CPU features, ...) kept out of
-    the logs unless the user chose a level."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    import keras
-
-    import tensorflow as tf
-
-    return tf, keras
+from dask_train.models._frameworks import import_tf
 
 
 def _size(shape: Sequence[Any]) -> int:

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dask_train.models._frameworks import keras_sparse_labels
-from dask_train.models._keras import import_tf
+from dask_train.models._frameworks import import_tf, keras_sparse_labels
 
 #: Torch loss names a Keras user might pass by habit, and the Keras loss to use instead.
 _TORCH_NAMES = {

@@ -10,7 +10,8 @@ the scheduler loads them when the plugin starts.
 from __future__ import annotations
 
 from dask_train.monitor._jobs import Jobs, JobView, Series, parse_topic
-from dask_train.monitor._plugin import NAME, PAGE, TrainingDashboard, ensure_dashboard
+from dask_train.monitor._live import PAGE
+from dask_train.monitor._plugin import NAME, TrainingDashboard, ensure_dashboard
 
 __all__ = ["NAME", "PAGE", "JobView", "Jobs", "Series", "TrainingDashboard", "ensure_dashboard",
            "parse_topic"]

@@ -20,6 +20,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dask_train.monitor._jobs import RATE_FRESH_S
+from dask_train.monitor._live import PLUGINS
 
 _lock = threading.Lock()
 _registered = False
@@ -43,8 +44,6 @@ class TrainingCollector:
 
     def collect(self) -> Iterator[Any]:
         """One family per figure, one series per job (and trainer, server, metric, action)."""
-        from dask_train.monitor._plugin import PLUGINS
-
         now = time.time()
         views = [view for plugin in list(PLUGINS) for view in plugin.jobs.views.values()]
         job = ["job_id"]

@@ -29,7 +29,7 @@ from distributed.utils import log_errors
 from tornado.ioloop import IOLoop
 
 from dask_train.monitor._jobs import MAX_POINTS, JobView, Series
-from dask_train.monitor._plugin import PAGE
+from dask_train.monitor._live import PAGE
 
 _UPDATE_MS = 500
 _LATEST: tuple[Any, str] = ("", "the latest job")  # the picker's first choice: follow new jobs

@@ -13,7 +13,6 @@ import asyncio
 import inspect
 import logging
 import time
-import weakref
 from typing import Any
 
 import dask.config
@@ -21,17 +20,12 @@ from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dask_train.monitor._jobs import PREFIX, Jobs
+from dask_train.monitor._live import PLUGINS
 
 logger = logging.getLogger(__name__)
 
 #: The plugin's name on the scheduler (``scheduler.plugins[NAME]``).
 NAME = "dask-train-dashboard"
-#: The page's path under the dashboard's prefix.
-PAGE = "training"
-
-# Every plugin alive in this process: the Prometheus collector reads them (one process may host
-# several schedulers, as in tests).
-PLUGINS: weakref.WeakSet[TrainingDashboard] = weakref.WeakSet()
 
 
 class TrainingDashboard(SchedulerPlugin):

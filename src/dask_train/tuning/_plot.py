@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dask_train.tuning._result import SearchResult
+from dask_train.tuning._records import TrialRecord, best_so_far
 
 _STYLE = {  # state -> (line style, alpha)
     "complete": ("-", 0.9),
@@ -15,8 +14,9 @@ _STYLE = {  # state -> (line style, alpha)
 }
 
 
-def plot_search(result: SearchResult, path: Path) -> Path:
-    """Draw ``result`` into ``path`` (a PNG; parent directories are created) and return it.
+def plot_search(records: list[TrialRecord], *, metric: str, mode: str, best_score: float,
+                path: Path) -> Path:
+    """Draw a search's trials into ``path`` (a PNG; parent directories are created), return it.
 
     One line per trial (solid: complete, dotted: pruned, dashed: interrupted; failed trials
     have no scores), a marker at each trial's last score, and the best score reached so far
@@ -30,7 +30,7 @@ def plot_search(result: SearchResult, path: Path) -> Path:
     FigureCanvasAgg(figure)
     ax = figure.subplots()
     drawn = 0
-    for record in sorted(result.records, key=lambda r: r.number):
+    for record in sorted(records, key=lambda r: r.number):
         if not record.points or record.state == "failed":
             continue
         style, alpha = _STYLE.get(record.state, ("-", 0.8))
@@ -39,17 +39,17 @@ def plot_search(result: SearchResult, path: Path) -> Path:
                 markersize=3)
         ax.plot(times[-1:], scores[-1:], marker="o", markersize=4, color="grey", alpha=alpha)
         drawn += 1
-    curve = result.best_so_far()
+    curve = best_so_far(records, mode)
     if len(curve):
         ax.step(curve["time_s"], curve["score"], where="post", color="black", linewidth=2.5,
-                label=f"best so far ({result.best_score:.4g})")
-        ax.legend(loc="lower right" if result.mode == "max" else "upper right")
+                label=f"best so far ({best_score:.4g})")
+        ax.legend(loc="lower right" if mode == "max" else "upper right")
     else:
         ax.text(0.5, 0.5, "no scores recorded", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("time since the search started (s)")
-    ax.set_ylabel(f"held-out {result.metric}")
-    states = ", ".join(f"{n} {s}" for s, n in result.trials["state"].value_counts().items()) \
-        if result.records else "no trials"
+    ax.set_ylabel(f"held-out {metric}")
+    states = ", ".join(f"{n} {s}" for s, n in Counter(r.state for r in records).most_common()) \
+        if records else "no trials"
     ax.set_title(f"{drawn} trials with scores ({states})", fontsize=10)
     ax.grid(True, alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)

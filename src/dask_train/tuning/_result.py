@@ -11,28 +11,8 @@ from typing import Any
 import pandas as pd
 
 from dask_train.errors import InvalidInput
-
-#: A trial's states: ran to its end; stopped early by the pruner; raised or lost its worker;
-#: stopped by Ctrl-C (not counted for the best).
-STATES = ("complete", "pruned", "failed", "interrupted")
-
-
-@dataclass
-class TrialRecord:
-    """One trial as the search saw it (times in seconds since the search started)."""
-
-    number: int
-    params: dict[str, Any]
-    state: str
-    score: float
-    start_s: float
-    end_s: float
-    workers: list[str]
-    stopped_by: str = ""
-    error: str = ""
-    points: list[tuple[float, float]] = field(default_factory=list)  # (search time, score)
-    model: Any = None
-    result: Any = None
+from dask_train.tuning._plot import plot_search
+from dask_train.tuning._records import TrialRecord, best_so_far
 
 
 @dataclass
@@ -139,13 +119,7 @@ class SearchResult:
         """``time_s`` (since the search started) and the best ``score`` any trial had reached by
         then, one row per score reported (pruned and interrupted trials' scores included: they
         were reached)."""
-        points = sorted(p for r in self.records if r.state != "failed" for p in r.points)
-        rows, best = [], math.nan
-        for t, value in points:
-            if math.isnan(best) or (value > best if self.mode == "max" else value < best):
-                best = value
-            rows.append({"time_s": t, "score": best})
-        return pd.DataFrame(rows, columns=["time_s", "score"])
+        return best_so_far(self.records, self.mode)
 
     def time_to(self, score: float) -> float:
         """Seconds from the start of the search until some trial first reached ``score`` (NaN
@@ -167,8 +141,7 @@ class SearchResult:
 
     def plot(self, path: str | os.PathLike[str] = "search.png") -> Path:
         """Each trial's scores against search time, and the best so far, into a PNG."""
-        from dask_train.tuning._plot import plot_search
-
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidInput([f"path={path!r} is invalid: pass a file name such as 'search.png'."])
-        return plot_search(self, Path(path))
+        return plot_search(self.records, metric=self.metric, mode=self.mode,
+                           best_score=self.best_score, path=Path(path))

@@ -34,7 +34,8 @@ from dask_train.tuning._checks import (
 )
 from dask_train.tuning._data import SearchData, prepare_data
 from dask_train.tuning._gangs import Reservations
-from dask_train.tuning._result import SearchResult, TrialRecord
+from dask_train.tuning._records import TrialRecord
+from dask_train.tuning._result import SearchResult
 from dask_train.tuning._space import Space
 from dask_train.tuning._trial import TrialContext, TrialRunner
 
