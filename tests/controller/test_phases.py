@@ -734,10 +734,6 @@ def test_the_job_state_refuses_a_move_the_machine_does_not_allow() -> None:
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "controller bug: _run_generation looks at the roles after a stop was decided in the same "
-    "iteration; a RESTART then starts a generation that _finish stops at once (stopped_by is "
-    "still set), so the job returns the checkpoint's parameters under the stop's reason"))
 def test_a_loss_seen_with_the_stopping_score_keeps_what_the_stop_claims(tmp_path: Path) -> None:
     config = CheckpointConfig(tmp_path, every_seconds=None)
     _earlier_checkpoint(config, step=4)
@@ -751,8 +747,8 @@ def test_a_loss_seen_with_the_stopping_score_keeps_what_the_stop_claims(tmp_path
     outcome = _ok(_run([first, second], spec, resume=True, roles={"ps": 1, "worker": 1}))
 
     assert outcome.stopped_by == "StopAtScore(accuracy>=0.9)"
-    # Either fix is right: finish the first generation with the step-7 parameters, or let the new
-    # generation train until its own score stops it (step 8). Today: the checkpoint's step 4,
-    # from a generation stopped before it trained (second.calls: start, stop 7, save, close).
-    assert outcome.model_step in (7, 8)
+    # The stop decided in the pass that found the loss is withdrawn: the next generation trains
+    # on from the checkpoint until its own score stops it (step 8), never the checkpoint's
+    # step 4 under the stop's reason from a generation stopped before it trained.
+    assert outcome.model_step == 8
     np.testing.assert_array_equal(outcome.ending.params, np.full(N_PARAMS, outcome.model_step))

@@ -149,6 +149,12 @@ class Controller:
                 next_liveness = now + _LIVENESS_EVERY_S
                 failure = await self._check_roles(engine)
                 if failure is not None:
+                    withdrawn = self.state.withdraw_stop()
+                    if withdrawn:
+                        # Decided in this same pass: the parameters it stands for (a scored
+                        # snapshot, the last epoch) may be gone with the lost role.
+                        logger.info("the stop (%s) waits for the next generation: %s was lost "
+                                    "in the same moment", withdrawn, failure.role)
                     return failure
         return None
 

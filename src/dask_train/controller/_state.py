@@ -102,6 +102,13 @@ class JobState:
         self.history.append(self.phase)
         self.phase = phase
 
+    def withdraw_stop(self) -> str:
+        """Forget a stop decided on what a generation did that is now lost (a role died in the
+        same pass): the next generation trains on from the checkpoint, and the stop conditions
+        decide again on what it does. Returns the reason withdrawn ("" when none)."""
+        reason, self.stopped_by, self.stop_step = self.stopped_by, "", None
+        return reason
+
     def stop(self, reason: str) -> bool:
         """Record why the job stops (the first reason wins); True when this call set it."""
         if self.stopped_by:
