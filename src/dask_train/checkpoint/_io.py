@@ -161,6 +161,17 @@ def _write_remote(
     write_remote_atomic(fs, path, safetensors.torch.save(tensors, metadata=metadata))
 
 
+def _write(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: PathLike,
+           storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write prepared tensors to ``path`` atomically: renamed into place on a local file system,
+    one upload of the whole file elsewhere (object stores have no rename)."""
+    fs, fs_path = url_to_fs(os.fspath(path), **dict(storage_options or {}))
+    if isinstance(fs, LocalFileSystem):
+        _write_local(tensors=tensors, metadata=metadata, path=fs_path)
+    else:
+        _write_remote(fs=fs, tensors=tensors, metadata=metadata, path=fs_path)
+
+
 def save_tensors(
     tensors: Mapping[str, torch.Tensor | np.ndarray],
     path: PathLike,
@@ -205,11 +216,7 @@ def save_tensors(
     checked = _check_metadata(metadata=metadata, problems=problems)
     if problems:
         raise InvalidInput(problems)
-    fs, fs_path = url_to_fs(os.fspath(path))
-    if isinstance(fs, LocalFileSystem):
-        _write_local(tensors=prepared, metadata=checked, path=fs_path)
-    else:
-        _write_remote(fs=fs, tensors=prepared, metadata=checked, path=fs_path)
+    _write(tensors=prepared, metadata=checked, path=path)
     return os.fspath(path)
 
 

@@ -21,8 +21,7 @@ from dask_train.checkpoint._io import (
     _check_metadata,
     _prepare,
     _read_header,
-    _write_local,
-    _write_remote,
+    _write,
 )
 from dask_train.errors import InvalidInput
 
@@ -125,24 +124,13 @@ def save_shard(
     >>> load_shard(path).optimizer_name
     'Adam'
     """
-    import torch
-
     opt_param = _only_param(optimizer, where=f"save_shard({os.fspath(path)!r})")
     problems: list[str] = []
     tensors: dict[str, object] = {PARAM: param}
     if buffers is not None:
         tensors[BUFFERS] = buffers
-    scalars: dict[str, Any] = {}
-    for key, value in optimizer.state.get(opt_param, {}).items():
-        if isinstance(value, torch.Tensor):
-            tensors[f"{OPTIM_PREFIX}{key}"] = value
-        elif value is None or isinstance(value, (bool, int, float)):
-            scalars[str(key)] = value
-        else:
-            problems.append(
-                f"optimizer state {key!r} is a {type(value).__name__}: only tensors and plain "
-                "scalars can be checkpointed without pickle."
-            )
+    state, scalars = _split_state(optimizer.state.get(opt_param, {}), problems)
+    tensors.update(state)
     problems += [
         f"metadata[{key!r}] is reserved for the optimizer state: use another key."
         for key in (metadata or {}) if key in _RESERVED
@@ -154,12 +142,29 @@ def save_shard(
     text[_OPTIMIZER_KEY] = type(optimizer).__name__
     # allow_nan: a float state such as an infinite running maximum must round-trip exactly.
     text[_SCALARS_KEY] = json.dumps(scalars)
-    fs, fs_path = url_to_fs(os.fspath(path), **dict(storage_options or {}))
-    if isinstance(fs, LocalFileSystem):
-        _write_local(tensors=prepared, metadata=text, path=fs_path)
-    else:
-        _write_remote(fs=fs, tensors=prepared, metadata=text, path=fs_path)
+    _write(tensors=prepared, metadata=text, path=path, storage_options=storage_options)
     return os.fspath(path)
+
+
+def _split_state(state: Mapping[Any, Any], problems: list[str]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's per-parameter state as ``optim.<key>`` tensors and JSON-able scalars (int,
+    float, bool, None); anything else is a problem (it could only be stored as a pickle)."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{OPTIM_PREFIX}{key}"] = value
+        elif value is None or isinstance(value, (bool, int, float)):
+            scalars[str(key)] = value
+        else:
+            problems.append(
+                f"optimizer state {key!r} is a {type(value).__name__}: only tensors and plain "
+                "scalars can be checkpointed without pickle."
+            )
+    return tensors, scalars
 
 
 def load_shard(path: PathLike, *, storage_options: Mapping[str, Any] | None = None) -> ShardState:

@@ -5,8 +5,9 @@ layers below: the blocks in :mod:`dask_train.data` (``BlockSet``, ``persist_data
 reduction and parameter broadcast in :mod:`dask_train.runtime` (``tree_reduce``, ``send_params``).
 """
 
-from dask_train.classical._glm import LinearRegression, LogisticRegression, PoissonRegression
+from dask_train.classical._glm_logistic import LogisticRegression
 from dask_train.classical._glm_losses import GLMBlockLoss
+from dask_train.classical._glm_regression import LinearRegression, PoissonRegression
 from dask_train.classical.full_batch import distributed_loss_grad
 
 __all__ = [

@@ -109,10 +109,27 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
     ...                    X=X, y=y, validation=(Xv, yv), n_trials=16, max_concurrent=2)
     >>> search.best_params, search.best_score                                      # doctest: +SKIP
     """
+    stops, parsed, optuna_pruner = _checked_arguments(
+        space, stop=stop, pruner=pruner, n_trials=n_trials, max_concurrent=max_concurrent, mode=mode,
+        workers_per_trial=workers_per_trial, timeout=timeout, validation=validation, sampler=sampler)
+    client = client or getattr(model, "client", None) or default_client()
+    checks = SearchData(*_lazy_arrays(X, y), validation=_numpy_pair(validation))
+    metric, mode, runner = make_runner(model, parsed, data=checks, metric=metric, mode=mode, client=client,
+                                       workers_per_trial=workers_per_trial, timeout=timeout)
+    concurrent = _trials_at_once(runner, parsed, stops, metric=metric, client=client,
+                                 max_concurrent=max_concurrent)
+    loop = _Search(runner, parsed, _study(mode, sampler=sampler, seed=seed, pruner=optuna_pruner),
+                   client=client, metric=metric, mode=mode, n_trials=n_trials,
+                   max_concurrent=concurrent, stop=stops, timeout=timeout, progress=progress)
+    return loop.run(lambda: prepare_data(X, y, validation, client=client))
+
+
+def _checked_arguments(space: Any, *, stop: Sequence[StopCondition] | StopCondition | None,
+                       pruner: Any, **arguments: Any) -> tuple[list[StopCondition], Space, Any]:
+    """``(stop conditions, parsed space, optuna pruner)``; every problem with the arguments that
+    needs no cluster (``arguments``: those :func:`check_arguments` takes) raised at once."""
     stops = [stop] if isinstance(stop, StopCondition) else list(stop or [])
-    problems = check_arguments(n_trials=n_trials, max_concurrent=max_concurrent,
-                               workers_per_trial=workers_per_trial, timeout=timeout, mode=mode,
-                               validation=validation, stop=stops, sampler=sampler)
+    problems = check_arguments(stop=stops, **arguments)
     optuna_pruner = make_pruner(pruner, problems)
     try:
         parsed = Space.parse(space)
@@ -120,29 +137,31 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
         problems += exc.problems
     if problems:
         raise InvalidInput(problems)
-    client = client or getattr(model, "client", None) or default_client()
-    checks = SearchData(*_lazy_arrays(X, y), validation=_numpy_pair(validation))
-    metric, mode, runner = make_runner(model, parsed, data=checks, metric=metric, mode=mode,
-                                       client=client, workers_per_trial=workers_per_trial,
-                                       timeout=timeout)
+    return stops, parsed, optuna_pruner
+
+
+def _trials_at_once(runner: TrialRunner, space: Space, stops: list[StopCondition], *,
+                    metric: str, client: Client, max_concurrent: int | None) -> int:
+    """How many trials run at once (``max_concurrent``, else as many as the cluster's workers
+    hold); the problems of the trials on this cluster raised at once."""
     problems = runner.problems() + stop_problems(stops, metric)
     alive = len(client.scheduler_info(n_workers=-1)["workers"])
-    need = runner.workers_needed(parsed.first())
+    need = runner.workers_needed(space.first())
     if need > alive:
         problems.append(f"each trial needs {need} workers and the cluster has {alive}: lower "
                         "workers_per_trial (or the Trainer's workers=) or add workers.")
     if problems:
         raise InvalidInput(problems)
-    import optuna
+    return max_concurrent or max(1, alive // need)
 
-    study = optuna.create_study(direction="maximize" if mode == "max" else "minimize",
-                                sampler=sampler or optuna.samplers.TPESampler(seed=seed),
-                                pruner=optuna_pruner)
-    concurrent = max_concurrent or max(1, alive // need)
-    loop = _Search(runner, parsed, study, client=client, metric=metric, mode=mode,
-                   n_trials=n_trials, max_concurrent=concurrent, stop=stops, timeout=timeout,
-                   progress=progress)
-    return loop.run(lambda: prepare_data(X, y, validation, client=client))
+
+def _study(mode: str, *, sampler: Any, seed: int, pruner: Any) -> Any:
+    """The optuna study that samples the trials' parameters (TPE seeded by ``seed`` by default)."""
+    import optuna  # here: optuna loads only when a search runs
+
+    return optuna.create_study(direction="maximize" if mode == "max" else "minimize",
+                               sampler=sampler or optuna.samplers.TPESampler(seed=seed),
+                               pruner=pruner)
 
 
 def _lazy_arrays(X: Any, y: Any) -> tuple[Any, Any]:
