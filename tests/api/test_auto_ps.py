@@ -12,6 +12,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
+from dask_train.api._auto_ps import probe_arguments
 from dask_train.engines.ps.probe import probe_costs
 
 
@@ -70,3 +71,16 @@ def test_auto_is_free_for_sync_and_bad_ps_values_are_refused(client: Client,
         with pytest.raises(dt.InvalidInput) as info:
             dt.Trainer(_net(), ps=bad, progress=False, client=client).fit(X, Y)
         assert f"ps={bad!r} is invalid: use 'auto' or an integer >= 1" in str(info.value)
+
+
+def test_the_probe_measures_one_trainers_batch_of_a_global_batch() -> None:
+    # global_batch_size=64 over 2 trainers: each runs batches of 32 rows, which the probe must
+    # measure, not batch_size (128 by default, unused when a global batch is given).
+    trainer = dt.Trainer(_net(), ps="auto", workers=2, global_batch_size=64, grad_accumulation=2,
+                         progress=False)
+    rows, settings = probe_arguments(trainer, n_rows=8000)
+    per_trainer = dt.Trainer(_net(), ps="auto", workers=2, batch_size=32, progress=False)
+    assert rows == 32 == trainer.per_trainer_batch()
+    assert probe_arguments(per_trainer, n_rows=8000)[0] == 32  # batch_size as given
+    assert probe_arguments(trainer, n_rows=20)[0] == 20  # never more rows than the data has
+    assert settings["grad_accumulation"] == 2 and settings["prefetch"] == 1

@@ -33,18 +33,29 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> int:
     from dask_train.engines.ps.probe import probe_costs
     from dask_train.runtime._roles import worker_threads
 
-    n = min(int(X.shape[0]), int(trainer.batch_size))
-    # A prefetch the trainers choose as they run ("auto") starts from one push in flight.
-    prefetch = trainer.prefetch if isinstance(trainer.prefetch, (int, bool)) else 1
+    n, settings = probe_arguments(trainer, n_rows=int(X.shape[0]))
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
-    model = probe_costs(
-        client, trainer.module, xb, yb, loss=trainer.loss, optimizer=trainer.optimizer,
-        lr=float(trainer.lr), options=trainer.optimizer_options, prefetch=int(prefetch),
-        grad_accumulation=int(trainer.grad_accumulation), timeout=float(trainer.timeout),
-    )
+    model = probe_costs(client, trainer.module, xb, yb, **settings)
     workers = int(trainer.workers)
     choice = model.recommend_ps(workers=workers, max_ps=max(1, len(worker_threads(client))))
     logger.info("ps='auto': %s (compute %.1f ms a step, link %.0f MB/s, %d parameters)",
                 choice.describe(), model.compute_s * 1e3, model.link_bytes_per_s / 1e6,
                 model.n_params)
     return choice.ps
+
+
+def probe_arguments(trainer: Any, *, n_rows: int) -> tuple[int, dict[str, Any]]:
+    """``(rows, settings)`` of the probe: the rows of the batch it measures (one trainer's batch,
+    at most the data's ``n_rows``) and the keyword arguments of
+    :func:`~dask_train.engines.ps.probe.probe_costs` from the Trainer's settings.
+
+    The batch is the one each trainer will run: :meth:`Trainer.per_trainer_batch`, so with
+    ``global_batch_size`` it is that divided by ``workers``, not ``batch_size``.
+    """
+    # A prefetch the trainers choose as they run ("auto") starts from one push in flight.
+    prefetch = trainer.prefetch if isinstance(trainer.prefetch, (int, bool)) else 1
+    rows = min(int(n_rows), int(trainer.per_trainer_batch()))
+    return rows, {"loss": trainer.loss, "optimizer": trainer.optimizer, "lr": float(trainer.lr),
+                  "options": trainer.optimizer_options, "prefetch": int(prefetch),
+                  "grad_accumulation": int(trainer.grad_accumulation),
+                  "timeout": float(trainer.timeout)}
