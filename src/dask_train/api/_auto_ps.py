@@ -35,7 +35,7 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> int:
 
     n, settings = probe_arguments(trainer, n_rows=int(X.shape[0]))
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
-    model = probe_costs(client, trainer.module, xb, yb, **settings)
+    model = probe_costs(client, trainer._model(), xb, yb, **settings)
     workers = int(trainer.workers)
     choice = model.recommend_ps(workers=workers, max_ps=max(1, len(worker_threads(client))))
     logger.info("ps='auto': %s (compute %.1f ms a step, link %.0f MB/s, %d parameters)",

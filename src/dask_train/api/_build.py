@@ -10,12 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from dask_train.api._model import is_factory
 from dask_train.api._result import FitResult, phase_timings
 from dask_train.controller._controller import Outcome
 from dask_train.engines._spec import JobSpec
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
+from dask_train.models._transport import travelling
 from dask_train.policy._failure import FailureConfig
 from dask_train.report import history_frame, ledger_frame
 
@@ -34,14 +36,15 @@ def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None,
              devices: Any = None) -> JobSpec:
     """The engines' view of a Trainer's settings, built once; ``module`` is what the job starts
     from, ``devices`` the probed :class:`~dask_train.runtime._devices.Devices` (None: the CPU)."""
-    if n_params is None and is_keras_model(trainer.module):
+    if n_params is None and is_keras_model(trainer._model()):
         from dask_train.models._frameworks import keras_param_count
 
-        n_params = keras_param_count(trainer.module)
+        n_params = keras_param_count(trainer._model())
     if n_params is None:
-        n_params = int(flatten_parameters(trainer.module).numel())
+        n_params = int(flatten_parameters(trainer._model()).numel())
     return JobSpec(
-        module=module if module is not None else copy.deepcopy(trainer.module),
+        module=travelling(module if module is not None else copy.deepcopy(trainer._model()),
+                          factory=trainer.module if is_factory(trainer.module) else None),
         n_params=n_params,
         loss=trainer.loss, optimizer=trainer.optimizer, lr=float(trainer.lr),
         optimizer_options=trainer.optimizer_options, batch_size=trainer.per_trainer_batch(),
@@ -101,7 +104,7 @@ def fit_result(trainer: Any, outcome: Outcome, *, wall_s: float) -> FitResult:
     """The ``FitResult`` of a fit that ran ``outcome``."""
     log = outcome.log
     return FitResult(
-        model=trained_model(trainer.module, outcome.ending.params, outcome.ending.buffers),
+        model=trained_model(trainer._model(), outcome.ending.params, outcome.ending.buffers),
         history=history_frame(log.records), stopped_by=outcome.stopped_by,
         steps=outcome.ending.steps, samples=outcome.ending.samples,
         epochs_completed=outcome.epochs_completed, wall_s=wall_s,

@@ -50,8 +50,8 @@ class Settings:
 
     @classmethod
     def of(cls, trainer: Any) -> Settings:
-        """The settings of ``trainer`` now."""
-        return cls(**trainer.get_params())
+        """The settings of ``trainer`` now; ``module`` is the model a factory builds."""
+        return cls(**{**trainer.get_params(), "module": trainer._model()})
 
     @classmethod
     def names(cls) -> list[str]:

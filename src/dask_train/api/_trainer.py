@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,18 +15,12 @@ from distributed import Client
 from dask_train.api._auto_ps import resolve_ps
 from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
 from dask_train.api._data import materialize, spread_validation
+from dask_train.api._model import build_from, is_factory
 from dask_train.api._result import FitResult
 from dask_train.api._settings import Settings
 from dask_train.api._validate import (
-    check_array_model,
-    check_data,
+    check_fit,
     check_labels,
-    check_module_output,
-    check_sample_weight,
-    check_settings,
-    check_stop_metrics,
-    check_validation,
-    job_metrics,
     probe_module,
 )
 from dask_train.checkpoint import CheckpointConfig
@@ -54,8 +48,12 @@ class Trainer:
 
     Parameters
     ----------
-    module : torch.nn.Module
-        The model; it is copied, never modified in place. ``fit`` returns the trained copy.
+    module : torch.nn.Module or callable
+        The model; it is copied, never modified in place. ``fit`` returns the trained copy. Any
+        module whose ``state_dict()`` round-trips trains: recurrent layers, tied weights, frozen
+        layers. Or a function building it (``Trainer(make_net)``): the way for a model that cannot
+        be pickled (``weight_norm`` and other parametrizations); every worker builds its own and
+        loads the client's initial values.
     loss : {"cross_entropy", "nll", "mse", "l1"}, torch.nn.Module or callable
         A name, a loss module such as ``torch.nn.CrossEntropyLoss(label_smoothing=0.1)``, or a
         function ``fn(output, target) -> scalar tensor`` (a batch mean). Scores report
@@ -163,7 +161,7 @@ class Trainer:
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        module: torch.nn.Module | Callable[[], torch.nn.Module],
         *,
         loss: Any = "cross_entropy",
         metrics: Mapping[str, Any] | None = None,
@@ -286,7 +284,7 @@ class Trainer:
             (X, y, sample_weight)
         X, y = as_dask_array(X), as_dask_array(y)
         weights = None if sample_weight is None else as_dask_array(sample_weight)
-        if isinstance(self.module, ArrayModel):
+        if isinstance(self._model(), ArrayModel):
             return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
                                    warm_start=warm_start, sample_weight=weights)
         # A dask validation set stays on the cluster, scored where its blocks live.
@@ -306,7 +304,7 @@ class Trainer:
     def _fit_torch(self, client: Client, X: Any, y: Any, validation: Any, *, weights: Any,
                    resume: bool, warm_start: bool, local: Any = None) -> FitResult:
         """``fit`` for a torch module, once everything is validated: async-ps or sync torch."""
-        keras = is_keras_model(self.module)  # TensorFlow places its math: no torch devices
+        keras = is_keras_model(self._model())  # TensorFlow places its math: no torch devices
         devices = probe_devices(client, "cpu" if keras else self.device,
                                 mixed_precision=self.mixed_precision)
         self._fit_ps = resolve_ps(self, client, self._input_dtype(X, log=False), y)
@@ -324,7 +322,7 @@ class Trainer:
         self._clock["persist"] += time.time() - t
         if is_classification(self.loss) or keras_sparse_labels(self.loss):
             low, high = blocks.label_range
-            n_out = int(probe_module(self.module, tuple(X.shape[1:]), X.dtype).shape[1])
+            n_out = int(probe_module(self._model(), tuple(X.shape[1:]), X.dtype).shape[1])
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)
@@ -365,12 +363,12 @@ class Trainer:
         from dask_train.engines.array.engine import ArrayEngine
 
         self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
-        assert isinstance(self.module, ArrayModel)
+        assert isinstance(self._model(), ArrayModel)
         client = self._client()
         t = time.time()
         data = persist_data(X, y, client=client, dtype=np.float64)
         self._clock["persist"] += time.time() - t
-        spec = self._spec(n_params=int(self.module.params.size),
+        spec = self._spec(n_params=int(self._model().params.size),
                           module=self._start_model(warm_start))
         held = {"data": data}
 
@@ -401,33 +399,9 @@ class Trainer:
 
     def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
                   sample_weight: Any = None) -> None:
-        settings = Settings.of(self)
-        problems = check_settings(settings)
-        if resume and self.checkpoint is None:
-            problems.append(
-                "resume=True needs checkpoints to resume from: pass "
-                "checkpoint=dt.CheckpointConfig(path) to the Trainer."
-            )
-        problems += check_data(X, y)
-        problems += check_sample_weight(sample_weight, X, self.module, self.loss)
-        problems += check_validation(validation, X)
-        needs_scores = [c for c in self.stop if hasattr(c, "metric")]
-        if needs_scores and validation is None:
-            problems.append(
-                f"stop={needs_scores!r} needs scores: pass validation=(X_val, y_val) to fit."
-            )
-        elif needs_scores and self.scorer == 0:
-            problems.append(
-                f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
-            )
-        if not problems and (isinstance(self.module, torch.nn.Module) or is_keras_model(self.module)):
-            problems += check_module_output(self.module, self._input_dtype(X, log=False), y,
-                                            self.loss)
-        if not problems:
-            problems += check_stop_metrics(self.stop,
-                                           job_metrics(self.module, self.loss, self.metrics))
-        if isinstance(self.module, ArrayModel):
-            problems += check_array_model(self.module, settings, X, y, resume=resume)
+        problems = check_fit(Settings.of(self), X, y, validation, resume=resume,
+                             sample_weight=sample_weight, X_typed=self._input_dtype(X, log=False),
+                             factory=self.module if is_factory(self.module) else None)
         if problems:
             raise InvalidInput(problems)
 
@@ -442,9 +416,18 @@ class Trainer:
         getattr(self, "_clock", {})["connect"] = time.time() - t
         return client
 
+    def _model(self) -> Any:
+        """The model this fit trains: ``module``, or what the factory builds (once per factory)."""
+        if not is_factory(self.module):
+            return self.module
+        built = getattr(self, "_built", None)
+        if built is None or built[0] is not self.module:
+            self._built = built = (self.module, build_from(self.module, seed=self.seed))
+        return built[1]
+
     def _float_dtype(self) -> Any:
         """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""
-        return float_dtype(self.module)
+        return float_dtype(self._model())
 
     def _input_dtype(self, X: Any, *, log: bool = True) -> Any:
         """X with floating data in the parameters' dtype; integer data (token ids) kept."""
@@ -459,7 +442,7 @@ class Trainer:
     def _start_model(self, warm_start: bool) -> Any:
         """What a fit starts from: a copy of ``module``, or of the last fit's model."""
         last = getattr(self, "_last_model", None)
-        return copy.deepcopy(last if warm_start and last is not None else self.module)
+        return copy.deepcopy(last if warm_start and last is not None else self._model())
 
     def _spec(self, *, n_params: int | None = None, module: Any = None,
               devices: Any = None) -> JobSpec:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dask_train.api._model import travel_problems
 from dask_train.api._settings import Settings
 from dask_train.data._blocks import is_dask_array
 from dask_train.models._array import ArrayModel
@@ -430,3 +431,39 @@ def check_labels(low: int, high: int, module_output: int, loss: Any) -> list[str
             f"labels must lie in [0, {module_output - 1}]; enlarge the output layer or re-encode y."
         ]
     return []
+
+
+def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sample_weight: Any,
+              X_typed: Any, factory: Any = None) -> list[str]:
+    """Every problem with one ``fit`` of these settings on this data, found before any work.
+
+    ``X_typed`` is ``X`` in the dtype the model will see; ``factory`` the function that built
+    ``s.module``, if one did.
+    """
+    problems = check_settings(s)
+    if resume and s.checkpoint is None:
+        problems.append(
+            "resume=True needs checkpoints to resume from: pass "
+            "checkpoint=dt.CheckpointConfig(path) to the Trainer."
+        )
+    problems += check_data(X, y)
+    problems += check_sample_weight(sample_weight, X, s.module, s.loss)
+    problems += check_validation(validation, X)
+    needs_scores = [c for c in s.stop if hasattr(c, "metric")]
+    if needs_scores and validation is None:
+        problems.append(
+            f"stop={needs_scores!r} needs scores: pass validation=(X_val, y_val) to fit."
+        )
+    elif needs_scores and s.scorer == 0:
+        problems.append(
+            f"stop={needs_scores!r} needs scores but scorer=0: use scorer=1."
+        )
+    if not problems:
+        problems += travel_problems(s.module, factory)
+    if not problems and (isinstance(s.module, torch.nn.Module) or is_keras_model(s.module)):
+        problems += check_module_output(s.module, X_typed, y, s.loss)
+    if not problems:
+        problems += check_stop_metrics(s.stop, job_metrics(s.module, s.loss, s.metrics))
+    if isinstance(s.module, ArrayModel):
+        problems += check_array_model(s.module, s, X, y, resume=resume)
+    return problems

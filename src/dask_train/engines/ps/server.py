@@ -23,6 +23,7 @@ from dask_train.engines.shared.stats import StatsReporter, topic_of
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
+from dask_train.models._transport import unwrap
 from dask_train.runtime._plugin import register_handler, worker_state
 
 # Blocks per trainer whose applied rows a server remembers: more than a trainer can have between
@@ -94,6 +95,7 @@ def start_shard_task(
     """
     worker = get_worker()
     worker_state(worker).configure_torch()
+    module = unwrap(module)
     held: Any
     if is_keras_model(module):  # read its variables; torch parameters are what it lacks
         from dask_train.models._keras import KerasBuffers, flatten_variables

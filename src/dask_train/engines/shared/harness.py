@@ -22,6 +22,7 @@ from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.shared.stats import StatsReporter
+from dask_train.models._transport import unwrap
 from dask_train.runtime._plugin import worker_state
 
 
@@ -119,7 +120,7 @@ def model_for(module: Any, address: str, config: WorkerConfig, device: str | Non
     device the controller chose for that worker (or ``device``), in the job's precision."""
     from dask_train.models._flat import flat_model
 
-    return flat_model(copy.deepcopy(module), device=device or config.device_for(address),
+    return flat_model(copy.deepcopy(unwrap(module)), device=device or config.device_for(address),
                       precision=config.precision)
 
 

@@ -29,6 +29,7 @@ from dask_train.engines.shared.granting import Granter
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
+from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
@@ -116,7 +117,8 @@ class RoleEngine(Engine):
     async def start(self, emit: Emit) -> None:
         """Start servers, the scorer and the trainers; grant every trainer its first blocks."""
         self.emit = emit
-        self.module_f = await self.client.scatter(self.spec.module, hash=False, asynchronous=True)
+        self.module_f = await self.client.scatter(travelling(self.spec.module), hash=False,
+                                                  asynchronous=True)
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed.protocol import to_serialize
 
+from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import register_handler, worker_state
 
@@ -82,7 +83,8 @@ def make_evaluate_handler(worker: Any) -> Any:
         if evaluator is None:
             if module is None:
                 return {"need_module": True}
-            evaluator = state.evaluators.setdefault(job, Evaluator(module, device, precision))
+            evaluator = state.evaluators.setdefault(job, Evaluator(unwrap(module), device,
+                                                                   precision))
         data = worker_data(worker)
         missing = [k for k in keys if k not in data]
         pairs = [data[k] for k in keys if k in data]
