@@ -31,7 +31,7 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
-from dask_train.models._torch import is_classification
+from dask_train.models._torch import is_classification, primary_output
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
@@ -322,7 +322,8 @@ class Trainer:
         self._clock["persist"] += time.time() - t
         if is_classification(self.loss) or keras_sparse_labels(self.loss):
             low, high = blocks.label_range
-            n_out = int(probe_module(self._model(), tuple(X.shape[1:]), X.dtype).shape[1])
+            out = primary_output(probe_module(self._model(), tuple(X.shape[1:]), X.dtype))
+            n_out = int(out.shape[1])
             problems = check_labels(int(low), int(high), n_out, self.loss)
             if problems:
                 raise InvalidInput(problems)

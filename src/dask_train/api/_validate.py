@@ -20,6 +20,7 @@ from dask_train.models._torch import (
     OPTIMIZERS,
     is_classification,
     loss_name,
+    primary_output,
     resolve_loss,
     takes_weights,
 )
@@ -335,8 +336,12 @@ def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss:
             f"module failed on a batch shaped like X {tuple(sample.shape)}: "
             f"{type(exc).__name__}: {exc}. Make its input size match X's features."
         ]
-    if not isinstance(out, torch.Tensor):
-        return [f"module returned {type(out).__name__}: return one tensor of predictions."]
+    if not isinstance(loss, (str, torch.nn.Module)):
+        return _check_custom_loss(loss, out, y)  # a function of yours reads the whole output
+    try:
+        out = primary_output(out)
+    except TypeError as exc:
+        return [f"module output does not fit loss={loss_name(loss)}: {exc}."]
     if not isinstance(loss, str):
         return _check_custom_loss(loss, out, y)
     if is_classification(loss):
@@ -361,13 +366,14 @@ def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss:
     return []
 
 
-def _check_custom_loss(loss: Any, out: torch.Tensor, y: da.Array) -> list[str]:
+def _check_custom_loss(loss: Any, out: Any, y: da.Array) -> list[str]:
     """Call a loss module or function on the probe's output and two targets shaped like y's."""
     target = torch.from_numpy(np.zeros((2, *y.shape[1:]), dtype=y.dtype))
     try:
         value = resolve_loss(loss)(out, target)
     except Exception as exc:  # the user's loss does not fit the module's output and y
-        return [f"loss={loss_name(loss)} failed on the module's output {tuple(out.shape)} and "
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return [f"loss={loss_name(loss)} failed on the module's output {shape} and "
                 f"targets shaped like y {tuple(target.shape)} ({y.dtype}): {type(exc).__name__}: "
                 f"{exc}. Make the loss take (output, target) as the module and y give them."]
     if not isinstance(value, torch.Tensor) or value.numel() != 1:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dask_train.models._torch import is_classification, resolve_loss
+from dask_train.models._torch import is_classification, primary_output, resolve_loss
 
 #: Built-in metric names: what every torch job's scores can hold without ``metrics=``.
 BUILTIN_METRICS = ("loss", "accuracy")
@@ -68,6 +68,7 @@ def evaluate(
     loss_fn = resolve_loss(loss)
     named = isinstance(loss, str)
     classify = is_classification(loss)
+    picks = named or classify or bool(extra) or isinstance(loss, torch.nn.Module)
     was_training = module.training
     module.eval()
     total_loss, correct, n = 0.0, 0, len(x)
@@ -78,12 +79,18 @@ def evaluate(
                 yb = torch.from_numpy(np.ascontiguousarray(y[i : i + batch_size]))
                 if device is not None and torch.device(device).type != "cpu":
                     xb, yb = xb.to(device), yb.to(device)
-                out = module(xb)
-                out = out.float() if out.is_floating_point() else out
+                raw = module(xb)
+                # The predictions, where something reads them: a loss function of yours alone
+                # gets the whole output, which may have none to pick (a dict without "logits").
+                out = primary_output(raw) if picks else raw
+                if isinstance(out, torch.Tensor) and out.is_floating_point():
+                    out = out.float()
                 if named:
                     total_loss += float(loss_fn(out, yb, reduction="sum"))  # type: ignore[call-arg]
-                else:
-                    total_loss += float(loss_fn(out, yb)) * len(xb)
+                else:  # a loss module reads the predictions, a function of yours the output
+                    given = raw if not isinstance(raw, torch.Tensor) and \
+                        not isinstance(loss, torch.nn.Module) else out
+                    total_loss += float(loss_fn(given, yb)) * len(xb)
                 if classify:
                     correct += int((out.argmax(dim=1) == yb).sum())
                 if extra:

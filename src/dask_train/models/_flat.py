@@ -158,7 +158,8 @@ class FlatModel:
         """The batch loss (float32), the forward pass under autocast when mixed precision is on."""
         with self.autocast():
             out = self.module(x)
-        out = out.float() if out.is_floating_point() else out
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            out = out.float()  # a structured output is the loss's to read (make_loss)
         # Weights only when there are any: a plain fn(output, target) works as the loss too.
         loss: torch.Tensor = loss_fn(out, y) if w is None else loss_fn(out, y, w)
         return loss

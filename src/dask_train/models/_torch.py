@@ -71,6 +71,55 @@ def takes_weights(loss: Any) -> bool:
     return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
+def primary_output(out: Any) -> torch.Tensor:
+    """The tensor that built-in losses, accuracy and predictions read from a model's output.
+
+    A tensor is itself; a mapping (a dict, a Hugging Face ``ModelOutput``) gives its
+    ``"logits"``, or its one tensor; a tuple or list its first element (an RNN's output, a Hugging
+    Face model with ``return_dict=False``). A loss function of your own gets the whole output
+    and picks what it needs.
+
+    Examples
+    --------
+    >>> primary_output({"logits": torch.ones(2, 3), "hidden": None}).shape
+    torch.Size([2, 3])
+
+    Raises
+    ------
+    TypeError
+        For an output with no one tensor to read; the message says what to do.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        tensors = [v for v in out.values() if isinstance(v, torch.Tensor)]
+        if len(tensors) == 1:
+            return tensors[0]
+        raise TypeError(
+            f"the model returned a {type(out).__name__} with {sorted(out)} and no 'logits': "
+            "return the predictions under 'logits', or pass loss=fn(output, target) that picks "
+            "what it needs (and dt.predict(..., output=name))")
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"the model returned {type(out).__name__}: return a tensor of predictions, a "
+                    "mapping with 'logits', or a tuple whose first element is the predictions")
+
+
+def select_output(out: Any, output: Any = None) -> torch.Tensor:
+    """``output`` of a model's output: a field's name, a function of the output, or (None) the
+    :func:`primary_output`."""
+    if output is None:
+        return primary_output(out)
+    if callable(output):
+        picked: torch.Tensor = output(out)
+        return picked
+    if isinstance(out, Mapping):
+        return out[output]  # type: ignore[no-any-return]
+    return getattr(out, str(output))  # type: ignore[no-any-return]
+
+
 def make_loss(loss: Any, *, device: Any = None) -> WeightedLossFn:
     """The engines' loss of a Trainer's ``loss=``: ``fn(output, target, weight=None)``.
 
@@ -92,8 +141,13 @@ def make_loss(loss: Any, *, device: Any = None) -> WeightedLossFn:
     else:
         per_sample = None
 
-    def fn(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+    builtin = isinstance(loss, (str, torch.nn.Module))
+
+    def fn(output: Any, target: torch.Tensor, weight: torch.Tensor | None = None
            ) -> torch.Tensor:
+        if builtin:  # a named loss or a loss module reads the predictions (float32)
+            output = primary_output(output)
+            output = output.float() if output.is_floating_point() else output
         if weight is None:
             return plain(output, target)
         if per_sample is None:

@@ -17,6 +17,7 @@ import hashlib
 import io
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -35,7 +36,7 @@ TORCH_METHODS = ("forward", "argmax", "softmax")
 
 
 def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 4096,
-            device: str | None = None) -> Any:
+            device: str | None = None, output: str | Callable[[Any], Any] | None = None) -> Any:
     """Predict with ``model`` over a dask collection, block by block where the blocks live.
 
     Parameters
@@ -57,6 +58,10 @@ def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 
     device : str, optional
         Torch modules only: the device the workers run the model on, e.g. ``"cpu"`` or
         ``"cuda"``; default: the device of the model's parameters.
+    output : str or callable, optional
+        Torch modules whose forward returns more than one tensor (a dict, a tuple, a Hugging Face
+        ``ModelOutput``): the field to predict (``output="logits"``) or a function of the output.
+        Default: the output itself, its ``"logits"``, or a tuple's first element.
 
     Returns
     -------
@@ -85,7 +90,8 @@ def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 
         raise InvalidInput(problems)
     frame = _as_frame(X)
     data = frame if frame is not None else _as_array(X)
-    spec = _spec(local, data, kind=kind, method=method, batch_size=batch_size, device=device)
+    spec = _spec(local, data, kind=kind, method=method, batch_size=batch_size, device=device,
+                 output=output)
     blob = _dumps(local, kind)
     token = hashlib.sha1(blob + spec.device.encode()).hexdigest()
     spec = PredictSpec(**{**spec.__dict__, "token": token})
@@ -178,7 +184,7 @@ def _first_rows(data: Any) -> Any:
 
 
 def _spec(model: Any, data: Any, *, kind: str, method: str, batch_size: int,
-          device: str | None) -> PredictSpec:
+          device: str | None, output: Any = None) -> PredictSpec:
     """The tasks' settings; the output's shape and dtype from the model run here on X's first
     rows (which also catches a model that does not fit X before anything is submitted)."""
     in_dtype = ""
@@ -191,7 +197,7 @@ def _spec(model: Any, data: Any, *, kind: str, method: str, batch_size: int,
         in_dtype = "float64"
     spec = PredictSpec(token="", kind=kind, method=method, batch_size=batch_size,
                        device=device or "", in_dtype=in_dtype, out_shape=(), out_dtype="",
-                       name=method if kind == "estimator" else "prediction")
+                       name=method if kind == "estimator" else "prediction", output=output)
     rows = _first_rows(data)
     if isinstance(rows, pd.DataFrame) and not (kind == "estimator" and
                                                hasattr(model, "feature_names_in_")):

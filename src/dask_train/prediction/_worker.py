@@ -50,6 +50,8 @@ class PredictSpec:
     out_dtype: str
     name: str = "prediction"
     columns: tuple[Any, ...] = ()
+    #: Torch modules: the field of a structured output to predict, a function of it, or None.
+    output: Any = None
 
 
 def cached_model(token: str, blob: bytes, load: Callable[[bytes], Any]) -> Any:
@@ -95,6 +97,8 @@ def _loader(spec: PredictSpec) -> Callable[[bytes], Any]:
 def _torch_outputs(module: Any, x: np.ndarray, spec: PredictSpec) -> np.ndarray:
     import torch
 
+    from dask_train.models._torch import select_output
+
     if spec.in_dtype and x.dtype.kind == "f":
         x = x.astype(spec.in_dtype, copy=False)
     x = np.ascontiguousarray(x)
@@ -102,7 +106,7 @@ def _torch_outputs(module: Any, x: np.ndarray, spec: PredictSpec) -> np.ndarray:
     with torch.inference_mode():
         for start in range(0, len(x), spec.batch_size):
             batch = torch.from_numpy(x[start : start + spec.batch_size]).to(spec.device)
-            out = module(batch)
+            out = select_output(module(batch), spec.output)
             if spec.method == "argmax":
                 out = out.argmax(dim=1)
             elif spec.method == "softmax":
