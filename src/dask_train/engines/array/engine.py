@@ -156,7 +156,7 @@ class ArrayEngine(Engine):
         params = self.opt.param.detach().numpy().copy()  # the optimizer changes it in place
         ref: Any = params
         if params.nbytes * len(self.groups) > EMBED_PARAMS_BYTES:
-            # direct=True: from the client straight to a worker (see full_batch.send_params).
+            # direct=True: from the client straight to a worker (see runtime._reduce.send_params).
             ref = await self.client.scatter(params, hash=False, direct=True, asynchronous=True)
         s, spec = self.next_step, self.spec
         parts = [

@@ -3,10 +3,10 @@
 The numpy counterpart of :mod:`dask_train.engines.torch_sync.rank`: no torch.distributed group, the
 gradients are averaged by a Dask tree reduction instead of a collective. Per step:
 
-* each worker's group of co-located blocks (:meth:`BlockData.groups`, persisted once) evaluates
+* each worker's group of co-located blocks (:meth:`dask_train.data.BlockSet.groups`, persisted once) evaluates
   ``loss_grad`` on its next mini-batch, in one task where the blocks live, so no block moves;
 * the ``(loss_sum, grad_sum, rows)`` partials are added pairwise on the workers
-  (:func:`~dask_train.classical.full_batch.tree_reduce`) and the client receives one result;
+  (:func:`~dask_train.runtime._reduce.tree_reduce`) and the client receives one result;
 * the client (the chief) divides by the rows, which makes the update the exact mean gradient over
   the union of the groups' batches, and applies it with the same torch optimizers as every other
   strategy.
