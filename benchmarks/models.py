@@ -1,11 +1,14 @@
-"""Throughput on the models PyTorch users bring: a BatchNorm MLP and a small CNN on the digits.
+"""Throughput on the models PyTorch users bring: a BatchNorm MLP, a small CNN, an LSTM, a tied-weight
+net and a small transformer encoder on the digits.
 
 Usage::
 
     python benchmarks/models.py [--seconds 15] [--quick]
 
 For each model (digits as 64 features for the BatchNorm MLP 64-256-BN-256-BN-10, as 1x8x8 images
-for the CNN conv16-BN-pool-conv32-fc10), batch 128, Adam lr 1e-3:
+for the CNN conv16-BN-pool-conv32-fc10; the LSTM reads the 8x8 digit as 8 steps of 8 values, the
+transformer encoder as 8 tokens of 8 values; the tied net uses one 64x64 weight in two layers),
+batch 128, Adam lr 1e-3:
 
 * plain torch, one process with 2 threads, shuffled in-memory batches (the reference);
 * ``dt.Trainer`` with ``strategy="async-ps"`` (1 server, 2 trainers) and ``strategy="sync"``
@@ -51,9 +54,56 @@ def cnn() -> torch.nn.Module:
         torch.nn.Flatten(), torch.nn.Linear(32 * 16, 10))
 
 
+class LSTMNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(8, 48, batch_first=True)
+        self.head = torch.nn.Linear(48, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x.reshape(-1, 8, 8))
+        return self.head(out[:, -1])
+
+
+class TiedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 32)
+        self.position = torch.nn.Parameter(torch.zeros(8, 32))
+        layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0,
+                                                 batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.embed(x.reshape(-1, 8, 8)) + self.position)
+        return self.head(h.mean(dim=1))
+
+
+def seeded(cls: type) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return cls()
+    return make
+
+
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]] = {
     "BatchNorm MLP 64-256-256-10": (bn_mlp, (64,)),
     "CNN conv16-BN-conv32-fc (1x8x8)": (cnn, (1, 8, 8)),
+    "LSTM 8x8 steps, 48 hidden": (seeded(LSTMNet), (64,)),
+    "tied 64-64(tied)-64-10": (seeded(TiedNet), (64,)),
+    "transformer encoder 2x(d=32, 4 heads)": (seeded(Encoder), (64,)),
 }
 BATCH = 128
 
@@ -102,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default="", help="comma-separated substrings of model names "
+                        "to run (default: all)")
     args = parser.parse_args(argv)
+    chosen = {k: v for k, v in MODELS.items()
+              if not args.models or any(m.strip() in k for m in args.models.split(","))}
     seconds = 4.0 if args.quick else args.seconds
     n = 100_000 if args.quick else 400_000
     client = dt.connect(n_workers=2, quiet=True)
@@ -111,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         X, y = client.persist(dt.datasets.digits(n, seed=0, chunks=25_000))
         x_np, y_np = client.compute([X, y], sync=True)
         xv, yv = dt.datasets.digits_test()
-        for name, (make, shape) in MODELS.items():
+        for name, (make, shape) in chosen.items():
             Xm, xm, xvm = X.reshape(-1, *shape), x_np.reshape(-1, *shape), xv.reshape(-1, *shape)
             wait_for_quiet(max_wait_s=30)
             reference = plain_torch(make, xm, y_np, seconds)

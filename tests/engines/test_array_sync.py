@@ -69,7 +69,9 @@ def _placed(client: Client, blocks: list[tuple[np.ndarray, np.ndarray]], where: 
     ``threads`` per worker sets the groups: one task per thread's share of a worker's blocks.
     """
     workers = sorted(client.scheduler_info()["workers"])
-    futures = [client.scatter([b], workers=[workers[w]], direct=True)[0] for b, w in zip(blocks, where)]
+    # hash=False: tests that scatter the same blocks must not share (and release) one key.
+    futures = [client.scatter([b], workers=[workers[w]], direct=True, hash=False)[0]
+               for b, w in zip(blocks, where)]
     return BlockSet.placed(futures, [len(b[0]) for b in blocks], [workers[w] for w in where],
                            n_features=blocks[0][0].shape[1], client=client,
                            threads={w: threads for w in workers})

@@ -401,7 +401,8 @@ class Trainer:
     def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
                   sample_weight: Any = None) -> None:
         problems = check_fit(Settings.of(self), X, y, validation, resume=resume,
-                             sample_weight=sample_weight, X_typed=self._input_dtype(X, log=False),
+                             sample_weight=sample_weight,
+                             typed=lambda: self._input_dtype(X, log=False),
                              factory=self.module if is_factory(self.module) else None)
         if problems:
             raise InvalidInput(problems)

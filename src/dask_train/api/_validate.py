@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -440,10 +440,10 @@ def check_labels(low: int, high: int, module_output: int, loss: Any) -> list[str
 
 
 def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sample_weight: Any,
-              X_typed: Any, factory: Any = None) -> list[str]:
+              typed: Callable[[], Any], factory: Any = None) -> list[str]:
     """Every problem with one ``fit`` of these settings on this data, found before any work.
 
-    ``X_typed`` is ``X`` in the dtype the model will see; ``factory`` the function that built
+    ``typed()`` is ``X`` in the dtype the model will see; ``factory`` the function that built
     ``s.module``, if one did.
     """
     problems = check_settings(s)
@@ -467,7 +467,7 @@ def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sam
     if not problems:
         problems += travel_problems(s.module, factory)
     if not problems and (isinstance(s.module, torch.nn.Module) or is_keras_model(s.module)):
-        problems += check_module_output(s.module, X_typed, y, s.loss)
+        problems += check_module_output(s.module, typed(), y, s.loss)
     if not problems:
         problems += check_stop_metrics(s.stop, job_metrics(s.module, s.loss, s.metrics))
     if isinstance(s.module, ArrayModel):

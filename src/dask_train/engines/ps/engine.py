@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.shared import control as worker_side
+from dask_train.engines.shared.granting import Granter
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.role_engine import RoleEngine
 from dask_train.models._torch import split_shards
@@ -43,10 +44,9 @@ class AsyncPSEngine(RoleEngine):
         ]
         await self.wait_for(starts, what="starting the parameter servers")
 
-    def out_of_blocks(self, trainer: int) -> bool:
-        """No end marker yet: until every block is consumed, a lost trainer's blocks may still
-        come back to this one (see ``_end_idle``)."""
-        return self.granter.wait_idle(trainer)
+    #: No end marker yet: until every block is consumed, a lost trainer's blocks may still
+    #: come back to a trainer out of blocks.
+    out_of_blocks = Granter.wait_idle
 
     def reported_step(self) -> int:
         """Every trainer's push is one server update: the restored step plus all pushes."""

@@ -22,6 +22,19 @@ from dask_train.policy._ledger import Ledger
 from dask_train.runtime._enqueue import feed_block
 
 
+def pin(client: Client, generation: str, fn: Any, /, *args: Any, address: str, key: str,
+        **kwargs: Any) -> Future:
+    """Submit ``fn`` to run exactly once on ``address``, under a key of ``generation`` (a job's
+    key on the workers; ``kwargs`` go to ``fn``, ``job=`` among them).
+
+    Pinned with no fallback: a role's state lives on that worker. ``pure=False``: each call has
+    side effects. retries stay 0: a lost role is the controller's decision, not a silent re-run
+    elsewhere.
+    """
+    return client.submit(fn, *args, workers=[address], allow_other_workers=False, pure=False,
+                         key=f"{key}-{generation}", **kwargs)
+
+
 class Granter:
     """Hands each trainer of one generation its blocks, in the ledger's order.
 
@@ -38,20 +51,21 @@ class Granter:
         The job's shuffling (each block's rows are shuffled where it is queued).
     trainers : sequence of str
         Each trainer's worker address, by index.
-    pinned : callable
-        Submits a task to run once on one worker (``RoleEngine.pinned``).
     out_of_blocks : callable
-        Called with a trainer that has no block left to get: True when the engine takes care of
-        it (the async engine keeps it waiting, a lost trainer's blocks may still come back to it:
-        :meth:`wait_idle`), False to send it the end marker now (a sync rank ends with the others).
+        What happens to a trainer that has no block left to get, ``fn(granter, trainer)``: True
+        when it is taken care of, False to send it the end marker now. :meth:`end_now` (a sync
+        rank ends with the others) or :meth:`wait_idle` (an async trainer waits: a lost trainer's
+        blocks may still come back to it). A function, not an engine's method, so a granter
+        holds no reference back to its engine (an engine then goes with its last reference, and
+        its blocks with it).
     """
 
     def __init__(self, *, client: Client, blocks: BlockSet, ledger: Ledger, job: str, seed: int,
-                 shuffle: bool, trainers: Sequence[str], pinned: Callable[..., Future],
-                 out_of_blocks: Callable[[int], bool]) -> None:
+                 shuffle: bool, trainers: Sequence[str],
+                 out_of_blocks: Callable[[Granter, int], bool]) -> None:
         self.client, self.blocks, self.ledger, self.job = client, blocks, ledger, job
         self.seed, self.shuffle = seed, shuffle
-        self.pinned, self.out_of_blocks = pinned, out_of_blocks
+        self.out_of_blocks = out_of_blocks
         self.addresses = list(trainers)
         self.feeds: list[tuple[int, Future]] = []  # (trainer, feed task) not yet released
         self.direct_feeds: set[asyncio.Task[None]] = set()
@@ -85,8 +99,16 @@ class Granter:
                 self.grant(i)
         return stale
 
+    def pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:
+        """:func:`pin` in this granter's generation."""
+        return pin(self.client, self.job, fn, *args, address=address, key=key, **kwargs)
+
+    def end_now(self, trainer: int) -> bool:
+        """An ``out_of_blocks``: ``trainer`` gets its end marker now."""
+        return False
+
     def wait_idle(self, trainer: int) -> bool:
-        """Keep ``trainer`` waiting for the job's end instead of ending it (an ``out_of_blocks``)."""
+        """An ``out_of_blocks``: keep ``trainer`` waiting for the job's end instead of ending it."""
         self.idle[trainer] = True
         self.end_idle()
         return True
@@ -96,7 +118,7 @@ class Granter:
         if self.ended[trainer] or trainer in self.retired or self.stopping:
             return
         a = self.ledger.next_for(trainer)
-        if a is None and self.out_of_blocks(trainer):
+        if a is None and self.out_of_blocks(self, trainer):
             return
         self.idle[trainer] = False
         address = self.addresses[trainer]

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from distributed import Client, Future
 from distributed.comm import CommClosedError
@@ -25,7 +25,7 @@ from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.shared import control as worker_side
 from dask_train.engines.shared import scorer as _scorer
-from dask_train.engines.shared.granting import Granter
+from dask_train.engines.shared.granting import Granter, pin
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
@@ -75,7 +75,7 @@ class RoleEngine(Engine):
         self.emit: Emit = lambda event: None
         self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job,
                                seed=spec.seed, shuffle=spec.shuffle, trainers=trainers,
-                               pinned=self.pinned, out_of_blocks=self.out_of_blocks)
+                               out_of_blocks=type(self).out_of_blocks)
         self.exited: set[int] = set()  # trainers whose last event has arrived
         self.trainer_steps: dict[int, int] = {}
         self.trainer_futures: list[Future] = []
@@ -105,14 +105,8 @@ class RoleEngine(Engine):
 
     # -- starting ---------------------------------------------------------------------------------
     def pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:
-        """Submit ``fn`` to run exactly once on ``address``.
-
-        Pinned with no fallback: a role's state lives on that worker. ``pure=False``: each call
-        has side effects. retries stay 0: a lost role is the controller's decision, not a silent
-        re-run elsewhere.
-        """
-        return self.client.submit(fn, *args, workers=[address], allow_other_workers=False,
-                                  pure=False, key=f"{key}-{self.job}", **kwargs)
+        """Submit ``fn`` to run exactly once on ``address`` (see :func:`.granting.pin`)."""
+        return pin(self.client, self.job, fn, *args, address=address, key=key, **kwargs)
 
     async def start(self, emit: Emit) -> None:
         """Start servers, the scorer and the trainers; grant every trainer its first blocks."""
@@ -183,10 +177,9 @@ class RoleEngine(Engine):
         """True once the generation is stopping: no block is granted any more."""
         return self.granter.stopping
 
-    def out_of_blocks(self, trainer: int) -> bool:
-        """``trainer`` has no block left to get: True when the engine takes care of it, False to
-        send it the end marker now (a sync rank ends with the others)."""
-        return False
+    #: What a trainer out of blocks gets (see :class:`.granting.Granter`): a sync rank its end
+    #: marker at once; the async engine overrides this.
+    out_of_blocks: ClassVar[Callable[[Granter, int], bool]] = Granter.end_now
 
     def live_trainers(self) -> int:
         """Trainers still taking part."""
