@@ -132,3 +132,35 @@ def test_a_module_that_cannot_travel_is_refused_before_any_work(client: Client,
     assert "module=Sequential cannot be pickled" in message
     assert "dt.Trainer(make_net, ...)" in message and "Traceback" not in message
     assert set(client.futures) == before  # nothing was submitted
+
+
+class SometimesUnused(nn.Module):
+    """A head that only some batches use: whether a rank's batch reaches it depends on its data,
+    so in one step one rank has its gradient and the other none (DDP's find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+        self.rare = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        out = self.head(h)
+        if bool(x[:, 0].sum() > 0.5):  # a digit's top-left pixel: rarely set
+            out = out + self.rare(h)
+        return out
+
+
+def test_parameters_a_step_leaves_unused_neither_hang_nor_skew_sync(client: Client,
+                                                                    digits: tuple) -> None:
+    X, y, x, yy, (xv, yv) = digits
+    used = [bool(x[i : i + 64, 0].sum() > 0.5) for i in range(0, len(x), 64)]
+    assert any(used) and not all(used)  # the data does leave it unused in some steps
+    reference = _accuracy(_plain_torch(SometimesUnused, x, yy, batch=128), xv, yv)
+    torch.manual_seed(0)
+    result = dt.Trainer(SometimesUnused(), strategy="sync", workers=2, lr=LR, batch_size=64,
+                        epochs=EPOCHS, progress=False, timeout=60, client=client).fit(
+                            X, y, validation=(xv, yv))
+    assert result.stopped_by == f"epochs={EPOCHS}"
+    assert _accuracy(result.model, xv, yv) >= reference - MARGIN["sync"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,16 @@ def materialize(validation: Any, dtype: Any = np.float32, *, keep_dask: bool = F
     """
     if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
         return validation
-    if keep_dask and any(_is_dask(part) for part in validation):
+    if keep_dask and any(_is_dask(part) or isinstance(part, Mapping) and
+                         any(_is_dask(v) for v in part.values()) for part in validation):
         xv, yv = (as_dask_array(part) for part in validation)
         if xv.dtype != dtype and xv.dtype.kind == "f":
             xv = xv.astype(dtype)
         return xv, yv
     out = []
     for part in validation:
+        if isinstance(part, Mapping):  # several inputs: one array of records, as X
+            part = as_dask_array(part)
         compute = getattr(part, "compute", None)
         part = compute() if callable(compute) else part
         out.append(np.ascontiguousarray(np.asarray(part)))

@@ -18,8 +18,10 @@ from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import (
     LOSSES,
     OPTIMIZERS,
+    call_module,
     is_classification,
     loss_name,
+    model_inputs,
     primary_output,
     resolve_loss,
     takes_weights,
@@ -257,7 +259,12 @@ def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[
         if not is_dask_array(arr):
             problems.append(f"{name} of type {type(arr).__name__} is invalid: pass a dask array.")
             continue
-        if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+        if arr.dtype.names is not None:  # several inputs: each field must be numeric
+            bad = [n for n in arr.dtype.names if not np.issubdtype(arr.dtype[n].base, np.number)]
+            if bad:
+                problems.append(f"{name}[{bad[0]!r}] has dtype {arr.dtype[bad[0]].base}, which "
+                                "is not numeric: convert it, or encode categories as numbers.")
+        elif not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
             problems.append(
                 f"{name} has dtype {arr.dtype}, which is not numeric: convert it, e.g. "
                 f"{name}.astype('float32'), or encode categories as numbers first."
@@ -269,7 +276,7 @@ def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[
             )
     if problems:
         return problems
-    if X.ndim < 2:
+    if X.ndim < 2 and X.dtype.names is None:
         problems.append(f"X has shape {X.shape}: use a 2-D array (samples, features) or more dims.")
     if y.ndim not in (1, 2):
         problems.append(f"y has shape {y.shape}: use a 1-D array of labels or 2-D targets.")
@@ -311,12 +318,12 @@ def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...],
         from dask_train.models._keras_eval import predict
 
         return torch.from_numpy(predict(module, np.zeros((2, *sample_shape), dtype=dtype)))
-    sample = torch.from_numpy(np.zeros((2, *sample_shape), dtype=dtype))
+    sample = model_inputs(np.zeros((2, *sample_shape), dtype=dtype))
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            out: torch.Tensor = module(sample)
+            out: torch.Tensor = call_module(module, sample)
     finally:
         module.train(was_training)
     return out

@@ -160,9 +160,14 @@ def is_dask_array(data: Any) -> bool:
 
 
 def as_dask_array(data: Any, *, chunks: int | None = None) -> da.Array:
-    """A dask array from a dask array, a dask DataFrame/Series or an in-memory array."""
+    """A dask array from a dask array, a dask DataFrame/Series or an in-memory array; a dict of
+    arrays (several inputs) becomes one array of records (:mod:`dask_train.data._inputs`)."""
     if is_dask_array(data):
         return data
+    if isinstance(data, Mapping):
+        from dask_train.data._inputs import as_records
+
+        return as_records(data)
     to_dask_array = getattr(data, "to_dask_array", None)
     if callable(to_dask_array):
         # lengths=True computes partition lengths so the rows of each block are known.

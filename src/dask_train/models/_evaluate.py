@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dask_train.models._torch import is_classification, primary_output, resolve_loss
+from dask_train.models._torch import (
+    call_module,
+    is_classification,
+    model_inputs,
+    primary_output,
+    resolve_loss,
+)
 
 #: Built-in metric names: what every torch job's scores can hold without ``metrics=``.
 BUILTIN_METRICS = ("loss", "accuracy")
@@ -75,11 +81,9 @@ def evaluate(
     try:
         with torch.no_grad():
             for i in range(0, n, batch_size):
-                xb = torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size]))
-                yb = torch.from_numpy(np.ascontiguousarray(y[i : i + batch_size]))
-                if device is not None and torch.device(device).type != "cpu":
-                    xb, yb = xb.to(device), yb.to(device)
-                raw = module(xb)
+                xb = model_inputs(x[i : i + batch_size], device)
+                yb = model_inputs(y[i : i + batch_size], device)
+                raw = call_module(module, xb)
                 # The predictions, where something reads them: a loss function of yours alone
                 # gets the whole output, which may have none to pick (a dict without "logits").
                 out = primary_output(raw) if picks else raw
@@ -90,7 +94,7 @@ def evaluate(
                 else:  # a loss module reads the predictions, a function of yours the output
                     given = raw if not isinstance(raw, torch.Tensor) and \
                         not isinstance(loss, torch.nn.Module) else out
-                    total_loss += float(loss_fn(given, yb)) * len(xb)
+                    total_loss += float(loss_fn(given, yb)) * len(yb)
                 if classify:
                     correct += int((out.argmax(dim=1) == yb).sum())
                 if extra:

@@ -133,16 +133,13 @@ class FlatModel:
 
     def batch(self, x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A numpy batch as tensors on the device; integer inputs (token ids) keep their dtype."""
-        def move(a: np.ndarray | None) -> torch.Tensor | None:
-            if a is None:
-                return None
-            t = torch.from_numpy(a)
-            return t if self.on_host else t.to(self.device, non_blocking=True)
+        """A numpy batch as tensors on the device; integer inputs (token ids) keep their dtype.
+        Several inputs (a record array) become a dict of tensors, by name."""
+        from dask_train.models._torch import model_inputs
 
-        xb, yb, wb = move(x), move(y), move(w)
-        assert xb is not None and yb is not None
-        return xb, yb, wb
+        device = None if self.on_host else self.device
+        return (model_inputs(x, device), model_inputs(y, device),
+                None if w is None else model_inputs(w, device))
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -156,8 +153,10 @@ class FlatModel:
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
                      w: torch.Tensor | None = None) -> torch.Tensor:
         """The batch loss (float32), the forward pass under autocast when mixed precision is on."""
+        from dask_train.models._torch import call_module
+
         with self.autocast():
-            out = self.module(x)
+            out = call_module(self.module, x)
         if isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()  # a structured output is the loss's to read (make_loss)
         # Weights only when there are any: a plain fn(output, target) works as the loss too.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,6 +70,24 @@ def takes_weights(loss: Any) -> bool:
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def model_inputs(x: Any, device: Any = None) -> Any:
+    """A numpy batch as the model takes it: a tensor, or for several inputs (a record array, see
+    :mod:`dask_train.data._inputs`) a dict of tensors, on ``device``."""
+    def move(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if device is None or torch.device(device).type == "cpu" else \
+            t.to(device, non_blocking=True)
+
+    if isinstance(x, np.ndarray) and x.dtype.names is not None:
+        return {name: move(x[name]) for name in x.dtype.names}
+    return move(x) if isinstance(x, np.ndarray) else x
+
+
+def call_module(module: Any, inputs: Any) -> Any:
+    """``module(inputs)``, or ``module(**inputs)`` for several inputs by name."""
+    return module(**inputs) if isinstance(inputs, dict) else module(inputs)
 
 
 def primary_output(out: Any) -> torch.Tensor:

@@ -97,7 +97,7 @@ def _loader(spec: PredictSpec) -> Callable[[bytes], Any]:
 def _torch_outputs(module: Any, x: np.ndarray, spec: PredictSpec) -> np.ndarray:
     import torch
 
-    from dask_train.models._torch import select_output
+    from dask_train.models._torch import call_module, model_inputs, select_output
 
     if spec.in_dtype and x.dtype.kind == "f":
         x = x.astype(spec.in_dtype, copy=False)
@@ -105,8 +105,8 @@ def _torch_outputs(module: Any, x: np.ndarray, spec: PredictSpec) -> np.ndarray:
     outputs = []
     with torch.inference_mode():
         for start in range(0, len(x), spec.batch_size):
-            batch = torch.from_numpy(x[start : start + spec.batch_size]).to(spec.device)
-            out = select_output(module(batch), spec.output)
+            batch = model_inputs(x[start : start + spec.batch_size], spec.device)
+            out = select_output(call_module(module, batch), spec.output)
             if spec.method == "argmax":
                 out = out.argmax(dim=1)
             elif spec.method == "softmax":

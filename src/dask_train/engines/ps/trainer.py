@@ -111,7 +111,7 @@ class _TrainerLoop:
             if role.stopped() or self.stopped:
                 self.stopped = True
                 break
-            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(xb)]
+            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(yb)]
             stop, loss = pusher.add(xb, yb, self.loss_fn, wb)
             if pusher.pushes == 1 and pusher.count == 0:
                 role.started()  # the first gradient is on its way (FitResult.timings)
@@ -120,7 +120,7 @@ class _TrainerLoop:
                 if role.config.on_nan == "stop":
                     self.stopped = True
                     break
-            consumed += len(xb)
+            consumed += len(yb)
             self.report_stats(samples=self.samples + consumed)
             if stop:
                 self.stopped = True
@@ -216,7 +216,7 @@ class _Pusher:
         if self.count > 0:
             grad.add_(target)
         self.count += 1
-        self.samples += len(x)
+        self.samples += len(y)
         return (self.flush() if self.count == self.every else False), loss
 
     def flush(self) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed.protocol import to_serialize
 
-from dask_train.models._torch import primary_output
+from dask_train.models._torch import call_module, primary_output
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import register_handler, worker_state
@@ -60,7 +60,7 @@ class Evaluator:
                 if outputs:
                     module = self.model.module.eval()
                     with torch.no_grad():
-                        out = primary_output(module(self.model.batch(x, y)[0]))
+                        out = primary_output(call_module(module, self.model.batch(x, y)[0]))
                     outs.append(out.float().cpu().numpy())
                     targets.append(np.asarray(y))
         reply: dict[str, Any] = {"rows": rows, "sums": sums}

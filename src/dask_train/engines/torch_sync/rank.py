@@ -227,7 +227,7 @@ class _RankLoop:
                     self.stop_vote = True
                     break
                 continue
-            count += len(xb)
+            count += len(yb)
             k += 1
             reduced = k == every  # the step's last batch: its backward starts the all-reduce
             if reduced:
@@ -235,9 +235,9 @@ class _RankLoop:
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
             if self.scratch is not None:
-                self.reducer.grad.add_(self.scratch, alpha=len(xb) * scale)
+                self.reducer.grad.add_(self.scratch, alpha=len(yb) * scale)
             else:
-                self.reducer.backward(loss * (len(xb) * scale), reduce=reduced)
+                self.reducer.backward(loss * (len(yb) * scale), reduce=reduced)
         if not reduced:
             self._votes(count)
         return count
