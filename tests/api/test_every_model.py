@@ -147,7 +147,7 @@ class SometimesUnused(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.body(x))
         out = self.head(h)
-        if bool(x[:, 0].sum() > 0.5):  # a digit's top-left pixel: rarely set
+        if bool(x[0, 3] > 0.5):  # about half the batches: this pixel of their first digit
             out = out + self.rare(h)
         return out
 
@@ -155,7 +155,7 @@ class SometimesUnused(nn.Module):
 def test_parameters_a_step_leaves_unused_neither_hang_nor_skew_sync(client: Client,
                                                                     digits: tuple) -> None:
     X, y, x, yy, (xv, yv) = digits
-    used = [bool(x[i : i + 64, 0].sum() > 0.5) for i in range(0, len(x), 64)]
+    used = [bool(x[i, 3] > 0.5) for i in range(0, len(x), 64)]
     assert any(used) and not all(used)  # the data does leave it unused in some steps
     reference = _accuracy(_plain_torch(SometimesUnused, x, yy, batch=128), xv, yv)
     torch.manual_seed(0)
