@@ -55,3 +55,43 @@ def test_auto_picks_the_gpu(gpu_client: Client) -> None:
 
     devices = probe_devices(gpu_client, "auto")
     assert devices.kind == "cuda" and all(d.startswith("cuda:") for d in devices.by_worker.values())
+
+
+class _LSTMNet(torch.nn.Module):
+    """cuDNN's LSTM keeps its weights in one buffer of its own; the engines' flat parameter
+    views must still reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(8, 48, batch_first=True)
+        self.head = torch.nn.Linear(48, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x.reshape(-1, 8, 8))
+        return self.head(out[:, -1])
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+@pytest.mark.parametrize("make", [_LSTMNet, _Tied], ids=["lstm", "tied"])
+def test_cuda_trains_an_lstm_and_a_tied_net(gpu_client: Client, strategy: str, make: type) -> None:
+    X, y = dt.datasets.digits(40_000, seed=0, chunks=5_000)
+    workers = len(gpu_client.scheduler_info()["workers"])
+    torch.manual_seed(0)
+    result = dt.Trainer(make(), strategy=strategy, workers=workers, lr=3e-3, batch_size=128,
+                        epochs=3, device="cuda", score_every=0.5,
+                        stop=[dt.StopAtScore("accuracy", 0.9)], progress=False,
+                        client=gpu_client).fit(X, y, validation=dt.datasets.digits_test())
+    assert result.stopped_by == "StopAtScore(accuracy>=0.9)"
+    if make is _Tied:
+        assert result.model.a.weight is result.model.b.weight
