@@ -22,6 +22,24 @@ import torch
 def make_net(hidden=16):
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
                                torch.nn.Linear(hidden, 10))
+
+
+class OwnNet(torch.nn.Module):
+    """A class of the user's own file: the workers cannot import mymodels, so it travels by value."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.body = torch.nn.Linear(64, hidden)
+        self.head = torch.nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def make_weight_normed(hidden=16):
+    return torch.nn.Sequential(
+        torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(64, hidden)), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10))
 '''
 
 CONFIG = '''
@@ -139,3 +157,16 @@ def test_help_shows_an_example_config(capsys: pytest.CaptureFixture[str]) -> Non
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "example config:" in out and "factory: mymodels:make_net" in out
+
+
+@pytest.mark.parametrize("factory", ["OwnNet", "make_weight_normed"])
+def test_train_models_of_the_users_own_file(project: Path, client: Client, factory: str) -> None:
+    # A class defined in mymodels.py, and a weight-normed layer (it cannot be pickled: it
+    # travels as its factory); the workers cannot import mymodels.
+    config = _config(project, f"train-{factory}", out=f"runs/{factory}")
+    config.write_text(config.read_text().replace("factory: mymodels:make_net",
+                                                 f"factory: mymodels:{factory}"))
+    assert main(["train", str(config), "--scheduler", client.scheduler.address,
+                 "--no-progress"]) == 0
+    summary = json.loads((project / "runs" / factory / "summary.json").read_text())
+    assert summary["stopped_by"] == "epochs=1" and summary["accuracy"] > 0.3

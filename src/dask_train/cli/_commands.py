@@ -123,11 +123,12 @@ def train(config: Config, *, scheduler: str | None, out: Path | None, progress: 
     import dask_train as dt
     from dask_train.report import write_run
 
-    module = _model_factory(config)()
+    # The factory itself, not a model it built: a model that cannot be pickled (weight_norm)
+    # travels as its factory (see dt.Trainer's module).
     with _connect(config, scheduler) as client:
         X, y = _train_data(config)
-        trainer = dt.Trainer(module, **config.trainer, stop=config.stop_conditions(),
-                             progress=progress, client=client)
+        trainer = dt.Trainer(_model_factory(config), **config.trainer,
+                             stop=config.stop_conditions(), progress=progress, client=client)
         result = trainer.fit(X, y, validation=_validation(config))
     directory = run_dir(config, "train", out)
     summary = result.summary()

@@ -118,7 +118,7 @@ class ModulePayload:
             return cls(blob=None, factory=factory, state=_state_bytes(module), layout=layout,
                        name=name)
         try:
-            blob = bytes(cloudpickle.dumps(module, protocol=5))
+            blob = dumps_by_value(module)
         except Exception as exc:
             raise TypeError(
                 f"module={name} cannot be pickled to travel to the Dask workers ({type(exc).__name__}: "
@@ -133,7 +133,7 @@ class ModulePayload:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled by value, never through Dask's attribute-copying serializer for modules; the
         # factory with cloudpickle (a function defined in a script travels by value).
-        factory = None if self.factory is None else bytes(cloudpickle.dumps(self.factory))
+        factory = None if self.factory is None else dumps_by_value(self.factory)
         return (_rebuild, (self.blob, factory, self.state, self.layout, self.name))
 
     def build(self) -> Any:
@@ -167,6 +167,41 @@ class ModulePayload:
                 )
             self._module = module
         return self._module
+
+
+def _own_modules(*objs: Any) -> list[Any]:
+    """The Python modules defining ``objs`` (or the function a ``functools.partial`` wraps) that
+    are the user's own files, not installed packages: a worker may not be able to import them
+    (``mymodels.py`` beside a script or a config), so their code travels by value."""
+    import functools
+    import sys
+    import sysconfig
+
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    found = []
+    for obj in objs:
+        obj = obj.func if isinstance(obj, functools.partial) else obj
+        name = getattr(obj, "__module__", None) or type(obj).__module__
+        module = sys.modules.get(name or "")
+        path = getattr(module, "__file__", None)
+        if module is None or name == "__main__" or path is None or \
+                any(path.startswith(p) for p in installed) or name.startswith("dask_train"):
+            continue
+        found.append(module)
+    return found
+
+
+def dumps_by_value(obj: Any, *also: Any) -> bytes:
+    """cloudpickle bytes of ``obj``, with the user's own modules defining ``obj`` (and ``also``)
+    pickled by value (see :func:`_own_modules`)."""
+    modules = _own_modules(obj, *also)
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return bytes(cloudpickle.dumps(obj, protocol=5))
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _state_bytes(module: Any) -> bytes:
