@@ -18,7 +18,7 @@ import torch
 
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
-from dask_train.models._torch import flatten_parameters, trainable
+from dask_train.models._torch import call_module, flatten_parameters, model_inputs, trainable
 
 #: ``mixed_precision`` values and the autocast dtype each means.
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -135,8 +135,6 @@ class FlatModel:
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A numpy batch as tensors on the device; integer inputs (token ids) keep their dtype.
         Several inputs (a record array) become a dict of tensors, by name."""
-        from dask_train.models._torch import model_inputs
-
         device = None if self.on_host else self.device
         return (model_inputs(x, device), model_inputs(y, device),
                 None if w is None else model_inputs(w, device))
@@ -153,8 +151,6 @@ class FlatModel:
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
                      w: torch.Tensor | None = None) -> torch.Tensor:
         """The batch loss (float32), the forward pass under autocast when mixed precision is on."""
-        from dask_train.models._torch import call_module
-
         with self.autocast():
             out = call_module(self.module, x)
         if isinstance(out, torch.Tensor) and out.is_floating_point():
