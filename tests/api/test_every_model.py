@@ -164,3 +164,73 @@ def test_parameters_a_step_leaves_unused_neither_hang_nor_skew_sync(client: Clie
                             X, y, validation=(xv, yv))
     assert result.stopped_by == f"epochs={EPOCHS}"
     assert _accuracy(result.model, xv, yv) >= reference - MARGIN["sync"]
+
+
+def spectral_normed() -> nn.Module:
+    return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(64, 100)), nn.ReLU(),
+                         nn.Linear(100, 10))
+
+
+def orthogonal() -> nn.Module:
+    return nn.Sequential(nn.utils.parametrizations.orthogonal(nn.Linear(64, 64)), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("make", [spectral_normed, orthogonal])
+def test_other_parametrizations_train_from_their_factory(client: Client, digits: tuple,
+                                                         make) -> None:
+    X, y, x, yy, (xv, yv) = digits
+    reference = _accuracy(_plain_torch(make, x, yy, batch=128), xv, yv)
+    result = dt.Trainer(make, strategy="sync", workers=2, lr=LR, batch_size=64, epochs=EPOCHS,
+                        progress=False, client=client).fit(X, y, validation=(xv, yv))
+    assert _accuracy(result.model, xv, yv) >= reference - MARGIN["sync"]
+    assert nn.utils.parametrize.is_parametrized(result.model[0])
+
+
+class Counting(nn.Module):
+    """A non-float buffer: an int64 count of the batches seen in training, as BatchNorm's
+    num_batches_tracked, and a bool flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("trained", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += 1
+            self.trained.fill_(True)
+        return self.net(x)
+
+
+def test_non_float_buffers_keep_their_dtype_and_count(client: Client, digits: tuple,
+                                                      tmp_path) -> None:
+    X, y, _, _, (xv, yv) = digits
+    torch.manual_seed(0)
+    result = dt.Trainer(Counting(), strategy="sync", workers=2, lr=LR, batch_size=64, epochs=1,
+                        progress=False, client=client, checkpoint=dt.CheckpointConfig(tmp_path))\
+        .fit(X, y, validation=(xv, yv))
+    model = result.model
+    assert model.seen.dtype == torch.int64 and model.trained.dtype == torch.bool
+    # Rank 0's count, broadcast to the others after every step: one forward per step.
+    assert int(model.seen) == result.steps and bool(model.trained)
+    resumed = dt.Trainer(Counting(), strategy="sync", workers=2, lr=LR, batch_size=64, epochs=2,
+                         progress=False, client=client, checkpoint=dt.CheckpointConfig(tmp_path))\
+        .fit(X, y, validation=(xv, yv), resume=True)
+    assert int(resumed.model.seen) == resumed.steps
+
+
+def test_a_search_over_an_lstm_factory(client: Client, digits: tuple) -> None:
+    X, y, _, _, (xv, yv) = digits
+
+    def make(hidden: int = 16) -> nn.Module:
+        net = LSTMNet()
+        net.rnn, net.head = nn.LSTM(8, hidden, batch_first=True), nn.Linear(hidden, 10)
+        return net
+
+    trainer = dt.Trainer(make, workers=1, epochs=1, progress=False, client=client)
+    found = dt.search(trainer, {"hidden": [8, 32], "lr": 3e-3}, X, y, validation=(xv, yv),
+                      n_trials=2, pruner=None, progress=False, client=client)
+    assert len(found.trials) == 2 and set(found.trials["state"]) == {"complete"}
+    assert isinstance(found.best_model.rnn, nn.LSTM)

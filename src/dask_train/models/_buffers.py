@@ -17,15 +17,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_INTEGER = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool})
 
 
 def trained_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     """The buffers a training forward pass may change, in ``module.named_buffers()`` order.
 
-    Persistent (``state_dict``) floating or integer buffers only: non-persistent buffers are
-    derived constants by torch's convention (a rotary table, a causal mask), and bool masks are
-    never statistics, so sending them would only cost bandwidth.
+    Persistent (``state_dict``) floating, integer or bool buffers: a bool flag may change in a
+    forward pass (an ActNorm layer's ``initialized``), and travels as 0.0/1.0. Non-persistent
+    buffers are derived constants by torch's convention (a rotary table, a causal mask) and stay
+    out.
     """
     persistent = set(module.state_dict(keep_vars=True))
     return [b for name, b in module.named_buffers()
