@@ -234,3 +234,24 @@ def test_a_search_over_an_lstm_factory(client: Client, digits: tuple) -> None:
                       n_trials=2, pruner=None, progress=False, client=client)
     assert len(found.trials) == 2 and set(found.trials["state"]) == {"complete"}
     assert isinstance(found.best_model.rnn, nn.LSTM)
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+def test_a_compiled_module_trains_compiled_on_the_workers(client: Client, digits: tuple,
+                                                          strategy: str) -> None:
+    # backend="eager": dynamo traces the module on the workers as torch.compile does, without
+    # inductor's code generation (about 20 s per worker process on this machine, measured once
+    # with the default backend: it trains the same way).
+    X, y, x, yy, (xv, yv) = digits
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10))
+
+    reference = _accuracy(_plain_torch(make, x, yy, batch=128 if strategy == "sync" else 64),
+                          xv, yv)
+    torch.manual_seed(0)
+    compiled = torch.compile(make(), backend="eager")
+    result = dt.Trainer(compiled, strategy=strategy, workers=2, lr=LR, batch_size=64,
+                        epochs=EPOCHS, progress=False, client=client).fit(X, y, validation=(xv, yv))
+    assert isinstance(result.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert _accuracy(result.model, xv, yv) >= reference - MARGIN[strategy]
