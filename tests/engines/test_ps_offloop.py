@@ -40,7 +40,7 @@ def _start_shard(job: str, shard: ShardRef) -> str:
     torch.manual_seed(0)
     return start_shard_task(
         torch.nn.Linear(N_IN, N_OUT), job=job, shard=shard, optimizer="adam", lr=1e-3,
-        options={}, max_step=None,
+        options={}, max_step=None, secret=bytes(range(32)),
     )
 
 
@@ -53,7 +53,8 @@ def _push_until_stopped(job: str, shard: ShardRef, started: str, enough: str, st
     run on the loop, it would be blocked nearly all the time.
     """
     worker = get_worker()
-    ps = PSClient(worker, job, worker_state(worker).job(job), [shard], timeout=120)
+    ps = PSClient(worker, job, worker_state(worker).job(job), [shard], timeout=120,
+                  secret=bytes(range(32)))
     grad = torch.full((N_PARAMS,), 1e-3)  # never modified: both pushes in flight may share it
     started_event, enough_event, stop_event = Event(started), Event(enough), Event(stop)
     in_flight = [ps.push(grad, samples=1), ps.push(grad, samples=1)]

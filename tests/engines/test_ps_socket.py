@@ -8,6 +8,8 @@ does, and fail fast, not at the timeout, when the shard's worker goes away.
 
 from __future__ import annotations
 
+import socket
+import struct
 import uuid
 from typing import Any
 
@@ -31,10 +33,18 @@ N_IN, N_OUT = 20, 5
 N_PARAMS = N_IN * N_OUT + N_OUT
 
 
+#: The generation's push secret in these tests (an engine draws 32 random bytes).
+SECRET = bytes(range(32))
+
+
 def _start(job: str, shard: ShardRef, n_in: int = N_IN, n_out: int = N_OUT) -> str:
     torch.manual_seed(0)
-    return start_shard_task(torch.nn.Linear(n_in, n_out), job=job, shard=shard,
-                            optimizer="adam", lr=0.01, options={}, max_step=None)
+    address = start_shard_task(torch.nn.Linear(n_in, n_out), job=job, shard=shard,
+                               optimizer="adam", lr=0.01, options={}, max_step=None,
+                               secret=SECRET)
+    # As for a model with one buffer value (a BatchNorm counter): the pushes carry it.
+    worker_state(get_worker()).job(job).params[shard.index].buffers = np.zeros(1)
+    return address
 
 
 def _grads(n: int, count: int) -> list[np.ndarray]:
@@ -45,7 +55,7 @@ def _grads(n: int, count: int) -> list[np.ndarray]:
 def _push(job: str, shards: list[ShardRef], n: int, count: int, depth: int) -> dict:
     """Task: ``count`` pushes with ``depth`` in flight; the last parameters and how they went."""
     worker = get_worker()
-    ps = PSClient(worker, job, worker_state(worker).job(job), shards, timeout=60)
+    ps = PSClient(worker, job, worker_state(worker).job(job), shards, timeout=60, secret=SECRET)
     buffers = [torch.empty(n) for _ in range(depth + 1)]
     pending, last = [], None
     for i, g in enumerate(_grads(n, count)):
@@ -139,7 +149,8 @@ def test_a_shard_that_is_not_there_is_a_key_error(client: Client, job: str) -> N
 
 def _push_until_error(job: str, shard: ShardRef) -> str:
     worker = get_worker()
-    ps = PSClient(worker, job, worker_state(worker).job(job), [shard], timeout=60)
+    ps = PSClient(worker, job, worker_state(worker).job(job), [shard], timeout=60,
+                  secret=SECRET)
     grad = torch.zeros(N_PARAMS)
     ps.wait(ps.push(grad, 1))
     assert ps._direct[0] is not None
@@ -181,3 +192,49 @@ def test_only_plain_tcp_workers_open_an_endpoint() -> None:
             assert list(c.run(endpoint).values()) == [None]
         (got,) = c.run(endpoint).values()
         assert got is not None and got.startswith(f"{host}:")
+
+
+def _raw_push(endpoint: str, job: str, secret: bytes, *, pushes: int, n_grad: int = N_PARAMS,
+              value: float = 100.0) -> int:
+    """A stranger's client: the wire format read from the source, a secret guessed; the pushes
+    it got answers to before the connection closed."""
+    host, port = endpoint.rsplit(":", 1)
+    answered = 0
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        name = job.encode()
+        sock.sendall(struct.pack("<H", len(name)) + name + struct.pack("<i", 0) + secret)
+        grad = np.full(max(0, min(n_grad, N_PARAMS)), value, dtype=np.float32)
+        try:
+            for _ in range(pushes):
+                sock.sendall(struct.pack("<qB4qqq", 64, 0, 0, 0, 0, 0, n_grad, 0))
+                sock.sendall(grad.tobytes())
+                reply = sock.recv(struct.calcsize("<BqBq"))
+                if not reply:
+                    break
+                answered += 1
+                sock.recv(1 << 20)
+        except OSError:
+            pass
+    return answered
+
+
+def _endpoint(dask_worker: Any) -> str | None:
+    return push_endpoint(dask_worker)
+
+
+@pytest.mark.parametrize("case", ["no secret", "wrong secret", "oversized gradient"])
+def test_a_stranger_on_the_push_port_changes_nothing(client: Client, job: str, case: str) -> None:
+    server, other = sorted(client.scheduler_info()["workers"])
+    shard = ShardRef(0, 0, N_PARAMS, server)
+    client.submit(_start, job, shard, workers=[server], pure=False).result()
+    endpoint = client.run(_endpoint, workers=[server])[server]
+    secret = {"no secret": bytes(32), "wrong secret": bytes(range(1, 33)),
+              "oversized gradient": SECRET}[case]
+    n_grad = 1 << 40 if case == "oversized gradient" else N_PARAMS
+    assert _raw_push(endpoint, job, secret, pushes=50, n_grad=n_grad) == 0
+    state = client.submit(_shard_state, job, 0, workers=[server], pure=False).result()
+    assert state["version"] == 0  # not one of the 50 pushes was applied
+    # The shard and its worker go on: the job's own trainer pushes as before.
+    got = client.submit(_push, job, [shard], N_PARAMS, 3, 1, workers=[other], pure=False).result()
+    assert got["direct"] == {0: True} and got["version"] == 3
+    np.testing.assert_array_equal(got["params"], _expected(3))

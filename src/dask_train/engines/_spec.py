@@ -89,6 +89,8 @@ class WorkerConfig:
     restore: dict[str, Any] | None = None
     #: The keys of validation blocks scored where they live (``SpreadValidation``), or None.
     validation_keys: list[str] | None = None
+    #: The generation's secret for direct pushes to its servers (async-ps), b"" for none.
+    push_secret: bytes = field(default=b"", repr=False)
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, topic: str,

@@ -3,14 +3,18 @@ or a joining worker changes. Worker code: :mod:`.trainer` (trainers), :mod:`.ser
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 from collections.abc import Mapping
 
+from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.shared import control as worker_side
 from dask_train.engines.shared.granting import Granter
 from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.shared.push_socket import SECRET_BYTES
 from dask_train.engines.shared.role_engine import RoleEngine
 from dask_train.models._torch import split_shards
 from dask_train.runtime._calls import run_on_live
@@ -25,10 +29,16 @@ class AsyncPSEngine(RoleEngine):
     run_trainer = staticmethod(run_trainer)
 
     def make_shards(self) -> list[ShardRef]:
-        """Balanced contiguous slices, one per server."""
+        """Balanced contiguous slices, one per server (and the generation's push secret: random,
+        never derived from the job id, which the scheduler's /metrics shows)."""
+        self.push_secret = secrets.token_bytes(SECRET_BYTES)
         servers = self.roles["ps"]
         return [ShardRef(s.index, s.start, s.stop, servers[s.index])
                 for s in split_shards(self.spec.n_params, len(servers))]
+
+    def trainer_config(self) -> WorkerConfig:
+        """The trainers also get the generation's push secret (see ``shared.push_socket``)."""
+        return dataclasses.replace(super().trainer_config(), push_secret=self.push_secret)
 
     async def start_servers(self) -> None:
         """One shard per server, from the module or from the checkpoint's files."""
@@ -39,7 +49,8 @@ class AsyncPSEngine(RoleEngine):
             self.pinned(start_shard_task, self.module_f, address=ref.address,
                         key=f"dt-ps-{ref.index}", job=self.job, shard=ref,
                         optimizer=spec.optimizer, lr=spec.lr, options=spec.optimizer_options,
-                        max_step=spec.max_step, restore=server_restore)
+                        max_step=spec.max_step, restore=server_restore,
+                        secret=self.push_secret)
             for ref in self.shards
         ]
         await self.wait_for(starts, what="starting the parameter servers")

@@ -42,6 +42,7 @@ class ShardServer(FlatOptimizer):
     def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.positions: dict[int, dict[tuple[int, int], int]] = {}
+        self.push_secret = b""  # what a direct push connection must present
         self.stats: StatsReporter | None = None  # reports its updates once a second
 
     def apply(
@@ -87,11 +88,13 @@ def start_shard_task(
     options: Mapping[str, Any],
     max_step: int | None,
     restore: Mapping[str, Any] | None = None,
+    secret: bytes = b"",
 ) -> str:
     """Dask task: create one shard on this worker, from the module or from a checkpoint.
 
     ``restore`` is ``{"files": manifest shard records, "step": int, "samples": int}``: the shard
     loads its slice (parameters and optimizer state) from the checkpoint's files itself.
+    ``secret`` is what a direct push connection must present (b"": none is accepted).
     """
     worker = get_worker()
     worker_state(worker).configure_torch()
@@ -107,6 +110,7 @@ def start_shard_task(
         flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
         max_step=max_step,
     )
+    server.push_secret = secret
     if shard.index == BUFFER_SHARD:
         # One holder keeps the buffers (see BUFFER_SHARD); a model without any
         # leaves None, and its messages and files carry nothing more.

@@ -41,7 +41,8 @@ def run_trainer(
     whose loss is not finite is never pushed: it is skipped or stops the trainer (``on_nan``).
     """
     role = TrainerRole(job=job, index=index, config=config)
-    ps = PSClient(role.worker, job, role.state, shards, timeout=config.timeout)
+    ps = PSClient(role.worker, job, role.state, shards, timeout=config.timeout,
+                  secret=config.push_secret)
     model = role.model(module)
     model.train_mode()
     buffers = model.buffers()

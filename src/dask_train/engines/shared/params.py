@@ -90,11 +90,16 @@ class PSClient:
     shards : sequence of ShardRef
     timeout : float
         Seconds to wait for any exchange.
+    secret : bytes
+        The generation's push secret: pushes go over direct connections only with it (a role
+        that only pulls, the scorer, has none and needs none).
     """
 
     def __init__(
-        self, worker: Worker, job: str, state: WorkerJob, shards: Sequence[ShardRef], timeout: float
+        self, worker: Worker, job: str, state: WorkerJob, shards: Sequence[ShardRef],
+        timeout: float, secret: bytes = b"",
     ) -> None:
+        self.secret = secret
         self.worker = worker
         self.job = job
         self.state = state
@@ -119,8 +124,9 @@ class PSClient:
                 endpoint = asyncio.run_coroutine_threadsafe(
                     self.worker.rpc(ref.address).dask_train_endpoint(), self.loop
                 ).result(self.timeout)
-                if endpoint:
-                    conn = PushConnection(endpoint, self.job, ref.index, self.timeout)
+                if endpoint and self.secret:
+                    conn = PushConnection(endpoint, self.job, ref.index, self.timeout,
+                                          self.secret)
             except (OSError, TimeoutError) as exc:
                 # Dask's RPC still works, or fails with its own clear error.
                 logger.debug("no direct push connection to %s: %s", ref.address, exc)

@@ -14,7 +14,15 @@ request for it (``dask_train_endpoint``), one thread per connection. A connectio
 on TLS or another transport keeps Dask's RPC, with its security, as does a worker whose Dask
 config sets ``dask-train.direct-push: false``. Pulls (rare: start, scorer) stay on Dask's RPC.
 
-Wire format (little-endian), after a hello of ``<H`` job length, the job id, ``<i`` shard:
+Who may push: the port is outside Dask's own security, and a job id can be read from the
+scheduler's public ``/metrics``. So a connection's hello carries the generation's push secret
+(32 random bytes the engine makes and sends to its servers and trainers through Dask, never
+derived from the job id), checked in constant time against the shard's before any push is
+applied; and every size a peer announces is checked against the shard's before anything is
+allocated. A peer failing either is logged once and disconnected; the shard and the worker go on.
+
+Wire format (little-endian), after a hello of ``<H`` job length, the job id, ``<i`` shard, the
+32-byte secret:
 request ``<q samples, B has_position, 4q position, q n_grad (float32), q n_buffers (float64)>``
 then the values; reply ``<B status, q version, B stop, q n_params (float32)>`` then the values,
 or for status 1 (the shard is not here) ``q`` a message length and the message.
@@ -22,6 +30,7 @@ or for status 1 (the shard is not here) ``q`` a message length and the message.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import struct
@@ -41,6 +50,10 @@ _SHARD = struct.Struct("<i")
 _REQUEST = struct.Struct("<qB4qqq")
 _REPLY = struct.Struct("<BqBq")
 _MISSING_LEN = struct.Struct("<q")
+#: Bytes of a generation's push secret (``secrets.token_bytes``).
+SECRET_BYTES = 32
+#: Bytes read at a time when a push to a shard that is not here is skipped.
+_DISCARD = 1 << 20
 
 _servers: dict[str, PushServer] = {}
 _servers_lock = threading.Lock()
@@ -93,16 +106,31 @@ class PushServer:
                              name="dask-train-push-conn").start()
 
     def _serve(self, conn: socket.socket) -> None:
+        peer = "?"
         try:
             with conn:
+                host, port = conn.getpeername()[:2]
+                peer = f"{host}:{port}"
                 (size,) = _HELLO.unpack(_recv_bytes(conn, _HELLO.size))
                 job = bytes(_recv_bytes(conn, size)).decode()
                 (shard,) = _SHARD.unpack(_recv_bytes(conn, _SHARD.size))
+                secret = bytes(_recv_bytes(conn, SECRET_BYTES))
                 header = bytearray(_REQUEST.size)
                 grad = np.empty(0, dtype=np.float32)
                 while True:
                     _recv_exact(conn, memoryview(header))
                     samples, has_pos, p0, p1, p2, p3, n_grad, n_buf = _REQUEST.unpack(header)
+                    server = holder_or_reason(self.worker, job, shard)
+                    if isinstance(server, str):  # the job ended here: skip the push, say why
+                        _discard(conn, 4 * max(0, n_grad) + 8 * max(0, n_buf))
+                        text = server.encode()
+                        conn.sendall(_REPLY.pack(1, 0, 0, 0) + _MISSING_LEN.pack(len(text)) + text)
+                        continue
+                    refused = _refusal(server, secret, n_grad, n_buf)
+                    if refused:
+                        logger.warning("push connection from %s to shard %d of job %s closed: %s",
+                                       peer, shard, job, refused)
+                        return
                     if grad.size != n_grad:
                         grad = np.empty(n_grad, dtype=np.float32)
                     _recv_exact(conn, _raw(grad))
@@ -110,24 +138,43 @@ class PushServer:
                     if n_buf:
                         buffers = np.empty(n_buf, dtype=np.float64)
                         _recv_exact(conn, _raw(buffers))
-                    server = holder_or_reason(self.worker, job, shard)
-                    if isinstance(server, str):
-                        text = server.encode()
-                        conn.sendall(_REPLY.pack(1, 0, 0, 0) + _MISSING_LEN.pack(len(text)) + text)
-                        continue
                     position = [p0, p1, p2, p3] if has_pos else None
                     params, version, stop = server.apply(grad, samples, position, buffers)
                     params = np.ascontiguousarray(params, dtype=np.float32)
                     conn.sendall(_REPLY.pack(0, version, bool(stop), params.size))
                     conn.sendall(_raw(params))
-        except (OSError, struct.error):
-            return  # the trainer went away (its job ended, or its worker died)
+        except (OSError, struct.error, UnicodeDecodeError):
+            return  # the trainer went away (its job ended, or its worker died), or not a trainer
         except Exception:  # a bug: say so, the trainer sees the connection close
             logger.exception("push connection failed on %s", self.worker.address)
 
     def close(self) -> None:
         """Stop accepting connections (those open end with their trainers)."""
         self.listener.close()
+
+
+def _refusal(server: Any, secret: bytes, n_grad: int, n_buf: int) -> str:
+    """Why a push to ``server`` is refused before anything is allocated ("" when it is not)."""
+    expected = getattr(server, "push_secret", b"")
+    if not expected or not hmac.compare_digest(secret, expected):
+        return "it did not present the job's push secret"
+    size = int(server.param.numel())
+    if n_grad != size:
+        return f"it announced a gradient of {n_grad} values for a shard of {size}"
+    held = server.buffers
+    allowed = {0} if held is None else {0, int(held.size)}
+    if n_buf not in allowed:
+        return f"it announced {n_buf} buffer values where the model has {max(allowed)}"
+    return ""
+
+
+def _discard(conn: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes in fixed pieces (nothing of the announced size is allocated)."""
+    buf = bytearray(min(n, _DISCARD))
+    while n > 0:
+        view = memoryview(buf)[: min(n, len(buf))]
+        _recv_exact(conn, view)
+        n -= len(view)
 
 
 def push_endpoint(worker: Worker) -> str | None:
@@ -160,14 +207,19 @@ class PushConnection:
     shard : int
     timeout : float
         Seconds any send or reply may take.
+    secret : bytes
+        The generation's push secret (:data:`SECRET_BYTES` bytes), as its servers hold it.
     """
 
-    def __init__(self, endpoint: str, job: str, shard: int, timeout: float) -> None:
+    def __init__(self, endpoint: str, job: str, shard: int, timeout: float,
+                 secret: bytes) -> None:
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"a push secret has {SECRET_BYTES} bytes, not {len(secret)}")
         host, port = endpoint.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         name = job.encode()
-        self.sock.sendall(_HELLO.pack(len(name)) + name + _SHARD.pack(shard))
+        self.sock.sendall(_HELLO.pack(len(name)) + name + _SHARD.pack(shard) + secret)
         self.header = bytearray(_REPLY.size)
 
     def send(self, grad: np.ndarray, samples: int, position: list[int] | None,
