@@ -399,14 +399,18 @@ def test_a_lost_rank_with_max_failures_zero_raises_at_once() -> None:
     assert failure["action"] == "raise"
 
 
-def test_a_lost_sync_rank_without_a_checkpoint_raises_naming_the_fix() -> None:
+def test_a_lost_sync_rank_before_any_checkpoint_restarts_from_the_start() -> None:
     lost = Failure("worker", 0, "tcp://10.0.0.4:4000", "raised")
-    run = _run([FakeEngine(faults=[Fault(lost)])], _spec())
+    first = FakeEngine([(0.0, Progress(step=3))], faults=[Fault(lost)])
+    second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=2))], ends_at=0.1)
+    outcome = _ok(run := _run([first, second], _spec(epochs=2)))
 
-    assert type(run.error) is WorkerLost
-    assert "there is no checkpoint to restart from: pass checkpoint=dt.CheckpointConfig" \
-        in str(run.error)
-    assert run.phases == [S, R, E]
+    assert run.phases == [S, R, RS, S, R, F, FD]
+    assert second.made_with is not None and second.made_with[2] is None  # the initial state
+    [failure] = outcome.log.failures
+    assert failure["action"] == "restart"
+    assert "no checkpoint was written yet" in failure["reason"]
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=2"
 
 
 def test_a_lost_scorer_is_replaced_and_a_lost_async_trainer_retired() -> None:

@@ -31,14 +31,14 @@ TABLE = [
     ("async-ps", "worker", 1, 1, 1, False, C, "worker-0 had not consumed"),
     ("async-ps", "worker", 3, 1, 1, False, C, ""),  # the last allowed failure
     ("async-ps", "worker", 1, 0, 2, True, RS, "no trainer is left"),
-    ("async-ps", "worker", 1, 0, 2, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("async-ps", "worker", 1, 0, 2, False, RS, "starts again from the initial parameters"),
     ("async-ps", "ps", 1, 2, 3, True, RS, "new generation restarts from the last checkpoint"),
-    ("async-ps", "ps", 1, 2, 3, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("async-ps", "ps", 1, 2, 3, False, RS, "no checkpoint was written yet"),
     ("async-ps", "scorer", 1, 2, 3, False, RP, "started on another worker"),
     ("async-ps", "scorer", 1, 0, 1, True, RP, ""),
     ("sync", "worker", 1, 1, 3, True, RS, "sync group needs every rank"),
     ("sync", "worker", 1, 3, 3, True, RS, ""),  # a sync rank never lets the group go on alone
-    ("sync", "worker", 1, 1, 3, False, X, "checkpoint=dt.CheckpointConfig(...)"),
+    ("sync", "worker", 1, 1, 3, False, RS, "samples trained so far are trained again"),
     ("sync", "scorer", 2, 2, 2, False, RP, ""),
     ("full-batch", "worker", 1, 3, 3, True, RS, "full-batch group needs every rank"),
     # beyond max_failures=3: always raise, whatever else holds
@@ -92,14 +92,14 @@ def test_records_reject_bad_values() -> None:
 
 def test_failure_error_for_a_parameter_server() -> None:
     status = _status(kind="ps", index=1, failures=2, has_checkpoint=False)
-    decision = decide(status, FailureConfig())
+    decision = decide(status, FailureConfig(max_failures=1))
     err = failure_error(status, decision)
     assert type(err) is ParameterServerLost
     assert isinstance(err, WorkerLost) and isinstance(err, RuntimeError)
     assert (err.worker, err.role) == (ADDR, "ps-1")
     message = str(err)
     for words in ("ps-1", ADDR, "removed from the scheduler", "failure 2",
-                  "there is no checkpoint to restart from", "checkpoint=dt.CheckpointConfig(...)"):
+                  "is more than max_failures=1", "FailureConfig(max_failures=...)"):
         assert words in message
 
 

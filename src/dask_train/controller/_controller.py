@@ -334,16 +334,19 @@ class Controller:
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
         """End this generation and place the next one on the live workers, from the newest
-        checkpoint. Waits a little (at most 10 s) for the cluster to get back to its size: a
-        nanny restarts a killed worker in about a second, and the new generation should use it.
+        checkpoint, or from the start when none was written. Waits a little (at most 10 s) for
+        the cluster to get back to its size: a nanny restarts a killed worker in about a second,
+        and the new generation should use it.
         """
         self.state.enter(Phase.RESTARTING)
         t0 = time.time()
         before = len(set(engine.roles.addresses) | set(await alive_workers(self.client)))
         await engine.close()
-        assert self.checkpoints is not None  # RESTART is only decided with a checkpoint
-        self.restore = self.checkpoints.load(n_params=self.spec.n_params,
-                                             strategy=self.spec.strategy)
+        # The newest checkpoint (the one resumed from, if none was written since), else the
+        # initial parameters: the next generation trains again what was lost with them.
+        newest = None if self.checkpoints is None else self.checkpoints.load(
+            n_params=self.spec.n_params, strategy=self.spec.strategy)
+        self.restore = newest if newest is not None else self.restore
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client)
         while len(alive) < before and time.monotonic() < deadline:

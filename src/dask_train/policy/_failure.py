@@ -139,9 +139,6 @@ class Decision:
     reason: str
 
 
-_CHECKPOINT_FIX = "pass checkpoint=dt.CheckpointConfig(...) to the Trainer to survive it"
-
-
 def decide(status: JobStatus, config: FailureConfig) -> Decision:
     """Decide what to do about a lost role.
 
@@ -194,7 +191,11 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
         what = f"the {status.strategy} group needs every rank"
     if status.has_checkpoint:
         return Decision(Action.RESTART, f"{what}: a new generation restarts from the last checkpoint")
-    return Decision(Action.RAISE, f"{what} and there is no checkpoint to restart from: {_CHECKPOINT_FIX}")
+    # As TorchElastic and Ray Train do: the initial parameters are known, so a loss before the
+    # first checkpoint costs the work done so far, not the job.
+    return Decision(Action.RESTART, f"{what}: no checkpoint was written yet, so a new generation "
+                                    "starts again from the initial parameters (the samples trained "
+                                    "so far are trained again)")
 
 
 def failure_error(status: JobStatus, decision: Decision) -> WorkerLost:
