@@ -277,7 +277,9 @@ def test_a_checkpoint_every_n_steps_pauses_saves_writes_the_manifest_and_resumes
 
 
 def test_a_checkpoint_on_time_skips_the_write_when_no_step_was_taken(tmp_path: Path) -> None:
-    engine = FakeEngine([(0.0, Progress(step=3))], ends_at=1.0, pause_polls=0)
+    # Two seconds for a checkpoint every 0.2 s: the second pause comes well before the end even
+    # on a loaded machine (with one second it once came after, in a full run beside others).
+    engine = FakeEngine([(0.0, Progress(step=3))], ends_at=2.0, pause_polls=0)
     spec = _spec(checkpoint=CheckpointConfig(tmp_path, every_seconds=0.2))
     run = _run([engine], spec)
     outcome = _ok(run)

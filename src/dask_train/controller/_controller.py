@@ -243,7 +243,9 @@ class Controller:
         if ckpt is None:
             return
         if state.phase is Phase.RUNNING:
-            if engine.running() and ckpt.due(state, step=engine.reported_step(), now=now):
+            # Not once a stop is decided (in this same pass): the final checkpoint follows.
+            if engine.running() and not state.stopped_by and \
+                    ckpt.due(state, step=engine.reported_step(), now=now):
                 state.enter(Phase.CHECKPOINTING)
                 state.pause_id, state.next_pause_id = state.next_pause_id, state.next_pause_id + 1
                 state.pause_started = now
