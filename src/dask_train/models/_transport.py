@@ -130,6 +130,11 @@ class ModulePayload:
             ) from None
         return cls(blob=blob, factory=None, state=None, layout=layout, name=name)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes it travels as (the pickled module, or the factory's state)."""
+        return len(self.blob if self.blob is not None else self.state or b"")
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled by value, never through Dask's attribute-copying serializer for modules; the
         # factory with cloudpickle (a function defined in a script travels by value).
@@ -232,3 +237,9 @@ def travelling(module: Any, factory: Callable[[], Any] | None = None) -> Any:
     if not isinstance(module, torch.nn.Module):
         return module
     return ModulePayload.of(module, factory)
+
+
+def as_sent(payload: Any) -> Any:
+    """Dask task: ``payload`` as it came (the task that makes a model a graph key; here, in a
+    module every role imports anyway, so running it imports nothing more on a worker)."""
+    return payload

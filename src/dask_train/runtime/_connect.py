@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import weakref
 from typing import Any
 
 import dask
@@ -150,7 +152,23 @@ def _embedded(
     environ.update(_MALLOC_ENV)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
         # No address: Client starts the LocalCluster itself and closes it when the client closes.
-        return Client(**kwargs)
+        client = Client(**kwargs)
+    # Close the client at the program's end before distributed's own exit handlers (registered
+    # at its import, so run after this one) take the workers down under it: that way the
+    # scheduler forgets the client's keys first, and the end of every script is quiet (not a
+    # "lose already computed task(s)" warning and a "lose scattered data" error per worker).
+    atexit.register(_close_at_exit, weakref.ref(client))
+    return client
+
+
+def _close_at_exit(ref: weakref.ReferenceType[Client]) -> None:
+    client = ref()
+    if client is None or client.status in ("closing", "closed"):
+        return
+    try:
+        client.close(timeout=10)
+    except Exception:  # the program is ending: nothing to do about a failed close
+        logger.debug("closing the embedded cluster at exit failed", exc_info=True)
 
 
 def _remote(address: str, *, timeout: float) -> Client:

@@ -29,7 +29,7 @@ from dask_train.engines.shared.granting import Granter, pin
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
-from dask_train.models._transport import travelling
+from dask_train.models._transport import ModulePayload, as_sent, travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger
 from dask_train.policy._placement import Roles
@@ -111,8 +111,7 @@ class RoleEngine(Engine):
     async def start(self, emit: Emit) -> None:
         """Start servers, the scorer and the trainers; grant every trainer its first blocks."""
         self.emit = emit
-        self.module_f = await self.client.scatter(travelling(self.spec.module), hash=False,
-                                                  asynchronous=True)
+        self.module_f = await send_module(self.client, travelling(self.spec.module), self.job)
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
@@ -139,6 +138,10 @@ class RoleEngine(Engine):
             # Scored where its blocks live (engines.shared.spread_eval): nothing moves to the scorer.
             val_f = None
             config = dataclasses.replace(config, validation_keys=list(self.validation.keys))
+        elif sum(getattr(a, "nbytes", 0) for a in self.validation) <= EMBED_MODULE_BYTES:
+            # Inside the scorer's task: nothing scattered is lost with its worker (a replaced
+            # scorer gets the pair again the same way).
+            val_f = self.validation
         else:
             [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
                                                 asynchronous=True)
@@ -450,6 +453,26 @@ class RoleEngine(Engine):
             holders = [a for where in who_has.values() for a in where]
         await run_on_live(self.client, worker_side.drop_job, self.job,
                           workers=sorted(set(self.roles.addresses) | set(holders)))
+
+
+#: Models (and validation pairs) up to this many bytes travel inside a task (see send_module).
+EMBED_MODULE_BYTES = 32 << 20
+
+
+async def send_module(client: Client, payload: Any, job: str) -> Future:
+    """The model on the cluster, for the roles' tasks to take as an argument.
+
+    A model pickled to at most :data:`EMBED_MODULE_BYTES` goes inside a task (one copy in the
+    scheduler while the job runs): its result is an ordinary graph key, which Dask recomputes
+    when the worker holding it dies, so a restarted or joining role still gets it and nothing
+    is logged as lost. A larger model is scattered to one worker (never through the
+    scheduler), as are models that are no :class:`~dask_train.models._transport.ModulePayload`.
+    """
+    size = payload.nbytes if isinstance(payload, ModulePayload) else None
+    if size is not None and size <= EMBED_MODULE_BYTES:
+        return client.submit(as_sent, payload, pure=False, key=f"dt-module-{job}")
+    future: Future = await client.scatter(payload, hash=False, asynchronous=True)
+    return future
 
 
 def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:
