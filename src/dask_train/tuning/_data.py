@@ -13,6 +13,10 @@ from distributed import Client, Future
 
 from dask_train.data._blocks import as_dask_array
 
+#: In-memory search data up to this many bytes goes to the cluster inside tasks (see
+#: prepare_data); larger data is scattered.
+EMBED_SEARCH_BYTES = 64 << 20
+
 
 @dataclass
 class SearchData:
@@ -31,8 +35,8 @@ class SearchData:
 
 def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchData:
     """Persist X and y once: dask collections are persisted where they are computed; in-memory
-    arrays are scattered block by block straight to the workers (never through the scheduler,
-    unlike ``da.from_array``, which puts the whole array into the graph)."""
+    arrays go block by block inside tasks (recomputable when a worker dies) up to
+    :data:`EMBED_SEARCH_BYTES`, and are scattered straight to the workers beyond it."""
     Xv, yv = (np.ascontiguousarray(np.asarray(_compute(part))) for part in validation)
     if _is_dask(X) and _is_dask(y):
         # Under keys of its own: persisting the user's collection itself would keep its keys in
@@ -48,7 +52,14 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
     rows = max(1, -(-len(Xa) // (2 * workers)))  # two blocks per worker
     bounds = list(range(0, len(Xa), rows)) + [len(Xa)]
     parts = [(Xa[a:b], ya[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    futures = client.scatter(parts, direct=True, hash=False)
+    if Xa.nbytes + ya.nbytes <= EMBED_SEARCH_BYTES:
+        # Inside tasks: graph keys Dask recomputes when a worker dies, so a lost worker fails at
+        # most the trials that ran on it (scattered data dies with its worker and fails every
+        # trial that reads it). One copy passes through the scheduler.
+        futures = [on_cluster(client, part) for part in parts]
+    else:
+        # Larger: scattered straight to the workers, never through the scheduler.
+        futures = client.scatter(parts, direct=True, hash=False)
     Xd = _concat([f for f in futures], 0, [b - a for a, b in zip(bounds[:-1], bounds[1:])],
                  Xa.shape[1:], Xa.dtype)
     yd = _concat([f for f in futures], 1, [b - a for a, b in zip(bounds[:-1], bounds[1:])],
@@ -85,3 +96,14 @@ def _is_dask(obj: Any) -> bool:
 def _compute(obj: Any) -> Any:
     compute = getattr(obj, "compute", None)
     return compute() if callable(compute) else obj
+
+
+def on_cluster(client: Client, value: Any) -> Future:
+    """``value`` (numpy arrays, a tuple of them) on the cluster for every trial to take: inside
+    a task up to :data:`EMBED_SEARCH_BYTES`, a graph key Dask recomputes when the worker holding
+    it dies (a scattered copy dies with it and fails every later trial); scattered beyond."""
+    parts = value if isinstance(value, (tuple, list)) else (value,)
+    if sum(getattr(a, "nbytes", 0) for a in parts) <= EMBED_SEARCH_BYTES:
+        return client.submit(_same, value, pure=False)
+    [future] = client.scatter([value], direct=True, hash=False)
+    return future

@@ -27,7 +27,7 @@ from distributed import Client, Future
 
 from dask_train.errors import WorkerLost
 from dask_train.policy._scope import use_workers
-from dask_train.tuning._data import SearchData
+from dask_train.tuning._data import SearchData, on_cluster
 from dask_train.tuning._space import Space, check_names
 from dask_train.tuning._trial import Outcome, TrialContext, TrialRunner, clock
 
@@ -107,7 +107,7 @@ class EstimatorTrials(TrialRunner):
         return 1
 
     def prepare(self) -> None:
-        [self.validation] = self.client.scatter([self.data.validation], direct=True, hash=False)
+        self.validation = on_cluster(self.client, self.data.validation)
 
     def _data_on(self, worker: str) -> Future:
         with self.lock:
