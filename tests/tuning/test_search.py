@@ -101,16 +101,19 @@ def test_two_distributed_trials_run_at_once_each_on_its_own_workers(client4: Cli
 def test_asha_prunes_a_poor_trial_and_stops_its_job_early(client4: Client, digits: Any,
                                                           tmp_path: Any) -> None:
     X, y, Xv, yv = digits
-    trainer = dt.Trainer(mlp, workers=1, ps=1, epochs=4, batch_size=32, score_every=0.2)
+    # Twenty epochs (about a second and a half): several scores for the pruner to act on. Four
+    # took 0.2 s, fewer than the scores ASHA needs on a loaded machine, and the poor trial ran
+    # to its end.
+    trainer = dt.Trainer(mlp, workers=1, ps=1, epochs=20, batch_size=32, score_every=0.2)
     sampler = FixedSampler([{"lr": 3e-3}, {"lr": 1e-9}])  # the second cannot learn
     result = dt.search(trainer, {"lr": dt.loguniform(1e-9, 1e-2)}, X, y, validation=(Xv, yv),
                        n_trials=2, max_concurrent=1, sampler=sampler, pruner="asha",
                        progress=False, client=client4)
     good, poor = result.records
-    assert good.state == "complete" and good.result.epochs_completed == 4
+    assert good.state == "complete" and good.result.epochs_completed == 20
     assert poor.state == "pruned", result.trials[["state", "score", "stopped_by"]]
     assert poor.stopped_by == "callback"
-    assert poor.result.samples < 4 * 4_000  # stopped through the job's stop path, early
+    assert poor.result.samples < 20 * 4_000  # stopped through the job's stop path, early
     assert result.best_params == {"lr": 3e-3}
     path = result.plot(tmp_path / "search.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
