@@ -90,3 +90,19 @@ def test_inputs_of_different_lengths_are_refused_by_name(client: Client, data: t
     bad = {"cat": X["cat"], "num": X["num"][:-5]}
     with pytest.raises(ValueError, match="the inputs of X have different numbers of rows"):
         dt.Trainer(Tabular(), workers=2, progress=False, client=client).fit(bad, y)
+
+
+def test_a_dataframes_column_groups_are_inputs(client: Client, data: tuple) -> None:
+    import dask.dataframe as dd
+    import pandas as pd
+
+    _, _, x, yy, (xv, yv) = data
+    frame = pd.DataFrame({"cat0": x["cat"][:, 0], "cat1": x["cat"][:, 1],
+                          **{f"num{i}": x["num"][:, i] for i in range(3)}, "label": yy})
+    df = dd.from_pandas(frame, npartitions=4)
+    X = {"cat": df[["cat0", "cat1"]], "num": df[["num0", "num1", "num2"]]}
+    reference = _accuracy(_plain_torch(x, yy, batch=128, epochs=2), xv, yv)
+    torch.manual_seed(0)
+    result = dt.Trainer(Tabular(), strategy="sync", workers=2, lr=1e-2, batch_size=64, epochs=2,
+                        progress=False, client=client).fit(X, df["label"], validation=(xv, yv))
+    assert _accuracy(result.model, xv, yv) >= reference - 0.05

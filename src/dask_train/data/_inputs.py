@@ -1,4 +1,6 @@
-"""Several inputs per row: ``X`` as a dict of arrays with the same rows, kept as one record array.
+"""Several inputs per row: ``X`` as a dict of arrays with the same rows (dask or numpy arrays, or a
+dask DataFrame's column groups such as ``{"cat": df[cats], "num": df[nums]}``), kept as one
+record array.
 
 A model with several inputs (a tabular model's categorical columns for its ``nn.Embedding`` s
 and its numeric columns, say) takes ``forward(**batch)``. dask-train keeps such an ``X`` as one
@@ -56,6 +58,17 @@ def unpack(x: np.ndarray) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(x[name]) for name in x.dtype.names}
 
 
+def _as_dask(value: Any) -> Any:
+    """A dask array of one input: a dask array, a dask DataFrame's columns (a column group, with
+    its partitions' lengths computed), or an in-memory array."""
+    import dask.array as da
+
+    to_dask_array = getattr(value, "to_dask_array", None)
+    if callable(to_dask_array):
+        return to_dask_array(lengths=True)
+    return value if hasattr(value, "dask") else da.from_array(np.asarray(value))
+
+
 def _pack_blocks(names: tuple[str, ...], *blocks: np.ndarray) -> np.ndarray:
     return pack(dict(zip(names, blocks)))
 
@@ -74,8 +87,7 @@ def as_records(X: Mapping[str, Any]) -> Any:
 
     if not X:
         raise ValueError("X is an empty dict: give at least one input, e.g. X={'x': X}.")
-    arrays = {str(k): v if hasattr(v, "dask") else da.from_array(np.asarray(v))
-              for k, v in X.items()}
+    arrays = {str(k): _as_dask(v) for k, v in X.items()}
     lengths = {k: a.shape[0] for k, a in arrays.items()}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"the inputs of X have different numbers of rows: {lengths}; every "
