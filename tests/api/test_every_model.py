@@ -19,6 +19,11 @@ ROWS, EPOCHS, LR = 24_000, 2, 3e-3
 #: Below the reference: async-ps pushes gradients of parameters a few updates old; sync is exact
 #: up to the order of the rows (shuffled per block, not globally as the reference does).
 MARGIN = {"async-ps": 0.1, "sync": 0.05}
+#: Async trainers with one push at a time (prefetch=False): each gradient is at most one of the
+#: other trainer's updates old, however loaded the machine. With pushes in flight, staleness grows
+#: with load (a weight-normed net fell to 0.79 against 0.90 in a CI run beside other work): what
+#: these tests check is the model, not how staleness behaves under load.
+STALENESS = {"async-ps": {"prefetch": False}, "sync": {}}
 
 
 class LSTMNet(nn.Module):
@@ -97,8 +102,8 @@ def test_the_model_trains_as_a_plain_torch_loop_does(client: Client, digits: tup
     # A weight-normed model cannot be pickled: it travels as its factory.
     module = make if name == "weight_norm" else make()
     result = dt.Trainer(module, strategy=strategy, workers=2, lr=LR, batch_size=64,
-                        epochs=EPOCHS, score_every=0.5, progress=False,
-                        client=client).fit(X, y, validation=(xv, yv))
+                        epochs=EPOCHS, score_every=0.5, progress=False, client=client,
+                        **STALENESS[strategy]).fit(X, y, validation=(xv, yv))
     assert result.stopped_by == f"epochs={EPOCHS}"
     got = _accuracy(result.model, xv, yv)
     assert got >= reference - MARGIN[strategy], (name, strategy, got, reference)
@@ -252,6 +257,7 @@ def test_a_compiled_module_trains_compiled_on_the_workers(client: Client, digits
     torch.manual_seed(0)
     compiled = torch.compile(make(), backend="eager")
     result = dt.Trainer(compiled, strategy=strategy, workers=2, lr=LR, batch_size=64,
-                        epochs=EPOCHS, progress=False, client=client).fit(X, y, validation=(xv, yv))
+                        epochs=EPOCHS, progress=False, client=client,
+                        **STALENESS[strategy]).fit(X, y, validation=(xv, yv))
     assert isinstance(result.model, torch._dynamo.eval_frame.OptimizedModule)
     assert _accuracy(result.model, xv, yv) >= reference - MARGIN[strategy]

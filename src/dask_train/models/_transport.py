@@ -30,6 +30,7 @@ True
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -196,17 +197,24 @@ def _own_modules(*objs: Any) -> list[Any]:
     return found
 
 
+#: cloudpickle's by-value registry is one for the process: pickling under it is serialized (the
+#: trials of a search build and send their models from threads at once).
+_BY_VALUE = threading.Lock()
+
+
 def dumps_by_value(obj: Any, *also: Any) -> bytes:
     """cloudpickle bytes of ``obj``, with the user's own modules defining ``obj`` (and ``also``)
-    pickled by value (see :func:`_own_modules`)."""
-    modules = _own_modules(obj, *also)
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return bytes(cloudpickle.dumps(obj, protocol=5))
-    finally:
+    pickled by value (see :func:`_own_modules`); modules the user registered stay registered."""
+    with _BY_VALUE:
+        already = set(cloudpickle.list_registry_pickle_by_value())
+        modules = [m for m in _own_modules(obj, *also) if m.__name__ not in already]
         for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return bytes(cloudpickle.dumps(obj, protocol=5))
+        finally:
+            for module in modules:
+                cloudpickle.unregister_pickle_by_value(module)
 
 
 def _state_bytes(module: Any) -> bytes:
