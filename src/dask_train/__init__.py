@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from dask_train._lazy import attach
 from dask_train.errors import (
+    ClusterMismatch,
     ClusterUnreachable,
     DaskTrainError,
     InvalidInput,
@@ -79,6 +80,7 @@ __all__ = [
     "ArrayModel",
     "Callback",
     "CheckpointConfig",
+    "ClusterMismatch",
     "ClusterUnreachable",
     "DaskTrainError",
     "EarlyStopping",

@@ -38,6 +38,16 @@ class ClusterUnreachable(DaskTrainError, TimeoutError):
     """The Dask scheduler could not be reached within the timeout."""
 
 
+class ClusterMismatch(InvalidInput):
+    """The cluster's processes do not run the client's software (dask-train, Dask, torch...).
+
+    Examples
+    --------
+    >>> ClusterMismatch(["worker tcp://w:1 runs torch 2.4.0, the client 2.13.0: ..."]).problems[0][:15]
+    'worker tcp://w:'
+    """
+
+
 class WorkerLost(DaskTrainError, RuntimeError):
     """A Dask worker holding a training role left the cluster.
 

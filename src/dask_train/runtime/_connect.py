@@ -16,6 +16,7 @@ from dask_train.errors import ClusterUnreachable, InvalidInput
 from dask_train.runtime._compat import start_workers_without_main
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
 from dask_train.runtime._roles import remember_handlers
+from dask_train.runtime._versions import check_versions
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +174,17 @@ def _close_at_exit(ref: weakref.ReferenceType[Client]) -> None:
 
 def _remote(address: str, *, timeout: float) -> Client:
     try:
-        return Client(address, timeout=timeout)
+        client = Client(address, timeout=timeout)
     except (OSError, TimeoutError) as exc:
         raise ClusterUnreachable(
             f"could not reach the Dask scheduler at {address!r} within {timeout:g} s ({exc}). "
             "Check the address and that the scheduler is running, raise timeout=, or call "
             "dt.connect() with no address for an embedded cluster on this machine."
         ) from exc
+    try:
+        # At once, naming the process and the package: not an ImportError deep in a role's task.
+        check_versions(client)
+    except BaseException:
+        client.close()
+        raise
+    return client
