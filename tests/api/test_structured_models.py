@@ -95,12 +95,15 @@ def test_a_hugging_face_classifier_trains_and_predicts(client: Client, tokens: t
     logits = lambda out: out.logits  # noqa: E731
     reference = _accuracy(_plain_torch(bert(), x, yy, logits, batch=64 if strategy == "async-ps"
                                        else 128), xv, yv, logits)
+    # A metric function gets the whole ModelOutput and picks its logits.
+    hits = lambda out, target: (out.logits.argmax(1) == target).float().mean()  # noqa: E731
     result = dt.Trainer(bert(), strategy=strategy, workers=2, lr=3e-3, batch_size=64, epochs=1,
-                        progress=False, client=client,
+                        progress=False, client=client, metrics={"hits": hits},
                         # one push at a time: staleness that load cannot grow
                         prefetch=strategy == "sync").fit(X, y, validation=(xv, yv))
     got = _accuracy(result.model, xv, yv, logits)
     assert got >= reference - (0.1 if strategy == "async-ps" else 0.05), (got, reference)
+    np.testing.assert_allclose(result.history["hits"], result.history["accuracy"], atol=1e-6)
     assert isinstance(result.model, transformers.BertForSequenceClassification)
     scores = dt.predict(result.model, da.from_array(xv, chunks=250)).compute()
     assert scores.shape == (len(xv), N_CLASSES)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from distributed import Client
 
 from dask_train.data._blocks import SpreadValidation, as_dask_array, persist_pairs
+from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
 
 
 def _is_dask(part: Any) -> bool:
@@ -18,28 +18,20 @@ def _is_dask(part: Any) -> bool:
 def materialize(validation: Any, dtype: Any = np.float32, *, keep_dask: bool = False) -> Any:
     """Validation data as numpy, or (``keep_dask``) dask arrays left on the cluster.
 
-    Floating inputs take ``dtype`` (the model's parameters'); integer inputs (token ids) are
-    kept as they are. Anything that is not a pair is returned unchanged for the checks to name.
+    Several inputs or targets (a dict or tuple of arrays) become one array of records, as ``X``
+    and ``y`` do. Floating inputs take ``dtype`` (the model's parameters'); integer inputs
+    (token ids) are kept as they are. Anything that is not a pair is returned unchanged for the
+    checks to name.
     """
     if validation is None or not isinstance(validation, (tuple, list)) or len(validation) != 2:
         return validation
-    if keep_dask and any(_is_dask(part) or isinstance(part, Mapping) and
-                         any(_is_dask(v) for v in part.values()) for part in validation):
-        xv, yv = (as_dask_array(part) for part in validation)
-        if xv.dtype != dtype and xv.dtype.kind == "f":
-            xv = xv.astype(dtype)
-        return xv, yv
-    out = []
-    for part in validation:
-        if isinstance(part, Mapping):  # several inputs: one array of records, as X
-            part = as_dask_array(part)
-        compute = getattr(part, "compute", None)
-        part = compute() if callable(compute) else part
-        out.append(np.ascontiguousarray(np.asarray(part)))
-    x_np, y_np = out
-    if x_np.dtype != dtype and x_np.dtype.kind == "f":  # integer inputs (token ids) are kept
-        x_np = x_np.astype(dtype)
-    return x_np, y_np
+    names = ("X_val", "y_val")
+    if keep_dask and any(is_lazy(part) for part in validation):
+        xv, yv = (as_dask_array(part, name=n) for part, n in zip(validation, names))
+        return cast_floats(xv, dtype), yv
+    x_np, y_np = (np.ascontiguousarray(to_numpy(part, name=n))
+                  for part, n in zip(validation, names))
+    return cast_floats(x_np, dtype), y_np
 
 
 def spread_validation(client: Client, validation: Any) -> SpreadValidation | None:

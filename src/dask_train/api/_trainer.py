@@ -16,17 +16,15 @@ from dask_train.api._auto_ps import resolve_ps
 from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
 from dask_train.api._data import materialize, spread_validation
 from dask_train.api._model import build_from, is_factory
+from dask_train.api._probe import probe_module
 from dask_train.api._result import FitResult
 from dask_train.api._settings import Settings
-from dask_train.api._validate import (
-    check_fit,
-    check_labels,
-    probe_module,
-)
+from dask_train.api._validate import check_fit, check_labels
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
 from dask_train.data._blocks import as_dask_array, persist_blocks, scatter_blocks
+from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
@@ -280,9 +278,8 @@ class Trainer:
         """
         self._clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
         # In-memory input goes to the workers by scatter, in blocks, never through the graph.
-        local = None if any(hasattr(a, "dask") for a in (X, y, sample_weight)) else \
-            (X, y, sample_weight)
-        X, y = as_dask_array(X), as_dask_array(y)
+        local = None if any(is_lazy(a) for a in (X, y, sample_weight)) else (X, y, sample_weight)
+        X, y = as_dask_array(X), as_dask_array(y, name="y")
         weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self._model(), ArrayModel):
             return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
@@ -315,7 +312,8 @@ class Trainer:
         X = self._input_dtype(X)
         t = time.time()
         if local is not None:
-            x_np, y_np, w_np = (None if a is None else np.asarray(a) for a in local)
+            x_np, y_np, w_np = (None if a is None else to_numpy(a, name=n)
+                                for a, n in zip(local, ("X", "y", "sample_weight")))
             blocks = client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
         else:
             blocks = client.sync(persist_blocks, client, X, y, weights=weights)
@@ -434,12 +432,11 @@ class Trainer:
     def _input_dtype(self, X: Any, *, log: bool = True) -> Any:
         """X with floating data in the parameters' dtype; integer data (token ids) kept."""
         want = self._float_dtype()
-        if X.dtype.kind != "f" or X.dtype == want:
-            return X
-        if log:
+        converted = cast_floats(X, want)  # several inputs: their floating fields
+        if log and converted is not X:
             logger.info("X is %s and the module's parameters are %s: X is converted to %s",
-                        X.dtype, want, want)
-        return X.astype(want)
+                        X.dtype, want, converted.dtype)
+        return converted
 
     def _start_model(self, warm_start: bool) -> Any:
         """What a fit starts from: a copy of ``module``, or of the last fit's model."""

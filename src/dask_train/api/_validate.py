@@ -4,34 +4,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from dask_train.api._model import travel_problems
+from dask_train.api._probe import check_module_output
 from dask_train.api._settings import Settings
 from dask_train.data._blocks import is_dask_array
+from dask_train.data._inputs import label
 from dask_train.models._array import ArrayModel
 from dask_train.models._evaluate import metric_names
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import (
     LOSSES,
     OPTIMIZERS,
-    call_module,
     is_classification,
     loss_name,
-    model_inputs,
-    primary_output,
-    resolve_loss,
     takes_weights,
 )
 from dask_train.policy._placement import check_role_counts
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
-
-if TYPE_CHECKING:
-    import dask.array as da
 
 STRATEGIES = ("async-ps", "sync")
 
@@ -262,8 +257,9 @@ def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[
         if arr.dtype.names is not None:  # several inputs: each field must be numeric
             bad = [n for n in arr.dtype.names if not np.issubdtype(arr.dtype[n].base, np.number)]
             if bad:
-                problems.append(f"{name}[{bad[0]!r}] has dtype {arr.dtype[bad[0]].base}, which "
-                                "is not numeric: convert it, or encode categories as numbers.")
+                problems.append(f"{label(bad[0], name)} has dtype {arr.dtype[bad[0]].base}, "
+                                "which is not numeric: convert it, or encode categories as "
+                                "numbers.")
         elif not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
             problems.append(
                 f"{name} has dtype {arr.dtype}, which is not numeric: convert it, e.g. "
@@ -289,8 +285,33 @@ def check_data(X: Any, y: Any, *, name_x: str = "X", name_y: str = "y") -> list[
     return problems
 
 
-def check_validation(validation: Any, X: Any) -> list[str]:
-    """Problems with ``validation=(X_val, y_val)``."""
+def _inputs_text(a: Any, name: str) -> str:
+    """What ``a`` holds per row, for messages: each input's shape, or the one sample shape."""
+    dtype = getattr(a, "dtype", None)
+    if dtype is None or dtype.names is None:
+        return f"one array with rows shaped {tuple(np.shape(a)[1:])}"
+    return ", ".join(f"{label(n, name)} {tuple(dtype[n].shape)}" for n in dtype.names)
+
+
+def _same_inputs(part: Any, full: Any, name: str) -> list[str]:
+    """Validation data must hold the inputs (or targets) the training data holds."""
+    if not is_dask_array(full) or full.dtype.names is None and not _is_records(part):
+        return []
+    have, want = _inputs_text(part, f"{name}_val"), _inputs_text(full, f"{name}_val")
+    if have == want:
+        return []
+    return [f"validation {name}_val holds {have} but {name} holds {want.replace(name + '_val', name)}"
+            f": give {name}_val the same inputs (the same keys, or tuple items in the same "
+            "order) with the same shapes per row."]
+
+
+def _is_records(a: Any) -> bool:
+    return getattr(getattr(a, "dtype", None), "names", None) is not None
+
+
+def check_validation(validation: Any, X: Any, y: Any = None) -> list[str]:
+    """Problems with ``validation=(X_val, y_val)`` (as arrays: several inputs or targets are
+    records, see :func:`dask_train.api._data.materialize`)."""
     if validation is None:
         return []
     if not isinstance(validation, (tuple, list)) or len(validation) != 2:
@@ -303,90 +324,13 @@ def check_validation(validation: Any, X: Any) -> list[str]:
         )
     if len(xv) == 0:
         problems.append("validation is empty: pass at least one validation sample.")
-    if is_dask_array(X) and np.shape(xv)[1:] != X.shape[1:]:
+    if is_dask_array(X) and X.dtype.names is None and not _is_records(xv) and \
+            np.shape(xv)[1:] != X.shape[1:]:
         problems.append(
             f"validation X_val has sample shape {np.shape(xv)[1:]} but X has {X.shape[1:]}: "
             "use the same features."
         )
-    return problems
-
-
-def probe_module(module: torch.nn.Module, sample_shape: tuple[int, ...],
-                 dtype: Any = np.float32) -> torch.Tensor:
-    """The module's output on two zero samples of ``dtype``, in eval mode, without gradients."""
-    if is_keras_model(module):
-        from dask_train.models._keras_eval import predict
-
-        return torch.from_numpy(predict(module, np.zeros((2, *sample_shape), dtype=dtype)))
-    sample = model_inputs(np.zeros((2, *sample_shape), dtype=dtype))
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            out: torch.Tensor = call_module(module, sample)
-    finally:
-        module.train(was_training)
-    return out
-
-
-def check_module_output(module: torch.nn.Module, X: da.Array, y: da.Array, loss: Any) -> list[str]:
-    """Run the module on two zero samples and check its output fits the loss and y."""
-    if is_keras_model(module):  # built here first when it is not yet, as Keras does
-        from dask_train.models._keras_eval import check_output
-
-        return check_output(module, tuple(X.shape[1:]), X.dtype, tuple(y.shape), y.dtype, loss)
-    sample = np.zeros((2, *X.shape[1:]), dtype=X.dtype)
-    try:
-        out = probe_module(module, tuple(X.shape[1:]), X.dtype)
-    except Exception as exc:  # any failure here is the user's module not fitting X
-        return [
-            f"module failed on a batch shaped like X {tuple(sample.shape)}: "
-            f"{type(exc).__name__}: {exc}. Make its input size match X's features."
-        ]
-    if not isinstance(loss, (str, torch.nn.Module)):
-        return _check_custom_loss(loss, out, y)  # a function of yours reads the whole output
-    try:
-        out = primary_output(out)
-    except TypeError as exc:
-        return [f"module output does not fit loss={loss_name(loss)}: {exc}."]
-    if not isinstance(loss, str):
-        return _check_custom_loss(loss, out, y)
-    if is_classification(loss):
-        if out.ndim != 2 or out.shape[1] < 2:
-            return [
-                f"module output shape {tuple(out.shape)} does not fit loss={loss!r}: it needs "
-                "(batch, n_classes) scores with n_classes >= 2."
-            ]
-        if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
-            return [
-                f"y has dtype {y.dtype} and {y.ndim} dims but loss={loss!r} needs 1-D integer "
-                "class labels: use y.astype('int64')."
-            ]
-        return []
-    target = (2, *y.shape[1:])
-    if tuple(out.shape) != target:
-        return [
-            f"module output shape {tuple(out.shape)} does not fit loss={loss!r} with y of shape "
-            f"(n, {', '.join(map(str, y.shape[1:]))}): the output per sample must match y's, "
-            f"i.e. {target}."
-        ]
-    return []
-
-
-def _check_custom_loss(loss: Any, out: Any, y: da.Array) -> list[str]:
-    """Call a loss module or function on the probe's output and two targets shaped like y's."""
-    target = torch.from_numpy(np.zeros((2, *y.shape[1:]), dtype=y.dtype))
-    try:
-        value = resolve_loss(loss)(out, target)
-    except Exception as exc:  # the user's loss does not fit the module's output and y
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return [f"loss={loss_name(loss)} failed on the module's output {shape} and "
-                f"targets shaped like y {tuple(target.shape)} ({y.dtype}): {type(exc).__name__}: "
-                f"{exc}. Make the loss take (output, target) as the module and y give them."]
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        return [f"loss={loss_name(loss)} returned {type(value).__name__} "
-                f"{tuple(getattr(value, 'shape', ()))}: return a scalar tensor (a batch mean)."]
-    return []
+    return problems + _same_inputs(xv, X, "X") + _same_inputs(yv, y, "y")
 
 
 def job_metrics(module: Any, loss: Any, metrics: Mapping[str, Any] | None = None) -> list[str]:
@@ -461,7 +405,7 @@ def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sam
         )
     problems += check_data(X, y)
     problems += check_sample_weight(sample_weight, X, s.module, s.loss)
-    problems += check_validation(validation, X)
+    problems += check_validation(validation, X, y)
     needs_scores = [c for c in s.stop if hasattr(c, "metric")]
     if needs_scores and validation is None:
         problems.append(
@@ -474,7 +418,7 @@ def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sam
     if not problems:
         problems += travel_problems(s.module, factory)
     if not problems and (isinstance(s.module, torch.nn.Module) or is_keras_model(s.module)):
-        problems += check_module_output(s.module, typed(), y, s.loss)
+        problems += check_module_output(s.module, typed(), y, s.loss, s.metrics)
     if not problems:
         problems += check_stop_metrics(s.stop, job_metrics(s.module, s.loss, s.metrics))
     if isinstance(s.module, ArrayModel):

@@ -159,15 +159,16 @@ def is_dask_array(data: Any) -> bool:
     return module is not None and isinstance(data, module.Array)
 
 
-def as_dask_array(data: Any, *, chunks: int | None = None) -> da.Array:
-    """A dask array from a dask array, a dask DataFrame/Series or an in-memory array; a dict of
-    arrays (several inputs) becomes one array of records (:mod:`dask_train.data._inputs`)."""
+def as_dask_array(data: Any, *, chunks: int | None = None, name: str = "X") -> da.Array:
+    """A dask array from a dask array, a dask DataFrame/Series or an in-memory array; a dict or
+    tuple of arrays (several inputs) becomes one array of records (:mod:`dask_train.data._inputs`,
+    whose errors call the data ``name``)."""
     if is_dask_array(data):
         return data
-    if isinstance(data, Mapping):
-        from dask_train.data._inputs import as_records
+    from dask_train.data._inputs import as_records, is_several
 
-        return as_records(data)
+    if is_several(data):
+        return as_records(data, name=name)
     to_dask_array = getattr(data, "to_dask_array", None)
     if callable(to_dask_array):
         # lengths=True computes partition lengths so the rows of each block are known.
@@ -180,6 +181,8 @@ def as_dask_array(data: Any, *, chunks: int | None = None) -> da.Array:
 
 def _label_range(pair: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
     y = pair[1]
+    if y.dtype.names is not None:  # several targets: a loss of the user's reads them, no labels
+        return (0.0, 0.0)
     return (float(y.min()), float(y.max())) if y.size else (np.inf, -np.inf)
 
 

@@ -1,14 +1,17 @@
-"""Several inputs per row: ``X`` as a dict of arrays with the same rows (dask or numpy arrays, or a
-dask DataFrame's column groups such as ``{"cat": df[cats], "num": df[nums]}``), kept as one
-record array.
+"""Several inputs (or targets) per row, kept as one record array.
 
-A model with several inputs (a tabular model's categorical columns for its ``nn.Embedding`` s
-and its numeric columns, say) takes ``forward(**batch)``. dask-train keeps such an ``X`` as one
-numpy *record array* per block: one field per input, each field of any shape and dtype. A record
-array is an ordinary ndarray of rows, so the whole data path -- blocks persisted where they
-live, the ledger, the feed queues, shuffled minibatches, exactly-once reading, resume -- works on
-it unchanged; only the model's call unpacks a batch into its fields
-(:func:`dask_train.models._torch.model_inputs`).
+``X`` may be a dict of arrays with the same rows (dask or numpy arrays, or a dask DataFrame's
+column groups such as ``{"cat": df[cats], "num": df[nums]}``), passed to ``forward(**batch)``,
+or a tuple of them (``X=(tokens, mask)``), passed to ``forward(*batch)``. ``y`` may be a dict
+too (a model with two heads), which a loss function of yours reads by name.
+
+dask-train keeps such data as one numpy *record array* per block: one field per input, each
+field of any shape and dtype. A record array is an ordinary ndarray of rows, so the whole data
+path -- blocks persisted where they live, the ledger, the feed queues, shuffled minibatches,
+exactly-once reading, resume -- works on it unchanged; only the model's call unpacks a batch
+into its fields (:func:`dask_train.models._torch.model_inputs`). A tuple's inputs are the fields
+``"*0"``, ``"*1"``, ...: names that are no Python identifier, so they can never be a keyword
+argument of ``forward`` and the prefix alone says "positional".
 
 Examples
 --------
@@ -18,6 +21,8 @@ Examples
 ((2,), ('cat', 'num'), [3, 4])
 >>> sorted(unpack(x[[1, 0]]))
 ['cat', 'num']
+>>> pack(named((np.zeros(2), np.ones(2)))).dtype.names
+('*0', '*1')
 """
 
 from __future__ import annotations
@@ -26,6 +31,46 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from dask_train.errors import InvalidInput
+
+#: The field-name prefix of a positional input: ``X=(a, b)`` is kept as fields ``"*0"``, ``"*1"``.
+POSITIONAL = "*"
+
+
+def _is_lazy_one(x: Any) -> bool:
+    return hasattr(x, "dask") or callable(getattr(x, "to_dask_array", None))
+
+
+def is_several(X: Any) -> bool:
+    """Whether ``X`` holds several inputs: a dict, a tuple of arrays, or a list of dask
+    collections (a list or tuple of numbers or of rows stays one array, as numpy reads it)."""
+    if isinstance(X, Mapping):
+        return True
+    if isinstance(X, tuple):
+        return len(X) > 0 and all(hasattr(a, "shape") or _is_lazy_one(a) for a in X)
+    return isinstance(X, list) and len(X) > 0 and all(_is_lazy_one(a) for a in X)
+
+
+def is_lazy(X: Any) -> bool:
+    """Whether ``X`` is a dask collection, or several inputs of which one is."""
+    if is_several(X):
+        return any(_is_lazy_one(a) for a in (X.values() if isinstance(X, Mapping) else X))
+    return _is_lazy_one(X)
+
+
+def named(X: Any) -> dict[str, Any]:
+    """Several inputs by field name: a dict's keys, or ``"*0"``, ``"*1"``... for a tuple's."""
+    if isinstance(X, Mapping):
+        return {str(k): v for k, v in X.items()}
+    return {f"{POSITIONAL}{i}": v for i, v in enumerate(X)}
+
+
+def label(field: str, name: str = "X") -> str:
+    """How a message names one input: ``X['cat']`` or ``X[0]``."""
+    if field.startswith(POSITIONAL) and field[1:].isdigit():
+        return f"{name}[{field[1:]}]"
+    return f"{name}[{field!r}]"
 
 
 def is_records(x: Any) -> bool:
@@ -58,6 +103,17 @@ def unpack(x: np.ndarray) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(x[name]) for name in x.dtype.names}
 
 
+def cast_floats(x: Any, dtype: Any) -> Any:
+    """``x`` (numpy or dask) with its floating data in ``dtype``: a plain floating array, or the
+    floating fields of a record array; integer data (token ids, categories) is kept."""
+    fields = getattr(x.dtype, "names", None)
+    if fields is None:
+        return x.astype(dtype) if x.dtype.kind == "f" and x.dtype != dtype else x
+    want = np.dtype([(n, np.dtype(dtype) if x.dtype[n].base.kind == "f" else x.dtype[n].base,
+                      x.dtype[n].shape) for n in fields])
+    return x if want == x.dtype else x.astype(want)
+
+
 def _as_dask(value: Any) -> Any:
     """A dask array of one input: a dask array, a dask DataFrame's columns (a column group, with
     its partitions' lengths computed), or an in-memory array."""
@@ -73,25 +129,55 @@ def _pack_blocks(names: tuple[str, ...], *blocks: np.ndarray) -> np.ndarray:
     return pack(dict(zip(names, blocks)))
 
 
-def as_records(X: Mapping[str, Any]) -> Any:
-    """A dict of dask (or numpy) arrays as one dask array of records, in the first input's row
-    chunks; each block is packed where it is computed, never in the client.
+def _reserved(X: Any, name: str) -> list[str]:
+    if not isinstance(X, Mapping):
+        return []
+    return [f"{name} has the key {str(k)!r}: keys starting with {POSITIONAL!r} are kept for a "
+            f"tuple's inputs (forward(*batch)); rename it." for k in X
+            if str(k).startswith(POSITIONAL)]
+
+
+def input_problems(arrays: Mapping[str, Any], name: str = "X") -> list[str]:
+    """Problems with several inputs (or targets) as dask arrays, by field name (see
+    :func:`named`): unknown or different numbers of rows, inputs without rows. Nothing is
+    computed."""
+    problems = []
+    lengths: dict[str, int] = {}
+    for field, a in arrays.items():
+        if getattr(a, "ndim", 0) < 1:
+            problems.append(f"{label(field, name)} is a scalar: every input needs one row per "
+                            "sample.")
+        elif any(np.isnan(c) for c in a.chunks[0]):
+            problems.append(f"{label(field, name)} has unknown chunk sizes: call "
+                            f"compute_chunk_sizes() on it first, or build it from a dask DataFrame "
+                            "with to_dask_array(lengths=True).")
+        else:
+            lengths[label(field, name)] = int(a.shape[0])
+    if len(set(lengths.values())) > 1:
+        problems.append(f"the inputs of {name} have different numbers of rows: {lengths}; every "
+                        "input needs one row per sample (the same rows, in the same order).")
+    return problems
+
+
+def as_records(X: Any, *, name: str = "X") -> Any:
+    """Several inputs (a dict or tuple of dask or numpy arrays) as one dask array of records, in
+    the first input's row chunks; each block is packed where it is computed, never in the client.
 
     Raises
     ------
-    ValueError
-        For an empty dict, or inputs with different numbers of rows; the message names them.
+    InvalidInput
+        For no inputs, reserved names, unknown or different numbers of rows; every problem at
+        once, each naming the input.
     """
     import dask
     import dask.array as da
 
     if not X:
-        raise ValueError("X is an empty dict: give at least one input, e.g. X={'x': X}.")
-    arrays = {str(k): _as_dask(v) for k, v in X.items()}
-    lengths = {k: a.shape[0] for k, a in arrays.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"the inputs of X have different numbers of rows: {lengths}; every "
-                         "input needs one row per sample.")
+        raise InvalidInput([f"{name} is empty: give at least one input, e.g. {name}={{'x': {name}}}."])
+    arrays = {k: _as_dask(v) for k, v in named(X).items()}
+    problems = _reserved(X, name) + input_problems(arrays, name)
+    if problems:
+        raise InvalidInput(problems)
     chunks = next(iter(arrays.values())).chunks[0]
     # Rows in the first input's chunks, every other axis in one chunk: a block is whole rows.
     arrays = {k: a.rechunk({0: chunks, **{ax: -1 for ax in range(1, a.ndim)}})
@@ -101,3 +187,22 @@ def as_records(X: Mapping[str, Any]) -> Any:
         dask.delayed(_pack_blocks, pure=True)(names, *[a.blocks[i] for a in arrays.values()]),
         shape=(n,), dtype=dtype) for i, n in enumerate(chunks)]
     return da.concatenate(packed) if packed else da.empty((0,), dtype=dtype)
+
+
+def to_numpy(part: Any, *, name: str = "X") -> Any:
+    """``part`` in memory: several inputs packed as one record array (each computed), a dask
+    collection computed, anything else as ``np.asarray`` reads it."""
+    if is_several(part):
+        if is_lazy(part):
+            return np.asarray(as_records(part, name=name).compute())
+        arrays = {k: np.asarray(v) for k, v in named(part).items()}
+        rows = {label(k, name): len(a) if a.ndim else 0 for k, a in arrays.items()}
+        problems = _reserved(part, name)
+        if len(set(rows.values())) != 1:
+            problems.append(f"the inputs of {name} have different numbers of rows: {rows}; "
+                            "every input needs one row per sample.")
+        if problems:
+            raise InvalidInput(problems)
+        return pack(arrays)
+    compute = getattr(part, "compute", None)
+    return np.asarray(compute() if callable(compute) else part)

@@ -73,21 +73,45 @@ def takes_weights(loss: Any) -> bool:
 
 
 def model_inputs(x: Any, device: Any = None) -> Any:
-    """A numpy batch as the model takes it: a tensor, or for several inputs (a record array, see
-    :mod:`dask_train.data._inputs`) a dict of tensors, on ``device``."""
+    """A numpy batch as the model takes it, on ``device``: a tensor, or for several inputs (a
+    record array, see :mod:`dask_train.data._inputs`) a dict of tensors by name, or a tuple of
+    them in order for a tuple's inputs (fields ``"*0"``, ``"*1"``...).
+
+    Examples
+    --------
+    >>> from dask_train.data._inputs import named, pack
+    >>> batch = model_inputs(pack(named((np.zeros((2, 3)), np.arange(2)))))
+    >>> type(batch).__name__, [tuple(t.shape) for t in batch]
+    ('tuple', [(2, 3), (2,)])
+    """
     def move(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
         return t if device is None or torch.device(device).type == "cpu" else \
             t.to(device, non_blocking=True)
 
     if isinstance(x, np.ndarray) and x.dtype.names is not None:
+        if all(name.startswith("*") for name in x.dtype.names):  # data._inputs.POSITIONAL
+            return tuple(move(x[name]) for name in x.dtype.names)
         return {name: move(x[name]) for name in x.dtype.names}
     return move(x) if isinstance(x, np.ndarray) else x
 
 
 def call_module(module: Any, inputs: Any) -> Any:
-    """``module(inputs)``, or ``module(**inputs)`` for several inputs by name."""
-    return module(**inputs) if isinstance(inputs, dict) else module(inputs)
+    """``module(inputs)``; ``module(**inputs)`` for several inputs by name, ``module(*inputs)``
+    for a tuple's."""
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+
+
+def batch_rows(batch: Any) -> int:
+    """The rows of a batch as :func:`model_inputs` gives it: a tensor's length, or the length of
+    the first of several inputs or targets (``len`` of a dict counts its keys)."""
+    if isinstance(batch, Mapping):
+        batch = next(iter(batch.values()))
+    elif isinstance(batch, tuple):
+        batch = batch[0]
+    return len(batch)
 
 
 def primary_output(out: Any) -> torch.Tensor:

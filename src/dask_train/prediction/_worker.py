@@ -97,10 +97,11 @@ def _loader(spec: PredictSpec) -> Callable[[bytes], Any]:
 def _torch_outputs(module: Any, x: np.ndarray, spec: PredictSpec) -> np.ndarray:
     import torch
 
+    from dask_train.data._inputs import cast_floats
     from dask_train.models._torch import call_module, model_inputs, select_output
 
-    if spec.in_dtype and x.dtype.kind == "f":
-        x = x.astype(spec.in_dtype, copy=False)
+    if spec.in_dtype:  # several inputs (records): their floating fields
+        x = cast_floats(x, spec.in_dtype)
     x = np.ascontiguousarray(x)
     outputs = []
     with torch.inference_mode():

@@ -30,7 +30,7 @@ from distributed import Client, Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.engines.shared.optim import FlatOptimizer
-from dask_train.models._torch import resolve_loss
+from dask_train.models._torch import model_inputs, resolve_loss
 
 try:  # where FlatModel lives on main since the device work
     from dask_train.models._flat import FlatModel
@@ -81,7 +81,7 @@ def time_step_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, los
     model.module.train()
     loss_fn = resolve_loss(loss)
     out = torch.empty(model.n_params)
-    xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+    xb, yb = model_inputs(x), model_inputs(y)  # several inputs: a dict or tuple
     compute = _time(lambda: model.gradient(xb, yb, loss_fn, out=out), repeats=5,
                     budget_s=budget_s)
     server = FlatOptimizer(model.flat.detach().numpy(), optimizer=optimizer, lr=lr,

@@ -24,6 +24,7 @@ from dask_train.engines.shared.harness import TrainerRole
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
+from dask_train.models._torch import batch_rows
 
 
 def run_trainer(
@@ -112,7 +113,7 @@ class _TrainerLoop:
             if role.stopped() or self.stopped:
                 self.stopped = True
                 break
-            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(yb)]
+            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(yn)]
             stop, loss = pusher.add(xb, yb, self.loss_fn, wb)
             if pusher.pushes == 1 and pusher.count == 0:
                 role.started()  # the first gradient is on its way (FitResult.timings)
@@ -121,7 +122,7 @@ class _TrainerLoop:
                 if role.config.on_nan == "stop":
                     self.stopped = True
                     break
-            consumed += len(yb)
+            consumed += len(yn)
             self.report_stats(samples=self.samples + consumed)
             if stop:
                 self.stopped = True
@@ -217,7 +218,7 @@ class _Pusher:
         if self.count > 0:
             grad.add_(target)
         self.count += 1
-        self.samples += len(y)
+        self.samples += batch_rows(y)  # several targets: a dict, whose len is its keys
         return (self.flush() if self.count == self.every else False), loss
 
     def flush(self) -> bool:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed.protocol import to_serialize
 
-from dask_train.models._torch import call_module, primary_output
+from dask_train.models._outputs import join, to_host
+from dask_train.models._torch import call_module
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import register_handler, worker_state
@@ -57,16 +58,15 @@ class Evaluator:
                 for name, value in scores.items():
                     sums[name] = sums.get(name, 0.0) + float(value) * len(x)
                 rows += len(x)
-                if outputs:
+                if outputs:  # the whole output: metric functions pick what they need
                     module = self.model.module.eval()
                     with torch.no_grad():
-                        out = primary_output(call_module(module, self.model.batch(x, y)[0]))
-                    outs.append(out.float().cpu().numpy())
+                        outs.append(to_host(call_module(module, self.model.batch(x, y)[0])))
                     targets.append(np.asarray(y))
         reply: dict[str, Any] = {"rows": rows, "sums": sums}
-        if outputs:
-            reply["outputs"] = to_serialize(np.concatenate(outs) if outs else np.empty(0))
-            reply["targets"] = to_serialize(np.concatenate(targets) if targets else np.empty(0))
+        if outputs and outs:
+            reply["outputs"] = to_serialize(join(outs, [len(t) for t in targets]))
+            reply["targets"] = to_serialize(np.concatenate(targets))
         return reply
 
 
@@ -188,9 +188,9 @@ class SpreadValidation:
         self.rows_by_worker = {a: int(r["rows"]) for a, r in zip(self.holders, replies)}
         scores = {name: value / rows for name, value in sums.items()} if rows else {}
         if metrics and rows:
-            outputs = [np.asarray(r["outputs"]) for r in replies]
-            targets = [np.asarray(r["targets"]) for r in replies]
-            scores.update(extra_metrics(metrics, outputs, targets))
+            held = [r for r in replies if "outputs" in r]  # a holder of no rows sends none
+            scores.update(extra_metrics(metrics, [r["outputs"] for r in held],
+                                        [np.asarray(r["targets"]) for r in held]))
         for name, builtin in (self.config.metrics or {}).items():  # aliases
             if isinstance(builtin, str) and builtin in scores:
                 scores[name] = scores[builtin]

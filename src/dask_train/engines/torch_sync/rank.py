@@ -42,6 +42,7 @@ from dask_train.engines.shared.stats import StatsReporter
 from dask_train.engines.torch_sync.reducer import GradientReducer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
+from dask_train.models._torch import batch_rows
 
 _END = object()  # a block with no batch left
 
@@ -214,6 +215,7 @@ class _RankLoop:
             if batch is None:
                 break
             xb, yb, wb = batch
+            rows = batch_rows(yb)  # several targets: a dict, whose len is its keys
             if self.scratch is not None:
                 value = self.model.gradient(xb, yb, self.loss_fn, out=self.scratch, w=wb)
             else:
@@ -227,7 +229,7 @@ class _RankLoop:
                     self.stop_vote = True
                     break
                 continue
-            count += len(yb)
+            count += rows
             k += 1
             reduced = k == every  # the step's last batch: its backward starts the all-reduce
             if reduced:
@@ -235,9 +237,9 @@ class _RankLoop:
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
             if self.scratch is not None:
-                self.reducer.grad.add_(self.scratch, alpha=len(yb) * scale)
+                self.reducer.grad.add_(self.scratch, alpha=rows * scale)
             else:
-                self.reducer.backward(loss * (len(yb) * scale), reduce=reduced)
+                self.reducer.backward(loss * (rows * scale), reduce=reduced)
         if not reduced:
             self._votes(count)
         return count
