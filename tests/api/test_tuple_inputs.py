@@ -1,5 +1,5 @@
 """Several inputs by position: ``X=(num, tok)`` reaches ``forward(num, tok)``, in training,
-scoring (in the scorer or where the validation blocks live) and ``dt.predict``;
+scoring (in the scorer or where the validation blocks live), ``dt.predict`` and ``dt.search``;
 a metric function gets the model's whole output (here a tuple) and picks what it needs."""
 
 from __future__ import annotations
@@ -130,3 +130,17 @@ def test_tuple_inputs_that_do_not_line_up_are_refused_before_any_work(client: Cl
     # A list of rows is still one array, as numpy reads it (not two inputs).
     with pytest.raises(dt.InvalidInput, match="module failed on a batch shaped like X \\(2, 2\\)"):
         trainer.fit([[0.0, 1.0], [1.0, 0.0]], [0, 1])
+
+
+def test_a_search_over_a_model_with_tuple_inputs(client: Client, data: tuple) -> None:
+    (x, y), (xv, yv) = data
+    reference = _accuracy(_plain_torch(x, y, batch=64, epochs=1), xv, yv)
+    X = (da.from_array(x[0], chunks=2_500), da.from_array(x[1], chunks=2_500))
+    trainer = dt.Trainer(PairNet, workers=1, epochs=1, lr=1e-2, batch_size=64, progress=False,
+                         client=client)
+    found = dt.search(trainer, {"batch_size": [32, 64]}, X, y, validation=(xv, yv),
+                      n_trials=2, pruner=None, progress=False, client=client)
+    assert len(found.trials) == 2 and set(found.trials["state"]) == {"complete"}
+    assert isinstance(found.best_model, PairNet)
+    assert _accuracy(found.best_model, xv, yv) == pytest.approx(found.best_score, abs=1e-6)
+    assert found.best_score >= reference - 0.1, (found.best_score, reference)

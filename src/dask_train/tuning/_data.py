@@ -12,6 +12,7 @@ import numpy as np
 from distributed import Client, Future
 
 from dask_train.data._blocks import as_dask_array
+from dask_train.data._inputs import is_lazy, to_numpy
 
 #: In-memory search data up to this many bytes goes to the cluster inside tasks (see
 #: prepare_data); larger data is scattered.
@@ -37,17 +38,19 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
     """Persist X and y once: dask collections are persisted where they are computed; in-memory
     arrays go block by block inside tasks (recomputable when a worker dies) up to
     :data:`EMBED_SEARCH_BYTES`, and are scattered straight to the workers beyond it."""
-    Xv, yv = (np.ascontiguousarray(np.asarray(_compute(part))) for part in validation)
-    if _is_dask(X) and _is_dask(y):
+    # Several inputs or targets (a dict or tuple of arrays) are one array of records, as in fit.
+    Xv, yv = (np.ascontiguousarray(to_numpy(part, name=name))
+              for part, name in zip(validation, ("X_val", "y_val")))
+    if is_lazy(X) and is_lazy(y):
         # Under keys of its own: persisting the user's collection itself would keep its keys in
         # memory, and a later graph of the user's that rewrites them (dask's slicing optimisation
         # does) would meet "different run_spec for the same key" at the scheduler.
         token = uuid.uuid4().hex[:8]
-        Xd, yd = (_renamed(as_dask_array(part), f"dt-search-{name}-{token}")
+        Xd, yd = (_renamed(as_dask_array(part, name=name), f"dt-search-{name}-{token}")
                   for part, name in ((X, "X"), (y, "y")))
         Xd, yd = client.persist([Xd, yd])
         return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd])
-    Xa, ya = np.asarray(_compute(X)), np.asarray(_compute(y))
+    Xa, ya = to_numpy(X, name="X"), to_numpy(y, name="y")
     workers = max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
     rows = max(1, -(-len(Xa) // (2 * workers)))  # two blocks per worker
     bounds = list(range(0, len(Xa), rows)) + [len(Xa)]
@@ -87,15 +90,6 @@ def _concat(futures: list[Future], index: int, rows: list[int], tail: tuple[int,
     blocks = [da.from_delayed(dask.delayed(_part)(f, index), shape=(n, *tail), dtype=dtype)
               for f, n in zip(futures, rows)]
     return da.concatenate(blocks) if blocks else da.empty((0, *tail), dtype=dtype)
-
-
-def _is_dask(obj: Any) -> bool:
-    return hasattr(obj, "dask") or hasattr(obj, "to_dask_array")
-
-
-def _compute(obj: Any) -> Any:
-    compute = getattr(obj, "compute", None)
-    return compute() if callable(compute) else obj
 
 
 def on_cluster(client: Client, value: Any) -> Future:

@@ -167,14 +167,14 @@ def _study(mode: str, *, sampler: Any, seed: int, pruner: Any) -> Any:
 def _lazy_arrays(X: Any, y: Any) -> tuple[Any, Any]:
     from dask_train.data._blocks import as_dask_array
 
-    return as_dask_array(X), as_dask_array(y)
+    return as_dask_array(X), as_dask_array(y, name="y")
 
 
 def _numpy_pair(validation: Any) -> tuple[Any, Any]:
-    import numpy as np
+    from dask_train.data._inputs import to_numpy
 
-    parts = [getattr(p, "compute", lambda p=p: p)() for p in validation]
-    return np.asarray(parts[0]), np.asarray(parts[1])
+    # Several inputs or targets (a dict or tuple of arrays) as one array of records, as in fit.
+    return to_numpy(validation[0], name="X_val"), to_numpy(validation[1], name="y_val")
 
 
 @dataclass
