@@ -7,13 +7,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import optuna
 import pytest
 import torch
+from _sampler import FixedSampler
 from distributed import Client, LocalCluster
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.linear_model import LogisticRegression
@@ -39,22 +40,6 @@ def digits(client4: Client) -> tuple[Any, Any, np.ndarray, np.ndarray]:
 def mlp(hidden: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
                                torch.nn.Linear(hidden, 10))
-
-
-class FixedSampler(optuna.samplers.BaseSampler):
-    """Trial n takes values[n]: a test decides what each trial runs."""
-
-    def __init__(self, values: Sequence[dict[str, Any]]) -> None:
-        self.values = list(values)
-
-    def infer_relative_search_space(self, study: Any, trial: Any) -> dict[str, Any]:
-        return {}
-
-    def sample_relative(self, study: Any, trial: Any, search_space: Any) -> dict[str, Any]:
-        return {}
-
-    def sample_independent(self, study: Any, trial: Any, name: str, dist: Any) -> Any:
-        return self.values[trial.number][name]
 
 
 class SlowClassifier(ClassifierMixin, BaseEstimator):

@@ -28,9 +28,13 @@ def _count(name: str, value: Any, *, optional: bool) -> list[str]:
 
 
 def check_arguments(*, n_trials: Any, max_concurrent: Any, workers_per_trial: Any, timeout: Any,
-                    mode: Any, validation: Any, stop: Sequence[Any], sampler: Any) -> list[str]:
+                    mode: Any, validation: Any, stop: Sequence[Any], sampler: Any,
+                    retries: Any = 0) -> list[str]:
     """Every problem with the plain arguments of ``dt.search``."""
     problems = _count("n_trials", n_trials, optional=False)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        problems.append(f"retries={retries!r} is invalid: use an integer >= 0 (the times a "
+                        "trial that lost a worker runs again; 0 records it as failed).")
     problems += _count("max_concurrent", max_concurrent, optional=True)
     problems += _count("workers_per_trial", workers_per_trial, optional=True)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \

@@ -12,14 +12,19 @@ from typing import Any
 
 import pandas as pd
 
-#: A trial's states: ran to its end; stopped early by the pruner; raised or lost its worker;
-#: stopped by Ctrl-C (not counted for the best).
+#: A trial's states: ran to its end; stopped early by the pruner; raised or lost its worker
+#: (after its retries, if the search allowed any); stopped by Ctrl-C (not counted for the best).
 STATES = ("complete", "pruned", "failed", "interrupted")
 
 
 @dataclass
 class TrialRecord:
-    """One trial as the search saw it (times in seconds since the search started)."""
+    """One trial as the search saw it (times in seconds since the search started).
+
+    ``attempts`` counts the runs of the trial: more than one when a run lost a worker and the
+    search retried it (``dt.search(..., retries=N)``); ``retried_after`` holds the errors of the
+    runs that were retried, oldest first; ``workers`` are those of the last run.
+    """
 
     number: int
     params: dict[str, Any]
@@ -31,6 +36,8 @@ class TrialRecord:
     stopped_by: str = ""
     error: str = ""
     points: list[tuple[float, float]] = field(default_factory=list)  # (search time, score)
+    attempts: int = 1
+    retried_after: list[str] = field(default_factory=list)
     model: Any = None
     result: Any = None
 

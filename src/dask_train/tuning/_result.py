@@ -25,7 +25,8 @@ class SearchResult:
         One row per trial that ran: ``number``, ``state`` (complete, pruned, failed,
         interrupted), ``score``, ``time_s`` (its duration), ``start_s`` and ``end_s`` (seconds
         since the search started), one column per searched parameter, ``workers``,
-        ``stopped_by`` and ``error``.
+        ``stopped_by``, ``error`` and ``attempts`` (more than 1 when a run lost a worker and
+        was retried: ``retries=``; the records' ``retried_after`` say why).
     best_params : dict
         The parameters of the best complete trial (fixed ones included).
     best_score : float
@@ -72,9 +73,9 @@ class SearchResult:
                          "time_s": r.end_s - r.start_s, "start_s": r.start_s, "end_s": r.end_s,
                          **describe({k: r.params.get(k) for k in self.param_names}),
                          "workers": ",".join(r.workers), "stopped_by": r.stopped_by,
-                         "error": r.error})
+                         "error": r.error, "attempts": r.attempts})
         columns = ["number", "state", "score", "time_s", "start_s", "end_s", *self.param_names,
-                   "workers", "stopped_by", "error"]
+                   "workers", "stopped_by", "error", "attempts"]
         return pd.DataFrame(rows, columns=columns)
 
     def _best(self) -> TrialRecord | None:

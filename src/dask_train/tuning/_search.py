@@ -4,8 +4,9 @@ The client runs one loop (:class:`_Search`): ask optuna for a trial, reserve the
 all at once (:class:`~._gangs.Reservations`), run it in a trial thread, collect it when it ends
 and tell optuna. Several trials run at once, each on its own gang; a trial's live scores feed
 optuna's pruner, and a pruned trial stops through its job's stop path, freeing its workers.
-A trial that raises or loses its worker is recorded as failed and the search goes on; Ctrl-C
-stops every running trial and returns what finished.
+A trial that raises or loses its worker is recorded as failed and the search goes on; one that
+lost a worker is run again on a fresh gang up to ``retries`` times first (a trial whose own code
+raised is not: it would raise again). Ctrl-C stops every running trial and returns what finished.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dask_train.tuning._gangs import Reservations
 from dask_train.tuning._records import TrialRecord
 from dask_train.tuning._result import SearchResult
 from dask_train.tuning._space import Space
-from dask_train.tuning._trial import TrialContext, TrialRunner
+from dask_train.tuning._trial import TrialContext, TrialRunner, lost_worker
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +47,18 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
            mode: str | None = None, n_trials: int = 20, max_concurrent: int | None = None,
            workers_per_trial: int | None = None, sampler: Any = None, pruner: Any = "asha",
            stop: Sequence[StopCondition] | StopCondition | None = None, timeout: float = 60.0,
-           seed: int = 0, progress: bool = True, client: Client | None = None) -> SearchResult:
+           seed: int = 0, progress: bool = True, retries: int = 0,
+           client: Client | None = None) -> SearchResult:
     """Search hyper-parameters on the cluster: each trial a job on its own reserved workers.
 
     Parameters
     ----------
     model : dt.Trainer or estimator
-        A :class:`~dask_train.Trainer` (its ``module`` may be a function returning a new torch
-        module, called with the space's other names), an ``xgboost.dask`` estimator, one of
-        dask-train's GLMs, or any scikit-learn-style estimator.
+        A :class:`~dask_train.Trainer` (its ``module`` may be a factory of torch modules called
+        with the space's other names), an ``xgboost.dask`` estimator, or any estimator.
     space : dict
-        Parameter name -> :func:`loguniform`, :func:`uniform`, :func:`intuniform`, a list of
-        choices, or a fixed value. Trainer trials take Trainer parameters and the module
-        factory's; estimators their ``get_params()`` names.
+        Name -> :func:`loguniform`, :func:`uniform`, :func:`intuniform`, a list of choices, or a
+        fixed value: Trainer (or module factory) parameters, or an estimator's ``get_params()``.
     X, y : dask or in-memory arrays, dask DataFrame/Series
         Training data, persisted on the cluster once for all trials.
     validation : (X_val, y_val)
@@ -75,25 +75,25 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
     max_concurrent : int, optional
         Trials at once; default: as many as the cluster's workers hold (workers // per trial).
     workers_per_trial : int, optional
-        Workers each trial reserves; default the Trainer's ``workers``, 2 for XGBoost, 1 for
-        other estimators.
+        Workers each trial reserves; default the Trainer's ``workers``, 2 for XGBoost, else 1.
     sampler : optuna.samplers.BaseSampler, optional
         Default ``optuna.samplers.TPESampler(seed=seed)``.
     pruner : {"asha", None} or optuna.pruners.BasePruner
-        ``"asha"``: optuna's SuccessiveHalvingPruner over the trials' live scores, with rungs at
-        10%, 30% and 90% of a trial's planned training (its epochs' samples, or its boosting
-        rounds; a pruner's step counts thousandths of it) keeping the best third at each.
-        Trainer and XGBoost trials report scores while they train; estimators score once, at
-        the end, and are never pruned.
+        ``"asha"``: optuna's SuccessiveHalvingPruner over the trials' live scores (Trainer and
+        XGBoost trials; estimators score once, at the end), rungs at 10%, 30% and 90% of a
+        trial's planned samples or boosting rounds, keeping the best third at each.
     stop : sequence of StopCondition
-        Stop the whole search: ``dt.StopAfter(minutes=10)``, ``dt.StopAtScore(metric, x)``.
-        Running trials are stopped and kept (complete, with the score they reached).
+        Ends the search (``dt.StopAfter``, ``dt.StopAtScore``); running trials stop, kept complete.
     timeout : float
-        Seconds any wait may take: for a gang of free workers when nothing runs, for trials to
-        stop after Ctrl-C; XGBoost collectives fail after it when a peer is lost.
+        Seconds any wait may take: for a gang of free workers, trials stopping after Ctrl-C,
+        XGBoost's collectives when a peer is lost.
     seed : int
     progress : bool
         A progress bar over the trials with the best score.
+    retries : int
+        Times a trial that lost a worker (killed, out of memory, cut off) runs again from its
+        start on free workers (default 0: it fails at once); one whose own code raised never
+        does. ``trials["attempts"]`` counts each trial's runs.
     client : distributed.Client, optional
         Default: the Trainer's, the current one, or :func:`dask_train.connect`.
 
@@ -111,7 +111,8 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
     """
     stops, parsed, optuna_pruner = _checked_arguments(
         space, stop=stop, pruner=pruner, n_trials=n_trials, max_concurrent=max_concurrent, mode=mode,
-        workers_per_trial=workers_per_trial, timeout=timeout, validation=validation, sampler=sampler)
+        workers_per_trial=workers_per_trial, timeout=timeout, validation=validation, sampler=sampler,
+        retries=retries)
     client = client or getattr(model, "client", None) or default_client()
     checks = SearchData(*_lazy_arrays(X, y), validation=_numpy_pair(validation))
     metric, mode, runner = make_runner(model, parsed, data=checks, metric=metric, mode=mode, client=client,
@@ -119,7 +120,7 @@ def search(model: Any, space: Any, X: Any, y: Any, *, validation: Any, metric: A
     concurrent = _trials_at_once(runner, parsed, stops, metric=metric, client=client,
                                  max_concurrent=max_concurrent)
     loop = _Search(runner, parsed, _study(mode, sampler=sampler, seed=seed, pruner=optuna_pruner),
-                   client=client, metric=metric, mode=mode, n_trials=n_trials,
+                   client=client, metric=metric, mode=mode, n_trials=n_trials, retries=retries,
                    max_concurrent=concurrent, stop=stops, timeout=timeout, progress=progress)
     return loop.run(lambda: prepare_data(X, y, validation, client=client))
 
@@ -178,6 +179,17 @@ def _numpy_pair(validation: Any) -> tuple[Any, Any]:
 
 
 @dataclass
+class _Pending:
+    """A trial asked of optuna (or one to run again) that waits for a free gang."""
+
+    trial: Any  # optuna.Trial
+    params: dict[str, Any]
+    need: int
+    record: TrialRecord | None = None  # a retried trial's record, kept across its runs
+    last_step: int = -1  # the last step optuna saw from it (a retry reports only later ones)
+
+
+@dataclass
 class _Running:
     ctx: TrialContext
     trial: Any  # optuna.Trial
@@ -186,6 +198,7 @@ class _Running:
     outcome: Any = None
     error: BaseException | None = None
     last_step: int = -1
+    lost: str = ""  # why, when the trial failed because a worker it ran on was lost
 
 
 class _Search:
@@ -193,10 +206,13 @@ class _Search:
 
     def __init__(self, runner: TrialRunner, space: Space, study: Any, *, client: Client,
                  metric: Any, mode: str, n_trials: int, max_concurrent: int,
-                 stop: list[StopCondition], timeout: float, progress: bool) -> None:
+                 stop: list[StopCondition], timeout: float, progress: bool,
+                 retries: int = 0) -> None:
         self.runner, self.space, self.study, self.client = runner, space, study, client
         self.metric, self.mode, self.n_trials = metric, mode, n_trials
         self.max_concurrent, self.stop, self.timeout = max_concurrent, stop, timeout
+        self.retries = retries
+        self.again: list[_Pending] = []  # trials that lost a worker, to run again first
         self.book = Reservations()
         self.records: list[TrialRecord] = []
         self.running: dict[int, _Running] = {}
@@ -242,7 +258,7 @@ class _Search:
                             study=self.study, param_names=self.space.names)
 
     def _loop(self) -> None:
-        pending: tuple[Any, dict[str, Any], int] | None = None
+        pending: _Pending | None = None
         waiting_since = time.monotonic()
         while True:
             self._collect()
@@ -250,6 +266,10 @@ class _Search:
             self._relay_stop()
             if self.stopped_by and not self.running:
                 break
+            if pending is None and self.again and not self.stopped_by:
+                # A retry goes before any new trial; its wait for a gang starts now (its
+                # worker's replacement may still be starting).
+                pending, waiting_since = self.again.pop(0), time.monotonic()
             if self.asked >= self.n_trials and pending is None:
                 if not self.running:
                     self.stopped_by = self.stopped_by or f"n_trials={self.n_trials}"
@@ -259,28 +279,33 @@ class _Search:
                     trial = self.study.ask(self.space.distributions())
                     self.asked += 1
                     params = self.space.values(trial.params)
-                    pending = (trial, params, self.runner.workers_needed(params))
-                if self._start(*pending):
+                    pending = _Pending(trial, params, self.runner.workers_needed(params))
+                if self._start(pending):
                     pending, waiting_since = None, time.monotonic()
                     continue
                 if not self.running and time.monotonic() - waiting_since > self.timeout:
                     self._give_up(pending)
-                    pending = None
                     break
             self._wait(0.2)
-        if pending is not None:  # asked but never started: optuna must not keep it running
-            self._tell(pending[0], "failed", math.nan)
+        for never in [pending, *self.again]:  # never (re)started: optuna must not keep it running
+            if never is not None:
+                self._never_ran(never)
 
-    def _start(self, trial: Any, params: dict[str, Any], need: int) -> bool:
+    def _start(self, pending: _Pending) -> bool:
+        trial, params = pending.trial, pending.params
         alive = self.client.scheduler_info(n_workers=-1)["workers"]
-        gang = self.book.take(alive, need=need, trial=trial.number)
+        gang = self.book.take(alive, need=pending.need, trial=trial.number)
         if gang is None:
             return False
-        record = TrialRecord(trial.number, params, "running", math.nan, self.elapsed(), math.nan,
-                             gang)
-        self.records.append(record)
+        record = pending.record
+        if record is None:
+            record = TrialRecord(trial.number, params, "running", math.nan, self.elapsed(),
+                                 math.nan, gang)
+            self.records.append(record)
+        else:  # a retry: the same record and optuna trial, a fresh gang
+            record.state, record.workers, record.attempts = "running", gang, record.attempts + 1
         running = _Running(ctx=None, trial=trial, record=record,  # type: ignore[arg-type]
-                           thread=threading.Thread(daemon=True))
+                           thread=threading.Thread(daemon=True), last_step=pending.last_step)
         running.ctx = TrialContext(trial.number, params, gang,
                                    report=functools.partial(self._report, running),
                                    stopping=self.stopping, cache=self.cache)
@@ -288,7 +313,8 @@ class _Search:
                                           name=f"dt-trial-{trial.number}")
         self.running[trial.number] = running
         running.thread.start()
-        logger.info("trial %d started on %s: %s", trial.number, gang, params)
+        logger.info("trial %d started on %s: %s%s", trial.number, gang, params,
+                    f" (attempt {record.attempts})" if record.attempts > 1 else "")
         return True
 
     def _run_trial(self, running: _Running) -> None:
@@ -309,12 +335,18 @@ class _Search:
         except queue.Empty:
             pass
 
-    def _give_up(self, pending: tuple[Any, dict[str, Any], int]) -> None:
-        trial, params, need = pending
+    def _give_up(self, pending: _Pending) -> None:
         alive = len(self.client.scheduler_info(n_workers=-1)["workers"])
-        self.stopped_by = (f"no {need} free workers for {self.timeout:g} s (the cluster has "
-                           f"{alive})")
+        self.stopped_by = (f"no {pending.need} free workers for {self.timeout:g} s (the cluster "
+                           f"has {alive})")
         logger.warning("search stopped: %s", self.stopped_by)
+
+    def _never_ran(self, pending: _Pending) -> None:
+        """A trial asked (or to be retried) that the search ended before it could run."""
+        record = pending.record
+        if record is not None:  # a retry that never started: its last run's loss stands
+            record.state, record.error = "failed", record.retried_after.pop()
+        self._tell(pending.trial, "failed", math.nan)
 
     # -- scores, stop conditions ----------------------------------------------------------------------
     def _report(self, running: _Running, value: float, step: int) -> bool:
@@ -369,10 +401,12 @@ class _Search:
     def _finish(self, running: _Running) -> None:
         record, outcome, error = running.record, running.outcome, running.error
         record.end_s = self.elapsed()
+        if error is not None and self._retried(running, error):
+            return
         if error is not None:
             interrupted = type(error).__name__ == "Interrupted"
             record.state = "interrupted" if interrupted else "failed"
-            record.error = f"{type(error).__name__}: {error}"
+            record.error = running.lost or f"{type(error).__name__}: {error}"
         else:
             record.score, record.model, record.result = outcome.score, outcome.model, outcome.result
             record.stopped_by = outcome.stopped_by
@@ -396,6 +430,23 @@ class _Search:
             best = SearchResult(self.records, str(self.metric), self.mode, "", 0.0).best_score
             self.bar.set_postfix_str(f"best {self.metric}={best:.4g}")
 
+    def _retried(self, running: _Running, error: BaseException) -> bool:
+        """Whether a failed trial lost a worker; if so, and the search allows another run, the
+        trial waits to run again on a fresh gang. Its error is recorded either way."""
+        if type(error).__name__ == "Interrupted" or self.stopping.is_set():
+            return False
+        record = running.record
+        running.lost = lost_worker(error, record.workers, number=record.number,
+                                   alive=lambda: self.client.scheduler_info(n_workers=-1)["workers"])
+        if not running.lost or record.attempts > self.retries:
+            return False
+        record.retried_after.append(running.lost)
+        logger.warning("trial %d will run again (attempt %d of %d): %s", record.number,
+                       record.attempts + 1, self.retries + 1, running.lost)
+        self.again.append(_Pending(running.trial, record.params, self.runner.workers_needed(
+            record.params), record=record, last_step=running.last_step))
+        return True
+
     def _tell(self, trial: Any, state: str, score: float) -> None:
         from optuna.trial import TrialState
 
@@ -411,6 +462,9 @@ class _Search:
         self.stopped_by = "KeyboardInterrupt"
         self.stopping.set()
         logger.warning("search interrupted: stopping %d running trial(s)", len(self.running))
+        for pending in self.again:  # lost a worker and waited to run again: failed
+            self._never_ran(pending)
+        self.again.clear()
         self._relay_stop()
         deadline = time.monotonic() + self.timeout + 10.0
         while self.running and time.monotonic() < deadline:

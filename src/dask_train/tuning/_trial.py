@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from dask_train.errors import WorkerLost
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -165,3 +166,39 @@ def last_score(history: pd.DataFrame, metric: str) -> float:
 def clock() -> float:
     """Seconds on a monotonic clock (trial durations)."""
     return time.monotonic()
+
+
+def lost_worker(error: BaseException, gang: list[str], *, number: int,
+                alive: Callable[[], Any]) -> str:
+    """Why trial ``number`` failed with ``error`` when the cause was a lost worker of its
+    ``gang``; "" when the trial failed by itself (its own code raised: a bad parameter, a
+    shape error), which a retry would only repeat.
+
+    A trial lost a worker when the error says so (:class:`~dask_train.WorkerLost`, Dask's
+    ``KilledWorker``) or a worker of its gang left the cluster. Errors that Dask or XGBoost
+    raise on a broken connection (a cancelled future, a failed all-reduce) may reach the client
+    a moment before the scheduler has removed the dead worker, so for those the gang is looked
+    at again for up to a second; a user's own exception is judged at once.
+    """
+    said = f"{type(error).__name__}: {error}"
+    if isinstance(error, WorkerLost):
+        return said
+    deadline = clock() + (1.0 if _from_the_wire(error) else 0.0)
+    while True:
+        workers = alive()
+        gone = [w for w in gang if w not in workers]
+        if gone or clock() >= deadline:
+            break
+        time.sleep(0.1)
+    if not gone and type(error).__name__ != "KilledWorker":
+        return ""
+    # Say what happened, not only Dask's symptom of it ("cancelled", "already forgotten").
+    who = f"worker {gone[0]}" if gone else "a worker"
+    return f"WorkerLost: {who} running trial {number} left the cluster ({said})"
+
+
+def _from_the_wire(error: BaseException) -> bool:
+    """Raised by Dask or XGBoost (a cancelled future, a closed comm, a failed collective)."""
+    module = type(error).__module__ or ""
+    return module.split(".")[0] in ("distributed", "xgboost", "tornado") or \
+        isinstance(error, (ConnectionError, EOFError))
