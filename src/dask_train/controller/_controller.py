@@ -85,6 +85,7 @@ class Controller:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
+        self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
 
     # -- the whole job ----------------------------------------------------------------------------
@@ -104,10 +105,11 @@ class Controller:
             self.engine = engine
             self.log.generations = self.state.generation + 1
             try:
-                await engine.start(self.events.put_nowait)
-                self.log.roles_up_at = self.log.roles_up_at or time.time()
-                self.state.enter(Phase.RUNNING)
-                failure = await self._run_generation(engine)
+                failure = await self._start(engine)
+                if failure is None:
+                    self.log.roles_up_at = self.log.roles_up_at or time.time()
+                    self.state.enter(Phase.RUNNING)
+                    failure = await self._run_generation(engine)
                 if failure is not None:
                     await self._restart(engine, failure)
                     continue
@@ -156,6 +158,23 @@ class Controller:
                         logger.info("the stop (%s) waits for the next generation: %s was lost "
                                     "in the same moment", withdrawn, failure.role)
                     return failure
+        return None
+
+    async def _start(self, engine: Engine) -> Failure | None:
+        """Start a generation; None once it runs. A role's worker lost while it starts (a
+        second loss while the job restarts) is a loss like any other: the failure policy
+        decides, and a restart returns the failure for the next generation. Any other error
+        in starting is the job's."""
+        try:
+            await engine.start(self.events.put_nowait)
+        except Exception:
+            alive = await alive_workers(self.client)
+            lost = [f for f in await engine.failures(alive) if f.worker not in alive]
+            if not lost or self._decide(engine, lost[0], alive) is not Action.RESTART:
+                raise
+            logger.info("generation %d could not start: %s was lost", self.state.generation,
+                        lost[0].role)
+            return lost[0]
         return None
 
     # -- events -> history, stop conditions, callbacks ----------------------------------------------
@@ -302,6 +321,7 @@ class Controller:
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
         alive = await alive_workers(self.client)
+        self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
         for failure in failures:
             action = self._decide(engine, failure, alive)
@@ -342,7 +362,6 @@ class Controller:
         """
         self.state.enter(Phase.RESTARTING)
         t0 = time.time()
-        before = len(set(engine.roles.addresses) | set(await alive_workers(self.client)))
         await engine.close()
         # The newest checkpoint (the one resumed from, if none was written since), else the
         # initial parameters: the next generation trains again what was lost with them.
@@ -351,7 +370,9 @@ class Controller:
         self.restore = newest if newest is not None else self.restore
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client)
-        while len(alive) < before and time.monotonic() < deadline:
+        # The most workers seen alive: not the lost roles' addresses plus the live ones, which
+        # counted a worker the nanny had already restarted twice and waited the whole 10 s.
+        while len(alive) < self.cluster_size and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             alive = await alive_workers(self.client)
         self.roles = self.plan(alive)

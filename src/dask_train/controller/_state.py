@@ -25,7 +25,8 @@ class Phase(enum.Enum):
 
 
 _NEXT: dict[Phase, frozenset[Phase]] = {
-    Phase.STARTING: frozenset({Phase.RUNNING, Phase.ERRORED}),
+    # A role lost while a generation starts restarts it, as one lost while it runs does.
+    Phase.STARTING: frozenset({Phase.RUNNING, Phase.RESTARTING, Phase.ERRORED}),
     Phase.RUNNING: frozenset({Phase.CHECKPOINTING, Phase.RESTARTING, Phase.FINISHING,
                               Phase.ERRORED}),
     Phase.CHECKPOINTING: frozenset({Phase.RUNNING, Phase.RESTARTING, Phase.FINISHING,

@@ -20,7 +20,7 @@ from dask.utils import funcname
 from distributed import Client, Future, as_completed
 from distributed.comm import get_address_host
 
-from dask_train.errors import InvalidInput, TrainingTimeout
+from dask_train.errors import InvalidInput, TrainingTimeout, WorkerLost
 from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
 
 BACKENDS = ("gloo", "nccl")
@@ -286,20 +286,19 @@ def local_ranks(addresses: Sequence[str]) -> list[int]:
 def _await_all(
     client: Client, gid: str, ranks: dict[int, str], futures: list[Future], what: str, timeout: float
 ) -> list[Any]:
-    """Results of one task per rank; on a failure or past ``timeout``, tear down and raise."""
-    failed = None
-    try:
-        for fut in as_completed(futures, timeout=timeout):
-            if fut.status != "finished":
-                failed = _outcome(fut)
-                break
-    except TimeoutError:
-        pass
+    """Results of one task per rank; on a failure, a rank's worker lost, or past ``timeout``,
+    tear down and raise (:class:`WorkerLost` for a lost worker)."""
+    failed, lost = _wait_ranks(client, ranks, futures, timeout)
     late = {r: a for r, a in ranks.items() if r < len(futures) and not futures[r].done()}
     if failed is None and not late:
         return [f.result() for f in futures]
     client.cancel([f for f in futures if not f.done()])  # queued joins must not start a dead group
-    started = _leave_all(client, gid, [ranks[r] for r in range(len(futures))], settle=timeout, tombstone=True)
+    started = _leave_all(client, gid, [ranks[r] for r in range(len(futures))],
+                         settle=0.0 if lost else timeout, tombstone=True)
+    if lost:
+        rank, address = lost[0]
+        raise WorkerLost(f"rank {rank}'s worker {address} left the cluster while the ranks tried "
+                         f"to {what}", worker=address, role=f"worker-{rank}")
     # The missing ranks are those whose task never started; the others were waiting for them.
     missing = {r: a for r, a in late.items() if not started.get(a, False)}
     why = "its task never started: a busy or lost worker" if missing else "can the ranks reach each other?"
@@ -312,6 +311,31 @@ def _await_all(
         ) from failed
     assert failed is not None
     raise failed
+
+
+def _wait_ranks(client: Client, ranks: dict[int, str], futures: list[Future], timeout: float
+                ) -> tuple[BaseException | None, list[tuple[int, str]]]:
+    """Wait for the ranks' tasks: (the first failure, the ranks whose worker left).
+
+    Looks at the cluster every second: a task pinned to a worker that died waits for it
+    forever, and its peers in the rendezvous until the timeout; a lost worker ends the wait now.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = [f for f in futures if not f.done()]
+        left = deadline - time.monotonic()
+        if not waiting or left <= 0:
+            return None, []
+        try:
+            for fut in as_completed(waiting, timeout=min(1.0, left)):
+                if fut.status != "finished":
+                    return _outcome(fut), []
+        except TimeoutError:
+            pass
+        present = set(client.scheduler_info(n_workers=-1)["workers"])
+        lost = [(r, a) for r, a in ranks.items() if r < len(futures) and a not in present]
+        if lost:
+            return None, lost
 
 
 def _check_args(*, workers: object, backend: object, timeout: object) -> list[str]:

@@ -53,7 +53,9 @@ class AsyncPSEngine(RoleEngine):
                         secret=self.push_secret)
             for ref in self.shards
         ]
-        await self.wait_for(starts, what="starting the parameter servers")
+        # A server's worker lost while it starts (a second loss while the job restarts) ends
+        # the wait at once with WorkerLost, for the controller to restart again.
+        await self.wait_for_holders(starts, what="starting the parameter servers")
 
     #: No end marker yet: until every block is consumed, a lost trainer's blocks may still
     #: come back to a trainer out of blocks.

@@ -86,6 +86,7 @@ class RoleEngine(Engine):
         self.finished_at = 0.0
         self.last_heartbeat = 0.0
         self.pauses: dict[int, dict[int, Paused]] = {}
+        self.subscribed = False  # to this generation's topic (not yet when its start failed)
 
     @property
     def topic(self) -> str:
@@ -115,6 +116,7 @@ class RoleEngine(Engine):
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
+        self.subscribed = True
         if self.validation is not None and self.roles["scorer"]:
             await self.start_scorer(self.roles["scorer"][0])
         for i, address in enumerate(self.roles["worker"]):
@@ -346,17 +348,18 @@ class RoleEngine(Engine):
                         metadata={**metadata, "start": str(ref.start), "stop": str(ref.stop)})
             for ref in self.shards
         ]
-        await self._wait_for_holders(futures, what=f"writing checkpoint {directory}")
+        await self.wait_for_holders(futures, what=f"writing checkpoint {directory}")
         results = await self.client.gather(futures, asynchronous=True)
         return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref, r in zip(self.shards, results)]
 
-    async def _wait_for_holders(self, futures: list[Future], *, what: str) -> None:
-        """``wait_for`` the holders' save tasks, giving up as soon as a holder's worker is gone.
+    async def wait_for_holders(self, futures: list[Future], *, what: str) -> None:
+        """``wait_for`` the holders' tasks (starting, saving), giving up as soon as a holder's
+        worker is gone.
 
         A task pinned to a worker that left would wait for it until the timeout (and the job
-        would fail with it); the loss itself is the controller's to handle, from the checkpoint
-        before this one.
+        would fail with it); the loss itself is the controller's to handle: a new generation,
+        from the newest checkpoint.
         """
         deadline = time.monotonic() + self.spec.timeout
         holders = {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
@@ -434,10 +437,12 @@ class RoleEngine(Engine):
 
     async def _close(self) -> None:
         self.granter.stopping = True
-        self.client.unsubscribe_topic(self.topic)
-        # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with it
-        # this engine, its blocks and role futures, for as long as the client lives.
-        drop_topic_handler(self.client, self.topic)
+        if self.subscribed:  # unsubscribe_topic raises for a topic never subscribed
+            self.client.unsubscribe_topic(self.topic)
+            # unsubscribe_topic only tells the scheduler; the client keeps the handler, and with
+            # it this engine, its blocks and role futures, for as long as the client lives.
+            drop_topic_handler(self.client, self.topic)
+            self.subscribed = False
         pending = [f for f in self.trainer_futures if f.status == "pending"]
         pending += [f for _, f in self.granter.feeds if f.status == "pending"]
         if self.scorer_future is not None and self.scorer_future.status == "pending":

@@ -1,0 +1,163 @@
+"""Lost workers at the worst moments, in both strategies: while a checkpoint is written, as the
+trainers pause for one, while the job restarts after a first loss.
+
+Each test runs on a cluster of its own (it kills its workers; the nannies restart them) and
+asserts what must hold after the job survived: every sample of every epoch applied exactly once
+(the ledger and the servers' count), the generations and failures it took, the accuracy reached.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _faults import JobWatch, kill, kill_at_pause, kill_while_writing, pid_of, summary  # noqa: E402
+
+STRATEGIES = ["async-ps", "sync"]
+
+
+@pytest.fixture()
+def own_client() -> Iterator[Client]:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _data(n: int = 12_000, chunks: int = 1000):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(axis=1)
+    return (da.from_array(x, chunks=(chunks, 8)), da.from_array(y, chunks=chunks),
+            (x[:2000], y[:2000]))
+
+
+def _fit(client: Client, strategy: str, **kw) -> dt.FitResult:
+    import torch
+
+    X, Y, validation = _data()
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    options = dict(strategy=strategy, lr=1e-2, ps=0 if strategy == "sync" else 1, workers=2,
+                   batch_size=32, epochs=2, score_every=0.2, timeout=30, progress=False,
+                   client=client)
+    return dt.Trainer(net, **{**options, **kw}).fit(X, Y, validation=validation)
+
+
+def _roles(client: Client, strategy: str) -> dt.Roles:
+    # The placement the fit will make (the same pure planner on the same workers).
+    sync = strategy == "sync"
+    return dt.start_roles(client, ps=0 if sync else 1, worker=2, scorer=1)
+
+
+def _holder(roles: dt.Roles, strategy: str) -> str:
+    """The worker holding the parameters: the server, or a sync job's rank 0."""
+    return roles["worker"][0] if strategy == "sync" else roles["ps"][0]
+
+
+def _assert_every_sample_once(result: dt.FitResult, rows: int = 12_000, epochs: int = 2) -> None:
+    per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert result.epochs_completed == epochs, summary(result)
+    assert len(per_block) == epochs * (rows // 1000) and (per_block == 1000).all(), per_block
+    assert result.samples == epochs * rows  # the servers applied each sample once
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_holder_killed_while_it_writes_a_checkpoint_restarts_from_the_one_before(
+        own_client: Client, tmp_path: Path, strategy: str) -> None:
+    # The worker that writes the parameters dies with its shard file half written, after one
+    # checkpoint is complete: the half-written one is never used, the job goes on from the other.
+    roles = _roles(own_client, strategy)
+    marker, root = tmp_path / "killed", tmp_path / "ckpt"
+    kill_while_writing(own_client, _holder(roles, strategy), str(root), str(marker), after=1)
+    config = dt.CheckpointConfig(str(root), every_seconds=None, every_steps=40, keep=3)
+    result = _fit(own_client, strategy, checkpoint=config)
+    assert marker.exists(), f"the holder was not killed mid-write: {summary(result)}"
+    half = Path(marker.read_text())
+    assert not (half.parent / "manifest.json").exists()
+    assert str(half.parent) not in [c["directory"] for c in result.checkpoints]
+    first = result.failures[0]
+    assert first["action"] == "restart" and first["worker"] == _holder(roles, strategy)
+    assert result.generations == 2, summary(result)
+    _assert_every_sample_once(result)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_trainer_killed_as_the_trainers_pause_for_a_checkpoint(
+        own_client: Client, tmp_path: Path, strategy: str) -> None:
+    # Killed the moment the controller asks the trainers to pause for the second checkpoint:
+    # the pause must not wait for a dead trainer. An async job goes on without it (the pause
+    # completes with the survivor); a sync group restarts from the first checkpoint.
+    roles = _roles(own_client, strategy)
+    victim = roles["worker"][1]
+    assert victim != _holder(roles, strategy)
+    marker = tmp_path / "killed"
+    kill_at_pause(own_client, victim, str(marker), pause_id=2)
+    config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None, every_steps=40,
+                                 keep=3)
+    result = _fit(own_client, strategy, checkpoint=config)
+    assert marker.exists(), f"the trainer was not killed at the pause: {summary(result)}"
+    actions = {f["role"]: f["action"] for f in result.failures}
+    if strategy == "sync":
+        assert actions["worker-1"] == "restart" and result.generations == 2, summary(result)
+    else:
+        assert actions["worker-1"] == "continue" and result.generations == 1, summary(result)
+        assert len(result.checkpoints) >= 2  # the pause went on without the lost trainer
+    _assert_every_sample_once(result)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+class _KillAtSamples(dt.Callback):
+    """SIGKILLs a worker at the first score after ``samples`` samples (its pid read now: the
+    callback runs on the client's event loop, where a blocking client call cannot)."""
+
+    def __init__(self, client: Client, victim: str, samples: int) -> None:
+        self.pid, self.samples, self.done = pid_of(client, victim), samples, False
+
+    def on_score(self, record):
+        if not self.done and record["samples"] >= self.samples:
+            self.done = True
+            os.kill(self.pid, signal.SIGKILL)
+        return None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_second_worker_lost_while_the_job_restarts(own_client: Client, tmp_path: Path,
+                                                     strategy: str) -> None:
+    # The holder dies mid-epoch; the moment the controller announces the new generation (its
+    # roles placed, about to start), the new holder dies too. The job starts a third one.
+    roles = _roles(own_client, strategy)
+    first = _KillAtSamples(own_client, _holder(roles, strategy), samples=4000)
+    watch = JobWatch(own_client)
+    second: list[str] = []
+
+    def kill_the_new_holder() -> None:
+        if watch.wait(lambda: bool(watch.events("generation")), timeout=120):
+            placed = dt.Roles(watch.events("generation")[0]["roles"])
+            second.append(_holder(placed, strategy))
+            kill(own_client, second[0])
+
+    thread = threading.Thread(target=kill_the_new_holder, daemon=True)
+    thread.start()
+    config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None, every_steps=40,
+                                 keep=3)
+    result = _fit(own_client, strategy, checkpoint=config, callbacks=[first],
+                  failure=dt.FailureConfig(max_failures=3))
+    thread.join(timeout=5)
+    assert first.done and second, summary(result)
+    restarts = [f for f in result.failures if f["action"] == "restart"]
+    assert [f["worker"] for f in restarts] == [_holder(roles, strategy), second[0]], summary(result)
+    assert result.generations == 3, summary(result)
+    _assert_every_sample_once(result)
+    assert result.history["accuracy"].iloc[-1] > 0.85

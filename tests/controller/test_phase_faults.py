@@ -1,0 +1,44 @@
+"""The controller's phases when a role is lost while a generation starts (see test_phases.py for
+the scripted engine and the real in-process cluster these tests run on)."""
+
+from __future__ import annotations
+
+from _fake_engine import FD, RS, E, F, FakeEngine, Fault, R, S, _ok, _run, _spec  # noqa: E402
+
+from dask_train.engines._events import Epochs, Progress
+from dask_train.errors import WorkerLost
+from dask_train.policy._failure import Failure, FailureConfig
+
+
+def _lost_rank() -> tuple[Failure, WorkerLost]:
+    address = "tcp://10.0.0.8:4000"
+    return (Failure("worker", 1, address, "removed from the scheduler"),
+            WorkerLost(f"rank 1's worker {address} left the cluster while the ranks tried to "
+                       "join the torch group", worker=address, role="worker-1"))
+
+
+def test_a_rank_lost_while_the_generation_starts_restarts_it() -> None:
+    # A second loss while the job restarts: the new generation's group cannot form. It is a
+    # loss like one while running, and the next generation starts.
+    failure, error = _lost_rank()
+    first = FakeEngine(start_error=error, faults=[Fault(failure)])
+    second = FakeEngine([(0.0, Progress(step=2)), (0.05, Epochs(completed=1))], ends_at=0.1)
+    outcome = _ok(run := _run([first, second], _spec()))
+
+    assert run.phases == [S, RS, S, R, F, FD]
+    assert first.calls == ["start", "close"]
+    [lost] = outcome.log.failures
+    assert (lost["role"], lost["action"], lost["generation"]) == ("worker-1", "restart", 0)
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
+    assert run.kinds.index("failure") < run.kinds.index("generation")
+
+
+def test_a_rank_lost_while_starting_beyond_max_failures_raises_naming_it() -> None:
+    failure, error = _lost_rank()
+    first = FakeEngine(start_error=error, faults=[Fault(failure)])
+    run = _run([first], _spec(failure=FailureConfig(max_failures=0)))
+
+    assert isinstance(run.error, WorkerLost)
+    assert (run.error.role, run.error.worker) == ("worker-1", failure.worker)
+    assert "failure 1 is more than max_failures=0" in str(run.error)
+    assert run.phases == [S, E]
