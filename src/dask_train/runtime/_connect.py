@@ -38,6 +38,7 @@ def connect(
     timeout: float = 30.0,
     dashboard: bool = True,
     quiet: bool = False,
+    security: Any = None,
     **cluster_kwargs: Any,
 ) -> Client:
     """Connect to a Dask cluster, or start an embedded one on this machine.
@@ -61,6 +62,11 @@ def connect(
         Embedded cluster only: serve the dashboard on a free port and log its link.
     quiet : bool
         Do not print the dashboard link (it goes to stderr).
+    security : distributed.Security or True, optional
+        TLS. With an address: the client's certificates for a ``tls://`` scheduler, e.g.
+        ``Security(tls_ca_file="ca.pem", tls_client_cert="cert.pem", tls_client_key="key.pem",
+        require_encryption=True)`` (default: Dask's ``distributed.comm.tls`` config). True: the
+        embedded cluster on TLS, temporary certificates (needs ``cryptography``).
     **cluster_kwargs
         Passed to :class:`distributed.LocalCluster` for the embedded cluster.
 
@@ -72,23 +78,18 @@ def connect(
     --------
     >>> client = connect()                              # doctest: +SKIP
     >>> client = connect("tcp://scheduler:8786")        # doctest: +SKIP
+    >>> client = connect("tls://scheduler:8786", security=Security(...))  # doctest: +SKIP
     """
-    problems = []
-    if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 1):
-        problems.append(f"n_workers={n_workers!r} is invalid: use an integer >= 1 or None.")
-    if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-        problems.append(
-            f"threads_per_worker={threads_per_worker!r} is invalid: use an integer >= 1."
-        )
-    if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
-        problems.append(f"torch_threads={torch_threads!r} is invalid: use an integer >= 1 or None.")
-    if not timeout > 0:
-        problems.append(f"timeout={timeout!r} is invalid: use a number of seconds > 0.")
+    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+    problems = _problems(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                         torch_threads=torch_threads, timeout=timeout)
+    problems += _security_problems(security, address)
     if problems:
         raise InvalidInput(problems)
 
-    address = address or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
     if address is None:
+        if security is not None:
+            cluster_kwargs["security"] = security  # True: Client starts the LocalCluster on TLS
         client = _embedded(
             n_workers=n_workers or os.cpu_count() or 1,
             threads_per_worker=threads_per_worker,
@@ -96,7 +97,7 @@ def connect(
             **cluster_kwargs,
         )
     else:
-        client = _remote(address, timeout=timeout)
+        client = _remote(address, timeout=timeout, security=security)
     # A program that imported torch will train with it: the workers import it meanwhile. Not
     # torch._dynamo: the built-in optimizers no longer need it (see runtime._compat).
     preload = ("torch",) if "torch" in sys.modules else ()
@@ -172,9 +173,50 @@ def _close_at_exit(ref: weakref.ReferenceType[Client]) -> None:
         logger.debug("closing the embedded cluster at exit failed", exc_info=True)
 
 
-def _remote(address: str, *, timeout: float) -> Client:
+def _problems(*, n_workers: Any, threads_per_worker: Any, torch_threads: Any,
+              timeout: Any) -> list[str]:
+    """Every problem with ``connect``'s counts and timeout."""
+    problems = []
+    if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 1):
+        problems.append(f"n_workers={n_workers!r} is invalid: use an integer >= 1 or None.")
+    if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+        problems.append(
+            f"threads_per_worker={threads_per_worker!r} is invalid: use an integer >= 1."
+        )
+    if torch_threads is not None and (not isinstance(torch_threads, int) or torch_threads < 1):
+        problems.append(f"torch_threads={torch_threads!r} is invalid: use an integer >= 1 or None.")
+    if not timeout > 0:
+        problems.append(f"timeout={timeout!r} is invalid: use a number of seconds > 0.")
+    return problems
+
+
+def _security_problems(security: Any, address: str | None) -> list[str]:
+    """What is wrong with ``security=`` for ``address`` (None: the embedded cluster)."""
+    from distributed import Security
+
+    if address is None:
+        if security not in (None, True, False):
+            return [f"security={type(security).__name__} is invalid for the embedded cluster: "
+                    "pass security=True (temporary self-signed certificates), or start "
+                    "LocalCluster(security=...) yourself and pass its scheduler_address "
+                    "and the same security to dt.connect."]
+        return []
+    if security is not None and not isinstance(security, Security):
+        return [f"security={security!r} is invalid: pass a distributed.Security, e.g. "
+                "Security(tls_ca_file='ca.pem', tls_client_cert='cert.pem', "
+                "tls_client_key='key.pem', require_encryption=True)."]
+    if str(address).startswith("tls://") and security is None and not \
+            dask.config.get("distributed.comm.tls.ca-file", None):
+        return [f"address={address!r} is a TLS scheduler and no certificates were given: pass "
+                "security=distributed.Security(tls_ca_file=..., tls_client_cert=..., "
+                "tls_client_key=..., require_encryption=True), or set Dask's "
+                "distributed.comm.tls config."]
+    return []
+
+
+def _remote(address: str, *, timeout: float, security: Any = None) -> Client:
     try:
-        client = Client(address, timeout=timeout)
+        client = Client(address, timeout=timeout, security=security)
     except (OSError, TimeoutError) as exc:
         raise ClusterUnreachable(
             f"could not reach the Dask scheduler at {address!r} within {timeout:g} s ({exc}). "
