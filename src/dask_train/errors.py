@@ -48,6 +48,22 @@ class ClusterMismatch(InvalidInput):
     """
 
 
+class DataUnreadable(InvalidInput):
+    """Workers cannot read the training data (found before training, by reading one block on
+    each of them); every worker that failed is named with the cause and the fix.
+
+    Examples
+    --------
+    >>> DataUnreadable(["worker tcp://w:1 cannot read block 0: ..."]).problems[0][:15]
+    'worker tcp://w:'
+    """
+
+
+class BlockReadError(DaskTrainError, RuntimeError):
+    """A block of streamed training data could not be read on a worker, after its retries;
+    the message names the block, its Dask key, the worker and the cause (chained)."""
+
+
 class WorkerLost(DaskTrainError, RuntimeError):
     """A Dask worker holding a training role left the cluster.
 
@@ -80,8 +96,10 @@ class RoleFailed(DaskTrainError, RuntimeError):
 
 
 __all__ = [
+    "BlockReadError",
     "ClusterUnreachable",
     "DaskTrainError",
+    "DataUnreadable",
     "InvalidInput",
     "ParameterServerLost",
     "RoleFailed",

@@ -1,14 +1,30 @@
-"""The data a fit is given, made ready: validation sets in memory or spread over the cluster."""
+"""The data a fit is given, made ready: the training blocks (scattered, persisted or streamed),
+validation sets in memory or spread over the cluster."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 from distributed import Client
 
-from dask_train.data._blocks import SpreadValidation, as_dask_array, persist_pairs
+from dask_train.data._block_graph import StreamSource
+from dask_train.data._blocks import (
+    BlockSet,
+    SpreadValidation,
+    as_dask_array,
+    pair_parts,
+    persist_blocks,
+    persist_pairs,
+    scatter_blocks,
+)
 from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
+from dask_train.data._stream import data_nbytes, graph_bytes, stream_blocks
+from dask_train.policy._data_mode import choose_data_mode
+from dask_train.policy._scope import in_scope
+
+logger = logging.getLogger(__name__)
 
 
 def _is_dask(part: Any) -> bool:
@@ -42,3 +58,30 @@ def spread_validation(client: Client, validation: Any) -> SpreadValidation | Non
     xv, yv = validation
     futures = client.sync(persist_pairs, client, xv, yv)
     return SpreadValidation(futures, int(xv.shape[0]))
+
+
+def training_blocks(client: Client, X: Any, y: Any, *, weights: Any, local: Any, mode: str,
+                    labels: bool, timeout: float) -> BlockSet:
+    """The blocks a torch fit trains on: in-memory input scattered in blocks, a dask collection
+    persisted or streamed from storage each epoch (``fit(data=mode)``, see
+    :func:`~dask_train.policy._data_mode.choose_data_mode`; ``auto`` logs its choice with the
+    numbers). ``labels``: compute the labels' range (classification); ``timeout``: for the
+    streamed data's read check on every worker."""
+    if local is not None:
+        x_np, y_np, w_np = (None if a is None else to_numpy(a, name=n)
+                            for a, n in zip(local, ("X", "y", "sample_weight")))
+        return client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
+    source = None
+    if mode == "auto":
+        rows = [int(r) for r in X.chunks[0]]
+        source = StreamSource.of(pair_parts(X, y, weights=weights), rows)
+        embedded = graph_bytes(source.graph(int(np.argmin(rows)))) if rows else 0
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        limits = in_scope({a: int(w.get("memory_limit") or 0) for a, w in info.items()})
+        mode, why = choose_data_mode(mode, nbytes=data_nbytes(X, y, weights),
+                                     memory_limits=limits, graph_bytes=embedded)
+        logger.info(why)
+    if mode == "stream":
+        return client.sync(stream_blocks, client, X, y, weights=weights, labels=labels,
+                           timeout=timeout, source=source)
+    return client.sync(persist_blocks, client, X, y, weights=weights)

@@ -14,7 +14,7 @@ from distributed import Client
 
 from dask_train.api._auto_ps import resolve_ps
 from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
-from dask_train.api._data import materialize, spread_validation
+from dask_train.api._data import materialize, spread_validation, training_blocks
 from dask_train.api._model import build_from, is_factory
 from dask_train.api._probe import probe_module
 from dask_train.api._result import FitResult
@@ -23,13 +23,14 @@ from dask_train.api._validate import check_fit, check_labels
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
-from dask_train.data._blocks import as_dask_array, persist_blocks, scatter_blocks
-from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
+from dask_train.data._blocks import as_dask_array
+from dask_train.data._inputs import cast_floats, is_lazy
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import is_classification, primary_output
+from dask_train.policy._data_mode import check_data_mode
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.policy.callbacks import Callback, run_callbacks
@@ -246,7 +247,7 @@ class Trainer:
 
     def fit(
         self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *, resume: bool = False,
-        warm_start: bool = False, sample_weight: Any = None,
+        warm_start: bool = False, sample_weight: Any = None, data: str = "auto",
     ) -> FitResult:
         """Train on ``(X, y)``; score on ``validation``; return a :class:`FitResult`.
 
@@ -270,6 +271,13 @@ class Trainer:
             ``sum(weight_i * loss_i) / rows`` (per-sample losses from ``reduction="none"``, or
             from a loss function taking ``(output, target, weight)``). Class weights go in the
             loss itself, e.g. ``torch.nn.CrossEntropyLoss(weight=...)``.
+        data : {"auto", "persist", "stream"}
+            ``"persist"`` keeps ``X, y`` on the workers for the whole fit; ``"stream"`` reads
+            each block from its graph (a zarr, npy or parquet reader) on the worker of the
+            trainer that reads it, every epoch, ``blocks_ahead`` at a time, and frees it after
+            use: memory stays bounded for data larger than the cluster's. ``"auto"`` persists
+            data that fits in half of the workers' summed memory limits and streams the rest,
+            and logs its choice with the numbers. In-memory arrays are always sent in blocks.
 
         Raises
         ------
@@ -283,23 +291,25 @@ class Trainer:
         weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self._model(), ArrayModel):
             return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
-                                   warm_start=warm_start, sample_weight=weights)
+                                   warm_start=warm_start, sample_weight=weights, data=data)
         # A dask validation set stays on the cluster, scored where its blocks live.
         validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
-        self._validate(X, y, validation, resume=resume, sample_weight=weights)
+        self._validate(X, y, validation, resume=resume, sample_weight=weights,
+                       data=(data, local is not None))
         client = self._client()
         t = time.time()
         spread = spread_validation(client, validation)
         self._clock["persist"] += time.time() - t
         try:
             return self._fit_torch(client, X, y, spread or validation, weights=weights,
-                                   resume=resume, warm_start=warm_start, local=local)
+                                   resume=resume, warm_start=warm_start, local=local, mode=data)
         finally:
             if spread is not None:
                 spread.release()
 
     def _fit_torch(self, client: Client, X: Any, y: Any, validation: Any, *, weights: Any,
-                   resume: bool, warm_start: bool, local: Any = None) -> FitResult:
+                   resume: bool, warm_start: bool, local: Any = None,
+                   mode: str = "auto") -> FitResult:
         """``fit`` for a torch module, once everything is validated: async-ps or sync torch."""
         keras = is_keras_model(self._model())  # TensorFlow places its math: no torch devices
         devices = probe_devices(client, "cpu" if keras else self.device,
@@ -311,14 +321,11 @@ class Trainer:
                         f", autocast {devices.precision}" if devices.precision else "")
         X = self._input_dtype(X)
         t = time.time()
-        if local is not None:
-            x_np, y_np, w_np = (None if a is None else to_numpy(a, name=n)
-                                for a, n in zip(local, ("X", "y", "sample_weight")))
-            blocks = client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
-        else:
-            blocks = client.sync(persist_blocks, client, X, y, weights=weights)
+        labels = is_classification(self.loss) or keras_sparse_labels(self.loss)
+        blocks = training_blocks(client, X, y, weights=weights, local=local, mode=mode,
+                                 labels=labels, timeout=self.timeout)
         self._clock["persist"] += time.time() - t
-        if is_classification(self.loss) or keras_sparse_labels(self.loss):
+        if labels:
             low, high = blocks.label_range
             out = primary_output(probe_module(self._model(), tuple(X.shape[1:]), X.dtype))
             n_out = int(out.shape[1])
@@ -356,12 +363,14 @@ class Trainer:
         return result
 
     def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
-                   warm_start: bool = False, sample_weight: Any = None) -> FitResult:
+                   warm_start: bool = False, sample_weight: Any = None,
+                   data: str = "auto") -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.data import persist_data
         from dask_train.engines.array.engine import ArrayEngine
 
-        self._validate(X, y, validation, resume=resume, sample_weight=sample_weight)
+        self._validate(X, y, validation, resume=resume, sample_weight=sample_weight,
+                       data=(data, False))
         assert isinstance(self._model(), ArrayModel)
         client = self._client()
         t = time.time()
@@ -397,11 +406,15 @@ class Trainer:
         return result
 
     def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
-                  sample_weight: Any = None) -> None:
+                  sample_weight: Any = None, data: tuple[Any, bool] = ("auto", False)) -> None:
+        """Every problem with the arguments at once; ``data``: fit's ``data=`` and whether X
+        is in memory."""
         problems = check_fit(Settings.of(self), X, y, validation, resume=resume,
                              sample_weight=sample_weight,
                              typed=lambda: self._input_dtype(X, log=False),
                              factory=self.module if is_factory(self.module) else None)
+        problems += check_data_mode(data[0], in_memory=data[1],
+                                    full_batch=isinstance(self._model(), ArrayModel))
         if problems:
             raise InvalidInput(problems)
 

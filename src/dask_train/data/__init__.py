@@ -1,5 +1,6 @@
-"""Data layer: dask collections -> persisted co-located blocks -> bounded per-trainer queues ->
-minibatches (numpy; an engine converts them to its framework's tensors)."""
+"""Data layer: dask collections -> co-located blocks, persisted on the workers or streamed from
+storage each epoch -> bounded per-trainer queues -> minibatches (numpy; an engine converts them to
+its framework's tensors)."""
 
 from dask_train.data._blocks import BlockSet, as_dask_array, persist_blocks
 from dask_train.data._feed import FeedItem, FeedReader, batches, block_order

@@ -22,6 +22,8 @@ from dask_train.policy._scope import current_scope, in_scope
 if TYPE_CHECKING:
     import dask.array as da
 
+    from dask_train.data._block_graph import BlockGraph, StreamSource
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,12 +47,16 @@ class LocalSource:
 
 @dataclass
 class BlockSet:
-    """Persisted training blocks: one future per block holding the pair ``(X_block, y_block)``.
+    """Training blocks: one future per persisted block holding the pair ``(X_block, y_block)``,
+    or, streamed, the graph that reads each block where it is trained.
 
     The one container of training blocks, for every engine and the classical models. Made by
     :func:`persist_blocks` and :func:`scatter_blocks` (the torch engines: many blocks, the ledger
-    hands them out) and by :func:`~dask_train.data.persist_data` (full-batch sums: one group of
-    blocks per worker thread, see :meth:`groups`).
+    hands them out), by :func:`~dask_train.data._stream.stream_blocks` (data read from storage
+    every epoch, nothing persisted: ``futures`` is empty and ``stream`` holds each block's graph)
+    and by :func:`~dask_train.data.persist_data` (full-batch sums: one group of blocks per
+    worker thread, see :meth:`groups`). A feed asks :meth:`block_input` for what its task takes and
+    need not know which kind it has.
 
     ``blocks[i]`` says where block ``i`` starts, its rows and the workers holding it;
     ``label_range`` is the smallest and largest label over all blocks, computed where the blocks
@@ -68,6 +74,27 @@ class BlockSet:
     client: Client | None = None
     n_features: int = 0
     threads: dict[str, int] = field(default_factory=dict)
+    stream: StreamSource | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """True when the blocks are read from their graph each time they are fed (nothing is
+        held on the workers between epochs)."""
+        return self.stream is not None
+
+    def block_input(self, i: int) -> Future | BlockGraph:
+        """What a feed task on any worker takes to hold block ``i``: the persisted block's future
+        (Dask brings it to the task's worker), or the block's graph, which the task computes
+        where it runs (:func:`~dask_train.runtime._enqueue.feed_block`)."""
+        if self.stream is not None:
+            return self.stream.graph(i)
+        return self.futures[i]
+
+    @property
+    def retries(self) -> int:
+        """Times a feed task is tried again after it failed: a streamed block's read may meet
+        a passing storage error; a persisted block's feed never reads anything."""
+        return self.stream.retries if self.stream is not None else 0
 
     @classmethod
     def placed(cls, futures: list[Future], rows: list[int], holders: list[str],
@@ -199,6 +226,20 @@ def as_pair(x: np.ndarray, y: np.ndarray | None, dtype: Any = None,
     return (*pair, np.ascontiguousarray(w, dtype=np.float32))
 
 
+def pair_parts(X: da.Array, y: da.Array | None, *, dtype: Any = None,
+               weights: da.Array | None = None) -> list[Any]:
+    """One delayed ``(X_block, y_block[, w_block])`` per row block of ``X``: what
+    :func:`persist_pairs` persists and what a streamed block's task computes. ``X`` is rechunked
+    to whole rows, ``y`` and ``weights`` to ``X``'s row chunks."""
+    X = X.rechunk({i: -1 for i in range(1, X.ndim)}) if X.ndim > 1 else X
+    x_parts = X.to_delayed().ravel()
+    y_parts = [None] * len(x_parts) if y is None else list(_rows_like(y, X).to_delayed().ravel())
+    w_parts = [None] * len(x_parts) if weights is None else \
+        list(_rows_like(weights, X).to_delayed().ravel())
+    return [dask.delayed(as_pair, pure=True)(xp, yp, dtype, wp)
+            for xp, yp, wp in zip(x_parts, y_parts, w_parts)]
+
+
 async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
                         dtype: Any = None, weights: da.Array | None = None) -> list[Future]:
     """Persist ``X`` and ``y`` as co-located ``(X_block, y_block)`` pairs: one future per block.
@@ -207,14 +248,7 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
     block's features and labels can never end up on different workers, and whatever moves a
     block moves them together. ``X`` is rechunked to whole rows, ``y`` to ``X``'s row chunks.
     """
-    X = X.rechunk({i: -1 for i in range(1, X.ndim)}) if X.ndim > 1 else X
-    x_parts = X.to_delayed().ravel()
-    y_parts = [None] * len(x_parts) if y is None else list(_rows_like(y, X).to_delayed().ravel())
-    w_parts = [None] * len(x_parts) if weights is None else \
-        list(_rows_like(weights, X).to_delayed().ravel())
-    pairs = [dask.delayed(as_pair, pure=True)(xp, yp, dtype, wp)
-             for xp, yp, wp in zip(x_parts, y_parts, w_parts)]
-    futures = client.compute(pairs)
+    futures = client.compute(pair_parts(X, y, dtype=dtype, weights=weights))
     # Inside the client's event loop distributed.wait returns a coroutine; it waits without
     # bringing any block to the client.
     await wait_futures(futures)

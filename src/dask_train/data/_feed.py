@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,11 +32,17 @@ class FeedItem:
     # come first in the block's row order and are not read again.
     skip: int = 0
     w: np.ndarray | None = None  # sample weights, when the job has them
+    read_s: float = 0.0  # seconds its feed task spent reading it (a streamed block)
 
     @property
     def rows(self) -> int:
         """Rows in the block."""
         return 0 if self.x is None else len(self.x)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds (inputs, targets and weights)."""
+        return sum(int(a.nbytes) for a in (self.x, self.y, self.w) if a is not None)
 
 
 def block_order(*, rows: int, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray:
@@ -98,6 +105,9 @@ class FeedReader:
         self.on_idle = on_idle
         self.expected = 0
         self.early: dict[int, FeedItem] = {}
+        self.read_s: dict[int, float] = {}  # epoch -> seconds reading this trainer's blocks
+        self.read_bytes = 0
+        self.held_max = 0  # the most bytes of blocks held for this trainer at a block's start
 
     def next(self) -> FeedItem | None:
         """The next block; None when the job was stopped. Raises after ``timeout`` seconds."""
@@ -105,7 +115,7 @@ class FeedReader:
         while not self.stop.is_set():
             if self.expected in self.early:
                 self.expected += 1
-                return self.early.pop(self.expected - 1)
+                return self._account(self.early.pop(self.expected - 1))
             try:
                 # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
                 item = self.feed.get(timeout=0.1)
@@ -122,3 +132,24 @@ class FeedReader:
                         "blocks are slow to compute, or check the worker logs of the feed tasks"
                     ) from None
         return None
+
+    def _account(self, item: FeedItem) -> FeedItem:
+        """Count ``item``'s read time and the bytes held now: it, the early arrivals and the
+        queue (the previous block is done with once the trainer asks for the next)."""
+        if item.x is not None:
+            self.read_s[item.epoch] = self.read_s.get(item.epoch, 0.0) + item.read_s
+            self.read_bytes += item.nbytes
+            with self.feed.mutex:  # the feed tasks put from other threads
+                queued = sum(i.nbytes for i in self.feed.queue)
+            held = item.nbytes + queued + sum(i.nbytes for i in self.early.values())
+            self.held_max = max(self.held_max, held)
+        return item
+
+    def stats(self) -> dict[str, Any]:
+        """What this trainer read: seconds per epoch (``read_s_by_epoch``, summed over its
+        blocks; reads overlap training when ``blocks_ahead`` >= 2), bytes read, and the most
+        bytes of blocks held for it at once (``held_bytes_max``)."""
+        epochs = max(self.read_s, default=-1) + 1
+        return {"read_s": round(sum(self.read_s.values()), 4),
+                "read_s_by_epoch": [round(self.read_s.get(e, 0.0), 4) for e in range(epochs)],
+                "read_bytes": int(self.read_bytes), "held_bytes_max": int(self.held_max)}

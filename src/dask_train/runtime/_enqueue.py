@@ -7,10 +7,12 @@ The queue is bounded by credit, not by blocking: the controller hands each train
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
+from dask_train.data._block_graph import BlockGraph
 from dask_train.data._feed import FeedItem
 from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import worker_state
@@ -25,7 +27,7 @@ def unpack(pair: tuple[Any, ...] | None) -> tuple[Any, Any, Any]:
 
 
 def feed_block(
-    pair: tuple[np.ndarray, ...] | None,
+    pair: tuple[np.ndarray, ...] | BlockGraph | None,
     *,
     job: str,
     trainer: int,
@@ -39,13 +41,23 @@ def feed_block(
     """Dask task: put one block (or, with ``pair=None``, the end marker) in a trainer's queue.
 
     Runs on the trainer's worker; Dask brings the block there first, worker to worker, when it
-    lives elsewhere. ``block=-2`` with no pair is a heartbeat for a trainer waiting idle at the end
-    of the data (it resets the trainer's wait, see :class:`~dask_train.data.FeedReader`). Returns
-    the rows queued.
+    lives elsewhere. A streamed block comes as its graph (:class:`~dask_train.data._block_graph.
+    BlockGraph`) and is read here, in this task's thread: from storage straight to this worker,
+    held only by the queue until the trainer has read it. ``block=-2`` with no pair is a
+    heartbeat for a trainer waiting idle at the end of the data (it resets the trainer's wait,
+    see :class:`~dask_train.data.FeedReader`). Returns the rows queued (-1: the job had ended).
     """
+    state = worker_state()
+    read_s = 0.0
+    if isinstance(pair, BlockGraph):
+        if job in state.ended:  # a straggler: reading would hold a block nobody takes
+            return -1
+        t = time.perf_counter()
+        pair = pair.read()
+        read_s = time.perf_counter() - t
     x, y, w = unpack(pair)
-    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip, w)
-    worker_state().job(job).feed(trainer).put(item)
+    item = FeedItem(seq, epoch, block, x, y, seed, shuffle, skip, w, read_s=read_s)
+    state.job(job).feed(trainer).put(item)
     return item.rows
 
 

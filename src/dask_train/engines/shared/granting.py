@@ -1,7 +1,7 @@
 """How a role engine hands blocks to its trainers: the ledger's next block for a trainer, by one
 RPC to its worker when the block is already there, by a pinned task when it must move (Dask brings
-it), sent again from the client when in-memory input was lost with its worker; end markers once
-the data is handed out.
+it) or is streamed (the task reads it there, see :mod:`dask_train.data._stream`), sent again from
+the client when in-memory input was lost with its worker; end markers once the data is handed out.
 
 The queue is bounded by credit: a trainer holds at most ``blocks_ahead`` blocks it has not yet
 reported consumed, and each report grants the next (see ``RoleEngine._on_event``).
@@ -23,16 +23,17 @@ from dask_train.runtime._enqueue import feed_block
 
 
 def pin(client: Client, generation: str, fn: Any, /, *args: Any, address: str, key: str,
-        **kwargs: Any) -> Future:
+        retries: int = 0, **kwargs: Any) -> Future:
     """Submit ``fn`` to run exactly once on ``address``, under a key of ``generation`` (a job's
     key on the workers; ``kwargs`` go to ``fn``, ``job=`` among them).
 
     Pinned with no fallback: a role's state lives on that worker. ``pure=False``: each call has
-    side effects. retries stay 0: a lost role is the controller's decision, not a silent re-run
-    elsewhere.
+    side effects. retries stay 0 for roles: a lost role is the controller's decision, not a
+    silent re-run elsewhere; a streamed block's feed is tried ``retries`` more times, on the same
+    worker, when its read fails (it queues nothing before the read succeeded).
     """
     return client.submit(fn, *args, workers=[address], allow_other_workers=False, pure=False,
-                         key=f"{key}-{generation}", **kwargs)
+                         retries=retries or None, key=f"{key}-{generation}", **kwargs)
 
 
 class Granter:
@@ -42,7 +43,9 @@ class Granter:
     ----------
     client : distributed.Client
     blocks : BlockSet
-        The persisted training blocks.
+        The training blocks, persisted or streamed: a feed task takes what
+        :meth:`BlockSet.block_input` gives, and only a persisted block local to its trainer
+        takes the one-RPC path.
     ledger : Ledger
         The data position: which block each trainer gets next, and what was consumed.
     job : str
@@ -127,7 +130,8 @@ class Granter:
             self.ended[trainer] = True
             fut = self.pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
                               epoch=-1, block=-1, **common)
-        elif a.local and self._feed_direct(trainer, address, a, common):
+        elif a.local and not self.blocks.streamed and \
+                self._feed_direct(trainer, address, a, common):
             return
         elif self.blocks.lost(a.block):
             self._rescatter_then_feed(trainer, address, a, common)
@@ -153,9 +157,9 @@ class Granter:
 
     def _feed_task(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> Future:
         return self.pinned(
-            feed_block, self.blocks.futures[a.block], address=address,
-            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", epoch=a.epoch, block=a.block,
-            skip=a.skip, **common)
+            feed_block, self.blocks.block_input(a.block), address=address,
+            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", retries=self.blocks.retries,
+            epoch=a.epoch, block=a.block, skip=a.skip, **common)
 
     def _rescatter_then_feed(self, trainer: int, address: str, a: Any,
                              common: dict[str, Any]) -> None:

@@ -66,6 +66,7 @@ class TrainerRole:
         self.nans = NanReporter(self.worker, topic=config.topic, trainer=index)
         self.started_at = time.perf_counter()
         self._started_sent = False
+        self.reader: FeedReader | None = None
 
     @property
     def address(self) -> str:
@@ -78,8 +79,9 @@ class TrainerRole:
 
     def feed(self, on_idle: Callable[[], None] | None = None) -> Any:
         """The reader of this trainer's feed queue (blocks granted by the engine)."""
-        return FeedReader(self.state.feed(self.index), self.state.stop,
-                          timeout=self.config.timeout, role=self.name, on_idle=on_idle)
+        self.reader = FeedReader(self.state.feed(self.index), self.state.stop,
+                                 timeout=self.config.timeout, role=self.name, on_idle=on_idle)
+        return self.reader
 
     def stats(self, start: dict[str, float] | None = None) -> StatsReporter:
         """A reporter of this trainer's last second (``start``: totals already counted)."""
@@ -109,10 +111,13 @@ class TrainerRole:
 
     def result(self, *, steps: int, samples: int, **timings: Any) -> dict[str, Any]:
         """The record the engine gathers: where the trainer's time went (``timings``), so a slow
-        job says whether it waited for data, servers or collectives."""
+        job says whether it waited for data, servers or collectives, and its memory: the
+        worker's limit and the bytes of blocks it held (``FeedReader.stats``)."""
         return {"trainer": self.index, "steps": int(steps), "samples": int(samples),
                 "worker": self.address, "busy_s": time.perf_counter() - self.started_at,
-                **timings, "nonfinite": self.nans.count, "rng": rng_state()}
+                **timings, "nonfinite": self.nans.count, "rng": rng_state(),
+                "memory_limit": int(self.worker.memory_manager.memory_limit or 0),
+                **(self.reader.stats() if self.reader is not None else {})}
 
 
 def model_for(module: Any, address: str, config: WorkerConfig, device: str | None = None) -> Any:
