@@ -7,6 +7,7 @@ from distributed import Client
 from dask_train.errors import InvalidInput
 from dask_train.policy._placement import Roles, check_role_counts, plan_roles
 from dask_train.policy._scope import in_scope
+from dask_train.runtime._calls import live_workers
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, handler_names
 
 
@@ -43,7 +44,7 @@ def start_roles(client: Client, *, ps: int = 1, worker: int = 1, scorer: int = 1
 
 def worker_threads(client: Client) -> dict[str, int]:
     """Live worker address -> its number of Dask threads (in the current job's scope)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = live_workers(client)
     return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
 
 

@@ -21,6 +21,7 @@ from distributed import Client, Future, as_completed
 from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput, TrainingTimeout, WorkerLost
+from dask_train.runtime._calls import live_workers
 from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
 
 BACKENDS = ("gloo", "nccl")
@@ -68,7 +69,7 @@ def _leave_all(
     Returns, per worker, whether its rank's join task had started.
     """
     # Only workers still in the cluster: a broadcast to a lost one waits for the connect timeout.
-    present = set(client.scheduler_info(n_workers=-1)["workers"])
+    present = set(live_workers(client))
     here = [a for a in addresses if a in present]
     answers = client.run(leave, gid, tombstone, workers=here, on_error="return") if here else {}
     answers = {a: b for a, b in answers.items() if isinstance(b, tuple)}
@@ -332,7 +333,7 @@ def _wait_ranks(client: Client, ranks: dict[int, str], futures: list[Future], ti
                     return _outcome(fut), []
         except TimeoutError:
             pass
-        present = set(client.scheduler_info(n_workers=-1)["workers"])
+        present = set(live_workers(client))
         lost = [(r, a) for r, a in ranks.items() if r < len(futures) and a not in present]
         if lost:
             return None, lost
@@ -355,7 +356,7 @@ def _check_args(*, workers: object, backend: object, timeout: object) -> list[st
 
 def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple[list[str], list[str]]:
     """Chosen worker addresses in rank order, and every problem with them."""
-    known = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    known = sorted(live_workers(client))
     wanted = known if isinstance(workers, int) else list(workers)
     problems = [f"workers lists {a!r} {wanted.count(a)} times: one rank per worker process."
                 for a in dict.fromkeys(wanted) if wanted.count(a) > 1]

@@ -23,6 +23,7 @@ from distributed.utils import get_ip
 
 from dask_train.errors import InvalidInput, RoleFailed, TrainingTimeout
 from dask_train.policy._placement import check_role_counts, plan_roles
+from dask_train.runtime._calls import live_workers
 from dask_train.runtime._roles import worker_threads
 from dask_train.tensorflow import _server
 
@@ -161,7 +162,7 @@ class TensorFlowCluster:
 
 def _restart(client: Client, addresses: list[str], *, timeout: float) -> None:
     """Restart the live ones of ``addresses`` that have a nanny; wait until they are back."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = live_workers(client)
     live = [a for a in addresses if a in info]
     alone = [a for a in live if not info[a].get("nanny")]
     if alone:
@@ -312,7 +313,7 @@ def _start_servers(client: Client, start_id: str, spec: Mapping[str, list[str]],
 
 def _abandon(client: Client, start_id: str, addresses: list[str], *, timeout: float) -> None:
     """After a failed start: no late task may start anything; restart workers holding servers."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = live_workers(client)
     live = [a for a in addresses if a in info]
     if not live:
         return

@@ -13,6 +13,7 @@ from distributed import Client, Future
 
 from dask_train.data._blocks import as_dask_array
 from dask_train.data._inputs import is_lazy, to_numpy
+from dask_train.runtime._calls import live_workers
 
 #: In-memory search data up to this many bytes goes to the cluster inside tasks (see
 #: prepare_data); larger data is scattered.
@@ -51,7 +52,7 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
         Xd, yd = client.persist([Xd, yd])
         return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd])
     Xa, ya = to_numpy(X, name="X"), to_numpy(y, name="y")
-    workers = max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+    workers = max(1, len(live_workers(client)))
     rows = max(1, -(-len(Xa) // (2 * workers)))  # two blocks per worker
     bounds = list(range(0, len(Xa), rows)) + [len(Xa)]
     parts = [(Xa[a:b], ya[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

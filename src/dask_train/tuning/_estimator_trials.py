@@ -27,6 +27,7 @@ from distributed import Client, Future
 
 from dask_train.errors import WorkerLost
 from dask_train.policy._scope import use_workers
+from dask_train.runtime._calls import live_workers
 from dask_train.tuning._data import SearchData, on_cluster
 from dask_train.tuning._space import Space, check_names
 from dask_train.tuning._trial import Outcome, TrialContext, TrialRunner, clock
@@ -161,7 +162,7 @@ def watch(client: Client, fut: Future, *, worker: str, ctx: TrialContext) -> Non
             raise Interrupted("the search stopped")
         if clock() >= next_check:
             next_check = clock() + 1.0
-            if worker not in client.scheduler_info(n_workers=-1)["workers"]:
+            if worker not in live_workers(client):
                 fut.cancel()
                 raise WorkerLost(f"worker {worker} running trial {ctx.number} left the cluster",
                                  worker=worker, role=f"trial-{ctx.number}")

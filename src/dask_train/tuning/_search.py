@@ -27,6 +27,7 @@ from distributed import Client
 from dask_train.errors import InvalidInput
 from dask_train.policy.stop import StopCondition, check_stop
 from dask_train.runtime import default_client
+from dask_train.runtime._calls import live_workers
 from dask_train.tuning._checks import (
     check_arguments,
     make_pruner,
@@ -146,7 +147,7 @@ def _trials_at_once(runner: TrialRunner, space: Space, stops: list[StopCondition
     """How many trials run at once (``max_concurrent``, else as many as the cluster's workers
     hold); the problems of the trials on this cluster raised at once."""
     problems = runner.problems() + stop_problems(stops, metric)
-    alive = len(client.scheduler_info(n_workers=-1)["workers"])
+    alive = len(live_workers(client))
     need = runner.workers_needed(space.first())
     if need > alive:
         problems.append(f"each trial needs {need} workers and the cluster has {alive}: lower "
@@ -293,7 +294,7 @@ class _Search:
 
     def _start(self, pending: _Pending) -> bool:
         trial, params = pending.trial, pending.params
-        alive = self.client.scheduler_info(n_workers=-1)["workers"]
+        alive = live_workers(self.client)
         gang = self.book.take(alive, need=pending.need, trial=trial.number)
         if gang is None:
             return False
@@ -336,7 +337,7 @@ class _Search:
             pass
 
     def _give_up(self, pending: _Pending) -> None:
-        alive = len(self.client.scheduler_info(n_workers=-1)["workers"])
+        alive = len(live_workers(self.client))
         self.stopped_by = (f"no {pending.need} free workers for {self.timeout:g} s (the cluster "
                            f"has {alive})")
         logger.warning("search stopped: %s", self.stopped_by)
@@ -437,7 +438,7 @@ class _Search:
             return False
         record = running.record
         running.lost = lost_worker(error, record.workers, number=record.number,
-                                   alive=lambda: self.client.scheduler_info(n_workers=-1)["workers"])
+                                   alive=lambda: live_workers(self.client))
         if not running.lost or record.attempts > self.retries:
             return False
         record.retried_after.append(running.lost)

@@ -32,7 +32,7 @@ from xgboost.callback import TrainingCallback
 
 from dask_train.data._blocks import persist_pairs
 from dask_train.policy._scope import use_workers
-from dask_train.runtime._calls import run_on_live
+from dask_train.runtime._calls import live_workers, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
 from dask_train.runtime._plugin import worker_state
 from dask_train.tuning._data import SearchData
@@ -192,7 +192,7 @@ class XGBoostTrials(TrialRunner):
             self.client.unsubscribe_topic(job)
             drop_topic_handler(self.client, job)
             self.jobs.pop(ctx.number, None)
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            alive = set(live_workers(self.client))
             live = [w for w in ctx.gang if w in alive]
             if live:
                 self.client.run(_drop, job, workers=live, on_error="ignore")
@@ -207,7 +207,7 @@ class XGBoostTrials(TrialRunner):
     def interrupt(self, ctx: TrialContext) -> None:
         job_gang = self.jobs.get(ctx.number)
         if job_gang is not None:
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            alive = set(live_workers(self.client))
             live = [w for w in job_gang[1] if w in alive]
             if live:
                 self.client.run(_set_stop, job_gang[0], workers=live, on_error="ignore")
