@@ -11,14 +11,34 @@ the victim's own process that kills it the instant the moment comes.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from distributed import Client
+import dask
+from distributed import Client, LocalCluster
+
+import dask_train as dt
+
+
+@contextmanager
+def killable_cluster(n_workers: int = 2) -> Iterator[Client]:
+    """A LocalCluster of worker processes (nannies restart the killed ones) and its client.
+
+    LocalCluster forgets a nanny for good when, ``distributed.deploy.lost-worker-timeout``
+    (15 s) after its worker died, no worker of that name is registered: a worker killed again
+    and restarting at that moment never came back (1 run in 3 of these tests lost a worker
+    so). Real clusters' nannies have no such check; here it is put off past any test.
+    """
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
+            LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
 
 
 def pid_of(client: Client, address: str) -> int:
@@ -26,9 +46,19 @@ def pid_of(client: Client, address: str) -> int:
     return int(client.run(os.getpid, workers=[address])[address])
 
 
-def kill(client: Client, address: str) -> None:
-    """SIGKILL the worker at ``address`` (its nanny restarts it on a new port)."""
+def alive(client: Client) -> set[str]:
+    """The workers the scheduler knows now."""
+    return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def kill(client: Client, address: str, *, timeout: float = 30.0) -> None:
+    """SIGKILL the worker at ``address`` (its nanny restarts it on a new port); returns once
+    the scheduler has removed it (about 15 ms; until then it still looks alive, and a call to
+    it waits for the 30 s connect timeout)."""
     os.kill(pid_of(client, address), signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while address in alive(client) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def wait_for_workers(client: Client, n: int, *, timeout: float = 60.0) -> None:
@@ -58,14 +88,17 @@ class JobWatch:
     def __init__(self, client: Client) -> None:
         self.client = client
         self.topic = ""
+        self.before = self._jobs()  # earlier jobs' topics: the one to watch is the next
+
+    def _jobs(self) -> set[str]:
+        topics = self.client.run_on_scheduler(
+            lambda dask_scheduler: [str(t) for t in dask_scheduler.get_events()])
+        return {t for t in topics if t.startswith("dask-train-") and "-g" not in t[11:]}
 
     def _find_topic(self) -> str:
         if not self.topic:
-            topics = self.client.run_on_scheduler(
-                lambda dask_scheduler: [str(t) for t in dask_scheduler.get_events()])
-            jobs = [t for t in topics if t.startswith("dask-train-") and "-g" not in t[11:]]
-            if jobs:
-                self.topic = sorted(jobs)[-1]
+            new = sorted(self._jobs() - self.before)
+            self.topic = new[0] if new else ""
         return self.topic
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -116,15 +149,15 @@ def _watch_writes(root: str, marker: str, after: int) -> None:
     complete checkpoints (manifests) exist."""
     base = Path(root)
     while True:
-        dirs = [d for d in base.iterdir() if d.is_dir()] if base.exists() else []
-        complete = [d for d in dirs if (d / "manifest.json").exists()]
-        if len(complete) >= after:
-            for d in dirs:
-                if d in complete:
-                    continue
-                for f in os.listdir(d):
-                    if ".tmp-" in f and f.startswith("shard-"):
-                        _kill_self(marker, str(d / f))
+        try:
+            dirs = [d for d in base.iterdir() if d.is_dir()] if base.exists() else []
+            complete = [d for d in dirs if (d / "manifest.json").exists()]
+            writing = [d / f for d in dirs if d not in complete for f in os.listdir(d)
+                       if ".tmp-" in f and f.startswith("shard-")]
+        except OSError:  # a directory pruned while we looked
+            continue
+        if len(complete) >= after and writing:
+            _kill_self(marker, str(writing[0]))
         time.sleep(0.0002)
 
 
@@ -159,6 +192,104 @@ def _watch_pauses(dask_worker: Any, marker: str, pause_id: int) -> None:
             if held.pause_id >= pause_id:
                 _kill_self(marker, f"{job} pause {held.pause_id}")
         time.sleep(0.0002)
+
+
+def running_trainers(client: Client) -> dict[str, list[str]]:
+    """Workers running a trainer (of any job: a search's trials too), as ``{"trainer": [...]}``."""
+    running = client.run_on_scheduler(_processing)
+    return {"trainer": sorted({w for key, where in running.items()
+                               if key.startswith("dt-worker-") for w in where})}
+
+
+class Schedule(dt.Callback):
+    """A seeded schedule of SIGKILLs during one fit, or the fits of a search (one at a time).
+
+    Kill ``i`` comes at a random share of the work (drawn from ``windows[i]``: the shares of
+    ``fits`` fits of ``planned`` samples each; a fit restarted from an earlier checkpoint goes
+    back and reaches it again), then a random delay of up to half a second, and hits a worker
+    holding a role of a random kind, all drawn from ``random.Random(seed)``. Each kill waits
+    for the cluster to be whole again (the nanny's new worker) and for a score after the one
+    before, so every kill meets a job that is running. Used as the job's callback: the scores
+    tell it the work done.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    seed : int
+    kinds : list of str
+        One kind of role per kill, in an order drawn from the seed.
+    roles : callable
+        ``roles()`` -> kind -> addresses of the workers holding such a role now.
+    planned : float
+        Samples one fit trains (epochs * rows).
+    workers : int
+        The cluster's size.
+    fits : int
+    """
+
+    def __init__(self, client: Client, *, seed: int, kinds: list[str],
+                 roles: Callable[[], Mapping[str, list[str]]], planned: float, workers: int,
+                 fits: int = 1, windows: tuple[tuple[float, float], ...] = (
+                     (0.1, 0.2), (0.3, 0.45), (0.5, 0.65))) -> None:
+        rng = random.Random(seed)
+        kinds = rng.sample(kinds, len(kinds))
+        self.plan = [(rng.uniform(lo, hi), rng.uniform(0.0, 0.5), kind, rng.random())
+                     for (lo, hi), kind in zip(windows, kinds)]
+        self.client, self.roles, self.planned, self.fits = client, roles, planned, fits
+        self.workers = workers
+        self.started = self.scores = 0
+        self.progress = 0.0
+        self.kills: list[dict[str, Any]] = []
+        self.ended = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="chaos")
+
+    def on_fit_start(self, info: Mapping[str, Any]) -> None:
+        self.started += 1
+        self.progress = (self.started - 1) / self.fits
+        if not self.thread.is_alive() and not self.kills:
+            self.thread.start()
+
+    def on_score(self, record: Mapping[str, Any]) -> None:
+        share = min(1.0, float(record.get("samples", 0)) / self.planned)
+        self.progress = (self.started - 1 + share) / self.fits
+        self.scores += 1
+
+    def stop(self) -> None:
+        """End the schedule (the job ended); waits for its thread."""
+        self.ended.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=70)
+
+    def _due(self, share: float, scores: int) -> bool:
+        if self.ended.is_set() or self.progress < share or self.scores <= scores:
+            return False
+        return len(alive(self.client)) >= self.workers
+
+    def _run(self) -> None:
+        scores = 0
+        for share, delay, kind, pick in self.plan:
+            while not self._due(share, scores):
+                if self.ended.wait(0.05):
+                    return
+            time.sleep(delay)
+            while not self._kill(kind, pick):
+                if self.ended.wait(0.05):
+                    return
+            scores = self.scores
+
+    def _kill(self, kind: str, pick: float) -> bool:
+        """Kill a worker holding a ``kind`` role now; False when none does (a generation
+        starting) or it died meanwhile."""
+        holders = sorted(set(self.roles().get(kind, [])) & alive(self.client))
+        if not holders:
+            return False
+        address = holders[int(pick * len(holders))]
+        try:
+            kill(self.client, address)
+        except Exception:  # gone between the two looks: pick again
+            return False
+        self.kills.append({"kind": kind, "worker": address, "progress": self.progress})
+        return True
 
 
 def summary(result: Any) -> Mapping[str, Any]:

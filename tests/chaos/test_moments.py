@@ -1,8 +1,8 @@
 """Lost workers at the worst moments, in both strategies: while a checkpoint is written, as the
 trainers pause for one, while the job restarts after a first loss.
 
-Each test runs on a cluster of its own (it kills its workers; the nannies restart them) and
-asserts what must hold after the job survived: every sample of every epoch applied exactly once
+The tests run on a cluster of their own (they kill its workers; the nannies restart them) and
+assert what must hold after the job survived: every sample of every epoch applied exactly once
 (the ledger and the servers' count), the generations and failures it took, the accuracy reached.
 """
 
@@ -18,21 +18,35 @@ from pathlib import Path
 import dask.array as da
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import dask_train as dt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _faults import JobWatch, kill, kill_at_pause, kill_while_writing, pid_of, summary  # noqa: E402
+from _faults import (  # noqa: E402
+    JobWatch,
+    kill,
+    kill_at_pause,
+    kill_while_writing,
+    killable_cluster,
+    pid_of,
+    summary,
+)
 
 STRATEGIES = ["async-ps", "sync"]
 
 
-@pytest.fixture()
-def own_client() -> Iterator[Client]:
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+@pytest.fixture(scope="module")
+def cluster_client() -> Iterator[Client]:
+    # Its own cluster: these tests kill its workers.
+    with killable_cluster() as client:
         yield client
+
+
+@pytest.fixture()
+def own_client(cluster_client: Client) -> Iterator[Client]:
+    cluster_client.wait_for_workers(2, timeout=60)  # the last test's victims are back
+    yield cluster_client
 
 
 def _data(n: int = 12_000, chunks: int = 1000):

@@ -42,3 +42,24 @@ def test_a_rank_lost_while_starting_beyond_max_failures_raises_naming_it() -> No
     assert (run.error.role, run.error.worker) == ("worker-1", failure.worker)
     assert "failure 1 is more than max_failures=0" in str(run.error)
     assert run.phases == [S, E]
+
+
+def test_a_lost_worker_counts_once_whatever_roles_it_held() -> None:
+    # One worker held a trainer and the scorer: one loss against max_failures=1, not two.
+    # A scorer raising on another worker in the same pass is a loss of its own.
+    lost, other = "tcp://10.0.0.6:4000", "tcp://10.0.0.7:4000"
+    faults = [Fault(Failure("worker", 1, lost, "removed from the scheduler")),
+              Fault(Failure("scorer", 0, lost, "removed from the scheduler"))]
+    engine = FakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))], ends_at=0.1,
+                        strategy="async-ps", faults=faults)
+    spec = _spec(strategy="async-ps", failure=FailureConfig(max_failures=1))
+    outcome = _ok(_run([engine], spec, roles={"ps": 1, "worker": 2, "scorer": 1}))
+    assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
+        [("worker-1", "continue", 1), ("scorer-0", "replace", 1)]
+
+    faults.append(Fault(Failure("scorer", 0, other, "the scorer raised ValueError: boom")))
+    engine = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
+                        faults=faults)
+    run = _run([engine], spec, roles={"ps": 1, "worker": 2, "scorer": 1})
+    assert isinstance(run.error, WorkerLost) and run.error.worker == other
+    assert "failure 2 is more than max_failures=1" in str(run.error)

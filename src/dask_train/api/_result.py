@@ -48,7 +48,9 @@ class FitResult:
     trainers : list of dict
         Each trainer's own count of steps and samples.
     failures : list of dict
-        Each lost or failed role: when, which worker, the cause and what the job did about it.
+        Each lost or failed role: when, which worker, the cause and what the job did about it;
+        ``loss`` numbers the losses (roles of one lost worker share it), which ``max_failures``
+        counts.
     checkpoints : list of dict
         Each checkpoint written: directory, step, seconds to write.
     nonfinite : list of dict

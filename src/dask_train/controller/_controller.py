@@ -29,6 +29,7 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._placement import Roles
+from dask_train.policy._scope import current_scope
 from dask_train.policy.callbacks import run_callbacks
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
@@ -323,8 +324,10 @@ class Controller:
         alive = await alive_workers(self.client)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
-        for failure in failures:
-            action = self._decide(engine, failure, alive)
+        for i, failure in enumerate(failures):
+            # A worker that held several roles (a trainer and the scorer) is one loss.
+            again = any(f.worker == failure.worker for f in failures[:i])
+            action = self._decide(engine, failure, alive, same_loss=again)
             if action is Action.RESTART:
                 return failure
             if action is Action.REPLACE:
@@ -335,17 +338,21 @@ class Controller:
             await engine.adopt_workers(alive)
         return None
 
-    def _decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int]) -> Action:
+    def _decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int], *,
+                same_loss: bool = False) -> Action:
+        """The policy's action on one lost role; ``same_loss``: its worker's loss was counted
+        with another role (max_failures counts lost workers, not the roles they held)."""
         live = engine.live_trainers() - (1 if failure.kind == "worker" else 0)
+        loss = len({f["loss"] for f in self.log.failures}) + (0 if same_loss else 1)
         status = JobStatus(
-            strategy=engine.strategy, failure=failure, failures=len(self.log.failures) + 1,
+            strategy=engine.strategy, failure=failure, failures=loss,
             live_trainers=max(0, live), live_workers=len(alive),
             has_checkpoint=bool(self.log.checkpoints) or self.restore is not None)
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,
             "cause": failure.cause, "action": decision.action.value, "reason": decision.reason,
-            "generation": self.state.generation,
+            "generation": self.state.generation, "loss": loss,
         })
         self.publisher.publish({"kind": "failure", **self.log.failures[-1]})
         logger.warning("%s on %s: %s -> %s (%s)", failure.role, failure.worker, failure.cause,
@@ -371,8 +378,10 @@ class Controller:
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
-        # counted a worker the nanny had already restarted twice and waited the whole 10 s.
-        while len(alive) < self.cluster_size and time.monotonic() < deadline:
+        # counted a worker the nanny had already restarted twice and waited the whole 10 s. A
+        # job on reserved workers (a search's trial) never sees the new one: no wait.
+        size = self.cluster_size if current_scope() is None else 0
+        while len(alive) < size and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             alive = await alive_workers(self.client)
         self.roles = self.plan(alive)

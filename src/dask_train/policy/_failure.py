@@ -35,7 +35,9 @@ class FailureConfig:
     ----------
     max_failures : int
         Losses handled (continued, replaced or restarted from a checkpoint) before the job stops
-        with :class:`~dask_train.errors.WorkerLost`; 0 raises at the first loss.
+        with :class:`~dask_train.errors.WorkerLost`; 0 raises at the first loss. A lost worker
+        is one loss whatever roles it held (a trainer and the scorer); a role that raises on a
+        live worker is one too.
 
     Examples
     --------
@@ -101,7 +103,8 @@ class JobStatus:
     failure : Failure
         The loss being decided.
     failures : int
-        Losses so far in this job, this one included.
+        Losses so far in this job, this one included (a lost worker counts once, whatever
+        roles it held).
     live_trainers : int
         Trainers still running after this loss.
     live_workers : int

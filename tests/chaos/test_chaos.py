@@ -1,0 +1,135 @@
+"""Chaos: a job in each strategy, and a search, during which a seeded schedule SIGKILLs three
+workers at random moments (a trainer's, a parameter server's, the scorer's, a search trial's);
+the nannies restart them. Each job still reaches the accuracy of the same training in plain
+torch (less a margin for async staleness) and applies every sample of every epoch exactly once
+(its ledger, and the servers' count).
+
+The moments are shares of the work, not seconds: a loaded machine makes the job slower, not the
+kills later than its end. ``_faults.Schedule`` draws them, the victims' kinds and the delays from
+``random.Random(SEED)``; a failure prints the kills it made.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+
+import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _faults import JobWatch, Schedule, killable_cluster, running_trainers, summary  # noqa: E402
+
+SEED = 24
+ROWS, EPOCHS, BATCH = 32_000, 12, 32
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    # Its own cluster: these tests kill its workers.
+    with killable_cluster() as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def _whole_cluster(client: Client) -> Iterator[None]:
+    yield
+    client.wait_for_workers(2, timeout=60)  # the nanny brings the last victim back
+
+
+def _arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    # Three classes from a fixed linear map of eight features.
+    x = np.random.default_rng(seed).normal(size=(n, 8)).astype(np.float32)
+    return x, (x @ np.random.default_rng(0).normal(size=(8, 3))).argmax(axis=1)
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+@pytest.fixture(scope="module")
+def data() -> dict[str, object]:
+    """The training data, held-out data, and what plain torch reaches on them in one epoch."""
+    x, y = _arrays(ROWS, seed=1)
+    xv, yv = _arrays(4000, seed=2)
+    torch.manual_seed(0)
+    # One thread: two of a loaded 2-core machine made the thousand steps 15 times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    net, X, Y = _net(), torch.from_numpy(x), torch.from_numpy(y)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for i in range(0, ROWS, BATCH):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(X[i:i + BATCH]), Y[i:i + BATCH]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        reference = float((net(torch.from_numpy(xv)).argmax(1).numpy() == yv).mean())
+    torch.set_num_threads(threads)
+    return {"X": da.from_array(x, chunks=(1000, 8)), "y": da.from_array(y, chunks=1000),
+            "validation": (xv, yv), "reference": reference}
+
+
+def _trainer(client: Client, strategy: str, **kw: object) -> dt.Trainer:
+    options: dict[str, object] = dict(
+        strategy=strategy, lr=1e-2, ps=0 if strategy == "sync" else 1, workers=2,
+        batch_size=BATCH, epochs=EPOCHS, score_every=0.3, timeout=30, progress=False,
+        client=client, failure=dt.FailureConfig(max_failures=3))
+    return dt.Trainer(_net(), **{**options, **kw})
+
+
+def _assert_every_sample_once(result: dt.FitResult) -> None:
+    per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert result.epochs_completed == EPOCHS, summary(result)
+    assert len(per_block) == EPOCHS * ROWS // 1000 and (per_block == 1000).all(), per_block
+    assert result.samples == EPOCHS * ROWS  # the servers applied each sample once
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+def test_three_workers_killed_at_random_moments_of_a_job(client: Client, data: dict,
+                                                         tmp_path: Path, strategy: str) -> None:
+    watch = JobWatch(client)
+    chaos = Schedule(client, seed=SEED, kinds=["trainer", "server", "scorer"], roles=watch.roles,
+                     planned=EPOCHS * ROWS, workers=2)
+    checkpoint = dt.CheckpointConfig(str(tmp_path), every_seconds=2.0, keep=2)
+    try:
+        result = _trainer(client, strategy, callbacks=[chaos], checkpoint=checkpoint).fit(
+            data["X"], data["y"], validation=data["validation"])
+    finally:
+        chaos.stop()
+    assert len(chaos.kills) == 3, (chaos.kills, summary(result))
+    killed = {k["worker"] for k in chaos.kills}
+    assert killed <= {f["worker"] for f in result.failures}, (chaos.kills, summary(result))
+    _assert_every_sample_once(result)
+    # The same model and data in plain torch, one epoch; the job trained twelve.
+    assert result.history["accuracy"].iloc[-1] >= data["reference"] - 0.03, summary(result)
+
+
+@pytest.mark.timeout(300)
+def test_three_trial_holders_killed_at_random_moments_of_a_search(client: Client,
+                                                                  data: dict) -> None:
+    epochs = 4
+    chaos = Schedule(client, seed=SEED, kinds=["trainer"] * 3,
+                     roles=lambda: running_trainers(client), planned=epochs * ROWS, workers=2,
+                     fits=3)
+    trainer = _trainer(client, "async-ps", epochs=epochs, callbacks=[chaos])
+    try:
+        search = dt.search(trainer, {"lr": [3e-3, 1e-2]}, data["X"], data["y"],
+                           validation=data["validation"], n_trials=3, max_concurrent=1,
+                           retries=2, pruner=None, timeout=60, progress=False, client=client)
+    finally:
+        chaos.stop()
+    trials = search.trials
+    assert len(chaos.kills) == 3, (chaos.kills, trials)
+    assert list(trials["state"]) == ["complete"] * 3, trials
+    for record in search.records:
+        per_block = record.result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+        assert len(per_block) == epochs * ROWS // 1000 and (per_block == 1000).all()
+        assert record.result.samples == epochs * ROWS
+    assert search.best_score >= data["reference"] - 0.03, trials
