@@ -3,8 +3,25 @@ the scripted engine and the real in-process cluster these tests run on)."""
 
 from __future__ import annotations
 
-from _fake_engine import FD, RS, E, F, FakeEngine, Fault, R, S, _ok, _run, _spec  # noqa: E402
+from pathlib import Path
 
+import pytest
+from _fake_engine import (  # noqa: E402
+    FD,
+    RS,
+    E,
+    F,
+    FakeEngine,
+    Fault,
+    R,
+    S,
+    _earlier_checkpoint,
+    _ok,
+    _run,
+    _spec,
+)
+
+from dask_train.checkpoint import CheckpointConfig
 from dask_train.engines._events import Epochs, Progress
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Failure, FailureConfig
@@ -63,3 +80,22 @@ def test_a_lost_worker_counts_once_whatever_roles_it_held() -> None:
     run = _run([engine], spec, roles={"ps": 1, "worker": 2, "scorer": 1})
     assert isinstance(run.error, WorkerLost) and run.error.worker == other
     assert "failure 2 is more than max_failures=1" in str(run.error)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_restart_says_how_many_samples_are_trained_again(tmp_path: Path,
+                                                            checkpoint: bool) -> None:
+    # The lost generation's ledger had 40 samples applied; a checkpoint (resumed) held 10 of
+    # them, the initial state none: the rest are trained again, and the failure says how many.
+    config = CheckpointConfig(tmp_path, every_seconds=None) if checkpoint else None
+    if config is not None:
+        _earlier_checkpoint(config, step=1)  # 10 samples
+    lost = Failure("worker", 0, "tcp://10.0.0.4:4000", "removed from the scheduler")
+    first = FakeEngine([(0.0, Progress(step=4))], faults=[Fault(lost, at=0.1)])
+    second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))], ends_at=0.1)
+    run = _run([first, second], _spec(checkpoint=config), resume=checkpoint)
+    outcome = _ok(run)
+
+    redone = 30 if checkpoint else 40
+    assert [(f["action"], f["redone"]) for f in outcome.log.failures] == [("restart", redone)]
+    assert run.published[run.kinds.index("generation")]["redone"] == redone

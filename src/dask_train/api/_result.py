@@ -50,7 +50,8 @@ class FitResult:
     failures : list of dict
         Each lost or failed role: when, which worker, the cause and what the job did about it;
         ``loss`` numbers the losses (roles of one lost worker share it), which ``max_failures``
-        counts.
+        counts; a restart's ``redone`` is how many samples the ledger had seen applied since
+        the checkpoint it restarts from (or since the start), which are trained again.
     checkpoints : list of dict
         Each checkpoint written: directory, step, seconds to write.
     nonfinite : list of dict

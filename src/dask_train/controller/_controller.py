@@ -369,12 +369,18 @@ class Controller:
         """
         self.state.enter(Phase.RESTARTING)
         t0 = time.time()
+        applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
         await engine.close()
         # The newest checkpoint (the one resumed from, if none was written since), else the
         # initial parameters: the next generation trains again what was lost with them.
         newest = None if self.checkpoints is None else self.checkpoints.load(
             n_params=self.spec.n_params, strategy=self.spec.strategy)
         self.restore = newest if newest is not None else self.restore
+        # What the ledger had seen applied since then, to be applied again (once: the next
+        # generation's ledger starts from the checkpoint's, or from nothing).
+        kept = int(self.restore.manifest.get("samples", 0)) if self.restore else 0
+        redone = max(0, applied - kept)
+        self.log.failures[-1]["redone"] = redone
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
@@ -390,10 +396,11 @@ class Controller:
         self.state.pause_id, self.state.next_pause_id = 0, 1
         self.state.enter(Phase.STARTING)
         self.publisher.publish({"kind": "generation", "generation": self.state.generation,
-                                "roles": dict(self.roles.placement)})
-        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost)",
-                       self.state.generation, self.restore.directory if self.restore else None,
-                       self.roles, time.time() - t0, failure.role)
+                                "roles": dict(self.roles.placement), "redone": redone})
+        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
+                       "samples applied since are trained again", self.state.generation,
+                       self.restore.directory if self.restore else "the initial parameters",
+                       self.roles, time.time() - t0, failure.role, redone)
 
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending:
