@@ -2,7 +2,8 @@
 
 Usage::
 
-    python benchmarks/time_to_accuracy.py [--repeats 3] [--systems torch1,torch2,ddp,async-ps,sync]
+    python benchmarks/time_to_accuracy.py [--repeats 3]
+                                          [--systems torch1,torch2,ddp,async-ps,sync,dt-run]
                                           [--with-ray] [--quick]
 
 The job (the same for every system): the digits inflated to 1.1M rows (``dt.datasets.digits``,
@@ -24,6 +25,10 @@ The systems:
 * ``async-ps``, ``sync``: ``dt.connect(n_workers=2)``, ``dt.from_npy``, and ``dt.Trainer`` with
   ``global_batch_size=128`` on 2 trainers, ``score_every=0.5``, ``StopAtScore("accuracy", 0.97)``
   (async-ps: 1 parameter server; the defaults otherwise).
+* ``dt-run``: ``dt.run`` with the hand-written DDP runner's loop as a user would port it: the
+  model through ``ctx.prepare`` (DDP), batches of 64 from ``ctx.batches`` (``dt.from_npy``
+  blocks, each rank its share), every 100 batches rank 0 scores and every rank calls
+  ``ctx.report``; ``StopAtScore("accuracy", 0.97)`` stops the job.
 * ``ray`` (``--with-ray``): Ray Train's ``TorchTrainer``, 2 CPU workers, each reading half of the
   files, batches of 64, rank 0 scoring every 0.5 s.
 
@@ -50,7 +55,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TARGET, SCORE_EVERY, LR, GLOBAL_BATCH = 0.97, 0.5, 1e-3, 128
-SYSTEMS = ("torch1", "torch2", "ddp", "async-ps", "sync")
+SYSTEMS = ("torch1", "torch2", "ddp", "async-ps", "sync", "dt-run")
+REPORT_EVERY = 100  # batches between dt.run reports (about SCORE_EVERY s of a rank's training)
 
 
 # -- the data, written once ------------------------------------------------------------------------
@@ -228,6 +234,57 @@ def run_dask_train(data: Path, strategy: str, limit_s: float) -> None:
     client.close()
 
 
+def _dt_run_loop(ctx: Any, deadline: float) -> dict[str, Any]:
+    """The DDP runner's loop under dt.run: ctx.batches instead of each rank's files, and
+    ctx.report (every rank, every REPORT_EVERY batches) instead of the stop all-reduce."""
+    import torch
+
+    torch.set_num_threads(1)
+    net = ctx.prepare(_mlp())
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    xv, yv = ctx.dataset("val")
+    first = None
+    for _ in ctx.epochs(1000):
+        for i, (xb, yb) in enumerate(ctx.batches(batch_size=GLOBAL_BATCH // ctx.world_size)):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+            first = first or time.time()
+            if i % REPORT_EVERY == REPORT_EVERY - 1:
+                acc = None
+                if ctx.rank == 0:
+                    with torch.no_grad():
+                        acc = float((net.module(xv).argmax(1) == yv).float().mean())
+                ctx.report({"accuracy": acc} if acc is not None else {})
+                if ctx.should_stop() or time.time() > deadline:
+                    break
+        if ctx.should_stop() or time.time() > deadline:
+            break
+    return {"first_step": first}
+
+
+def run_dt_run(data: Path, limit_s: float) -> None:
+    """dt.run on the embedded cluster: the user's own loop."""
+    import torch  # noqa: F401
+
+    import dask_train as dt
+
+    client = dt.connect(n_workers=2, quiet=True)
+    X = dt.from_npy(sorted(data.glob("x-*.npy")))
+    y = dt.from_npy(sorted(data.glob("y-*.npy")))
+    result = dt.run(_dt_run_loop, workers=2, client=client,
+                    data={"train": (X, y), "val": dt.datasets.digits_test()},
+                    config={"deadline": time.time() + limit_s},
+                    stop=[dt.StopAtScore("accuracy", TARGET), dt.StopAfter(seconds=limit_s)])
+    hist = result.history
+    hit = hist[hist["accuracy"] >= TARGET] if "accuracy" in hist else hist.iloc[:0]
+    _report(first_step=result.returns[0]["first_step"],
+            target=result.started_at + float(hit["time_s"].iloc[0]) if len(hit) else None,
+            accuracy=float(hist["accuracy"].max()) if len(hist) else None, steps=result.steps,
+            timings=result.timings)
+    client.close()
+
+
 def _ray_loop(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
@@ -266,6 +323,8 @@ def child(system: str, data: Path, limit_s: float) -> None:
         run_ddp(data, limit_s)
     elif system == "ray":
         run_ray(data, limit_s)
+    elif system == "dt-run":
+        run_dt_run(data, limit_s)
     else:
         run_dask_train(data, system, limit_s)
 
@@ -331,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                   + (f" ERROR {run['error'][-300:]}" if "error" in run else ""), flush=True)
     names = {"torch1": "plain torch, 1 thread", "torch2": "plain torch, 2 threads",
              "ddp": "hand-written DDP, 2 processes (gloo)", "async-ps": "dask-train async-ps",
-             "sync": "dask-train sync", "ray": "Ray Train, 2 workers"}
+             "sync": "dask-train sync", "ray": "Ray Train, 2 workers",
+             "dt-run": "dask-train dt.run (the DDP loop, ported)"}
     rows = [{"system": names[s], "setup (s)": _summary(runs[s], "setup_s"),
              f"script start to {TARGET} (s)": _summary(runs[s], "to_target_s"),
              "trainers waiting (%)": _summary([{"w": 100 * r["wait_share"]} for r in runs[s]
@@ -349,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"dask-train {best} / plain torch 2 threads: {med[best] / med['torch2']:.2f}x")
     if best and "ddp" in med:
         notes.append(f"dask-train {best} / hand-written DDP: {med[best] / med['ddp']:.2f}x")
+    if "dt-run" in med and "ddp" in med:
+        notes.append(f"dt.run / hand-written DDP: {med['dt-run'] / med['ddp']:.2f}x")
+    if "dt-run" in med and "ray" in med:
+        notes.append(f"Ray Train / dt.run: {med['ray'] / med['dt-run']:.2f}x")
     print("\n".join(notes))
     dt_timings = {s: [r.get("timings") for r in runs[s]] for s in ("async-ps", "sync") if s in runs}
     write_results("time-to-accuracy" + ("-quick" if args.quick else ""),

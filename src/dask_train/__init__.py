@@ -32,6 +32,8 @@ _LAZY = {
     # the public API: the Trainer and what it returns
     "Trainer": ".api",
     "FitResult": ".api",
+    "run": ".api",
+    "RunResult": ".api",
     # pure policies and settings
     "Callback": ".policy",
     "History": ".policy",
@@ -94,6 +96,7 @@ __all__ = [
     "PoissonRegression",
     "RoleFailed",
     "Roles",
+    "RunResult",
     "SearchResult",
     "StopAfter",
     "StopAtScore",
@@ -112,6 +115,7 @@ __all__ = [
     "intuniform",
     "loguniform",
     "predict",
+    "run",
     "search",
     "softmax_regression",
     "start_roles",
@@ -123,7 +127,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
     from dask_train import callbacks, datasets
-    from dask_train.api import FitResult, Trainer
+    from dask_train.api import FitResult, RunResult, Trainer, run
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.classical import (
         LinearRegression,

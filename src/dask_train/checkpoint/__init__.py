@@ -17,6 +17,7 @@ from dask_train.checkpoint._shard import (
     restore_optimizer,
     save_shard,
 )
+from dask_train.checkpoint._state import load_state, save_state
 from dask_train.checkpoint._store import CheckpointConfig, CheckpointStore
 
 __all__ = [
@@ -26,10 +27,12 @@ __all__ = [
     "load_metadata",
     "load_module",
     "load_shard",
+    "load_state",
     "load_tensors",
     "read_slice",
     "restore_optimizer",
     "save_module",
     "save_shard",
+    "save_state",
     "save_tensors",
 ]

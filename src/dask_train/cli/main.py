@@ -3,7 +3,8 @@
 ``dask-train demo`` trains the digits MLP with asynchronous parameter servers on the embedded
 cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
 ``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
-of each shows an example) and write a run directory. ``dask-train bench`` measures throughput
+of each shows an example) and write a run directory; ``dask-train run module:function
+CONFIG.yaml`` runs your own training function on every rank (``dt.run``). ``dask-train bench`` measures throughput
 over a grid of trainers x parameter servers x model sizes (x link rates).
 """
 
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint under --checkpoint")
     _add_config_commands(commands)
+    from dask_train.cli._run import add_run_command
+
+    add_run_command(commands)
     from dask_train.bench._cli import DESCRIPTION, add_arguments
 
     add_arguments(commands.add_parser(
@@ -150,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo(args)
         if args.command in _CONFIG_COMMANDS:
             return run_config(args)
+        if args.command == "run":
+            from dask_train.cli._run import run_command
+
+            return run_command(args)
         if args.command == "bench":
             from dask_train.bench._cli import run
 

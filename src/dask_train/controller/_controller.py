@@ -23,7 +23,15 @@ from distributed import Client
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
-from dask_train.engines._events import Epochs, Event, NonFinite, Score, Started, Stats
+from dask_train.engines._events import (
+    Epochs,
+    Event,
+    NonFinite,
+    ReportReady,
+    Score,
+    Started,
+    Stats,
+)
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
@@ -86,6 +94,8 @@ class Controller:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
+        # A report every rank of a dt.run job made and waits on (its checkpoint, then resume).
+        self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
 
@@ -148,6 +158,7 @@ class Controller:
                 if ended and not self.state.stopped_by and self.events.empty():
                     self._stop(self._natural_end(engine))
                 await self._checkpoint_step(engine, now)
+                await self._report_step(engine)
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
                 failure = await self._check_roles(engine)
@@ -194,6 +205,8 @@ class Controller:
                     self._stop("callback")
         elif isinstance(event, Stats):
             run_callbacks(self.spec.callbacks, "on_stats", event.message())
+        elif isinstance(event, ReportReady):
+            self.pending_report = event
 
     def _on_nan(self, event: NonFinite) -> None:
         role = f"worker-{event.trainer}" if event.trainer >= 0 else "worker"
@@ -260,7 +273,7 @@ class Controller:
     # -- checkpoints ------------------------------------------------------------------------------
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
         ckpt, state = self.checkpoints, self.state
-        if ckpt is None:
+        if ckpt is None or not engine.schedules_checkpoints:
             return
         if state.phase is Phase.RUNNING:
             # Not once a stop is decided (in this same pass): the final checkpoint follows.
@@ -295,6 +308,31 @@ class Controller:
                 state.last_checkpoint_time = time.time()  # nothing new to save
         finally:
             await self._end_pause(engine)
+        if info is not None:
+            self.log.checkpoints.append(info)
+
+    async def _report_step(self, engine: Engine) -> None:
+        """Every rank reported (its score is in): write the checkpoint it carries, let them go on."""
+        report, self.pending_report = self.pending_report, None
+        if report is None:
+            return
+        if report.checkpoint:
+            await self._write_report(engine, report)
+        await engine.resume(report.id)
+
+    async def _write_report(self, engine: Engine, report: ReportReady) -> None:
+        """Write the checkpoint the ranks reported (they wait, paused, until it is written)."""
+        snapshot = engine.paused(report.id)
+        if self.checkpoints is None or snapshot is None:
+            return
+        try:
+            info = await self.checkpoints.write(
+                engine, self.state, self._manifest(snapshot.ledger, snapshot.rng),
+                step=snapshot.step, generation=self.state.generation, pause_s=0.0)
+        except WorkerLost as exc:
+            # The next look at the roles acts on the loss, from the checkpoint before.
+            logger.warning("checkpoint at step %d abandoned: %s", snapshot.step, exc)
+            return
         if info is not None:
             self.log.checkpoints.append(info)
 
@@ -368,6 +406,7 @@ class Controller:
         and the new generation should use it.
         """
         self.state.enter(Phase.RESTARTING)
+        self.pending_report = None  # its ranks are gone with their generation
         t0 = time.time()
         applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
         await engine.close()
@@ -406,6 +445,14 @@ class Controller:
     async def _finish(self, engine: Engine) -> Ending:
         """Stop the engine, close the history with the final score, write the final checkpoint."""
         self.state.enter(Phase.FINISHING)
+        if not engine.schedules_checkpoints:
+            # A stop decided while every rank waits on a report (its score stopped the job):
+            # the checkpoint it carries is the job's last.
+            while self.pending_report is None and not self.events.empty():
+                self._on_event(self.events.get_nowait())
+            report, self.pending_report = self.pending_report, None
+            if report is not None and report.checkpoint:
+                await self._write_report(engine, report)
         ending = await engine.stop(keep_step=self.state.stop_step)
         while not self.events.empty():  # the trainers' last events
             self._on_event(self.events.get_nowait())
@@ -415,7 +462,8 @@ class Controller:
             ending.buffers = final.get("buffers")  # and the buffers they were scored with
         elif final is not None and final["record"] is not None:
             self.on_score(final["record"])  # the final parameters' score closes the history
-        if self.checkpoints is not None and not self.state.nan_stop:
+        if self.checkpoints is not None and not self.state.nan_stop and \
+                engine.schedules_checkpoints:
             manifest = self._manifest(engine.ledger_state(), ending.rng)
             info = await self.checkpoints.write(engine, self.state, manifest, step=ending.steps,
                                                 generation=self.state.generation, pause_s=0.0)

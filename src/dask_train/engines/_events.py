@@ -19,6 +19,11 @@ NonFinite     a trainer whose loss is not finite    controller (``on_nan``)
 Stats         a trainer or server, once a second    controller (``Callback.on_stats``), monitor
 Epochs        the engine, as epochs complete        controller (``on_epoch_end``)
 Progress      the engine, as its step count moves   controller (checkpoint scheduling)
+Reported      a ``dt.run`` rank's ``ctx.report``    run engine (scores, snapshot)
+ShareDone     a ``dt.run`` rank out of its epoch's    run engine (reports stop waiting for it)
+              share
+ReportReady   the run engine, once every rank       controller (checkpoint, then resume)
+              reported
 ============  ====================================  ==============================================
 
 Examples
@@ -157,10 +162,58 @@ class Progress(_Event):
     step: int
 
 
-Event = Started | Block | Paused | Exit | Score | NonFinite | Stats | Epochs | Progress
+@dataclass(frozen=True)
+class Reported(_Event):
+    """A ``dt.run`` rank called ``ctx.report`` for the ``id``-th time and waits for the controller.
+
+    ``position`` is where it is in its data ([epoch, block, rows] or None between blocks),
+    ``samples`` the rows it has read in this generation, ``next_epoch`` the epoch a restart from
+    this report begins (the current one, or the next when its batches were all read).
+    ``checkpoint``: the rank holds a state to write; ``reduce``: how the ranks' ``metrics`` are
+    combined (None: rank 0's).
+    """
+
+    kind: ClassVar[str] = "reported"
+    trainer: int
+    id: int
+    steps: int
+    samples: int
+    position: list[int] | None
+    rng: str
+    next_epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: bool = False
+    reduce: str | None = None
+
+
+@dataclass(frozen=True)
+class ShareDone(_Event):
+    """A ``dt.run`` rank read its whole share of ``epoch`` after ``reports`` reports: until the
+    epoch ends on every rank, the reports the others make inside their batch loops do not wait
+    for it."""
+
+    kind: ClassVar[str] = "share-done"
+    trainer: int
+    epoch: int
+    reports: int
+
+
+@dataclass(frozen=True)
+class ReportReady(_Event):
+    """Every running rank reported ``id`` (its :class:`Score`, if any, was emitted just before):
+    the controller writes the checkpoint when ``checkpoint``, then lets the ranks go on."""
+
+    kind: ClassVar[str] = "report-ready"
+    id: int
+    checkpoint: bool
+
+
+Event = (Started | Block | Paused | Exit | Score | NonFinite | Stats | Epochs | Progress | Reported
+         | ShareDone | ReportReady)
 
 _KINDS: dict[str, type[_Event]] = {
-    cls.kind: cls for cls in (Started, Block, Paused, Exit, Score, NonFinite, Stats, Epochs, Progress)
+    cls.kind: cls for cls in (Started, Block, Paused, Exit, Score, NonFinite, Stats, Epochs, Progress,
+                              Reported, ShareDone, ReportReady)
 }
 _SCORE_FIELDS = ("kind", "step", "samples", "wall", "nonfinite", "worker")
 

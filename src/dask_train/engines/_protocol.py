@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from dask_train.engines._events import Event
 from dask_train.policy._failure import Failure
@@ -73,6 +73,10 @@ class Engine(ABC):
     #: The failure policy's name of this engine's kind ("async-ps" or "sync").
     strategy: str = "sync"
     roles: Roles
+    #: False for an engine whose trainers say when to checkpoint (``dt.run``'s ranks, at a
+    #: ``ctx.report(checkpoint=...)``, see :class:`~._events.ReportReady`): the controller then
+    #: never pauses it on a schedule and writes no final checkpoint of its own.
+    schedules_checkpoints: ClassVar[bool] = True
 
     @abstractmethod
     async def start(self, emit: Emit) -> None:

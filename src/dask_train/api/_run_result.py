@@ -1,0 +1,77 @@
+"""What ``dt.run`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dask_train.policy._placement import Roles
+
+
+@dataclass
+class RunResult:
+    """What ``dt.run`` returns.
+
+    Attributes
+    ----------
+    returns : list
+        What the function returned on each rank (of the last generation), by rank.
+    history : pandas.DataFrame
+        One row per ``ctx.report`` with metrics: ``time_s, step, epoch, samples`` and the metrics.
+    stopped_by : str
+        What ended the job: a stop condition's description, a callback, or ``"trainers ended"``
+        when every rank's function returned.
+    steps, samples : int
+        Batches rank 0 took, and rows all ranks read (restored counts included).
+    epochs_completed : int
+        Epochs whose every row was read.
+    wall_s : float
+        Seconds from the first rank's start to the end of the job.
+    ledger : pandas.DataFrame
+        One row per (epoch, block) handed out: rank, rows, rows read.
+    roles : Roles
+        Where the ranks ran (``roles["worker"][rank]``).
+    ranks : list of dict
+        Each rank's counts and where its time went.
+    failures, checkpoints : list of dict
+        Each lost rank (when, which worker, the cause, what the job did), each checkpoint written.
+    generations : int
+        1, plus one per restart.
+    timings : dict
+        Seconds per phase, as :attr:`FitResult.timings <dask_train.FitResult.timings>`.
+    started_at : float
+        When the job started (``time.time()``): the origin of ``history.time_s``.
+    """
+
+    returns: list[Any]
+    history: pd.DataFrame
+    stopped_by: str
+    steps: int
+    samples: int
+    epochs_completed: int
+    wall_s: float
+    ledger: pd.DataFrame
+    roles: Roles
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    generations: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The newest checkpoint's directory, None when none was written."""
+        return self.checkpoints[-1]["directory"] if self.checkpoints else None
+
+    def load_checkpoint(self) -> Any:
+        """The state the newest checkpoint holds, as the function reported it (None without)."""
+        if self.checkpoint is None:
+            return None
+        from dask_train.checkpoint import load_state
+        from dask_train.checkpoint._store import shard_name
+
+        return load_state(f"{self.checkpoint.rstrip('/')}/{shard_name(0)}")

@@ -1,0 +1,179 @@
+"""``dask-train run module:function [CONFIG.yaml]``: the user's own training function (``dt.run``)
+from the command line, its settings in a YAML file checked in full before any work."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dask_train.errors import InvalidInput
+
+EXAMPLE = """\
+# dask-train run mytrain:train CONFIG.yaml
+config: {lr: 0.001, epochs: 5}      # the function's keyword arguments: train(ctx, lr=..., epochs=...)
+data:
+  train: {X: data/X.npy, y: data/y.npy}       # streamed: ctx.batches()
+  validation: {X: data/Xv.npy, y: data/yv.npy} # whole on every rank: ctx.dataset("validation")
+  chunk_rows: 100000
+run:                                # dt.run's arguments
+  workers: 2                        # or [least, most]
+  batch_size: 64
+  checkpoint: runs/ckpt             # a directory or fsspec URL; keep: 3
+  max_failures: 3
+  resume: false
+stop: {accuracy: 0.97, minutes: 30}
+cluster: {scheduler: null, n_workers: 2}
+out: runs/mine
+"""
+
+_SECTIONS = ("config", "data", "run", "stop", "cluster", "out")
+_RUN_KEYS = ("workers", "epochs", "batch_size", "seed", "shuffle", "blocks_ahead", "timeout",
+             "device", "checkpoint", "keep", "max_failures", "resume")
+
+
+def add_run_command(commands: Any) -> None:
+    """The ``run`` sub-command."""
+    command = commands.add_parser(
+        "run", help="run your own training function on every rank (dt.run)",
+        description="Run FUNCTION(ctx, **config) on one rank per Dask worker (dt.run), with the "
+        "config's data, stop conditions and checkpoints; the config is checked in full first.",
+        epilog=f"example config:\n\n{EXAMPLE}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_argument("target", help="module:function, the module importable from the "
+                         "config's directory or the current one")
+    command.add_argument("config", type=Path, nargs="?", default=None, help="the YAML config")
+    command.add_argument("--scheduler", default=None, help="Dask scheduler address")
+    command.add_argument("--out", type=Path, default=None, help="run directory")
+    command.add_argument("--check", action="store_true", help="check and exit")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``dask-train run``: check everything, run, write the run directory."""
+    from dask_train.cli._commands import _connect, run_dir
+
+    config, fn, sections = _load(args)
+    kwargs = _run_kwargs(config, fn, sections)
+    if args.check:
+        print(f"{args.target}: ok for dask-train run")
+        return 0
+    import dask_train as dt
+
+    with _connect(config, args.scheduler) as client:
+        result = dt.run(fn, client=client, **kwargs)
+    out = run_dir(config, "run", args.out)
+    summary = {"stopped_by": result.stopped_by, "steps": result.steps, "samples": result.samples,
+               "epochs_completed": result.epochs_completed, "wall_s": result.wall_s,
+               "generations": result.generations, "checkpoint": result.checkpoint,
+               "returns": [repr(r) for r in result.returns]}
+    result.history.to_csv(out / "history.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(json.dumps(summary, indent=2, default=str))
+    print(f"run      {out}")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The checked config and the function; every problem at once."""
+    import yaml
+
+    from dask_train.cli._config import Config
+
+    raw: dict[str, Any] = {}
+    problems: list[str] = []
+    path = args.config
+    if path is not None:
+        if not path.is_file():
+            raise InvalidInput([f"config {str(path)!r} does not exist: pass a YAML file "
+                                "(dask-train run --help shows an example)."])
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise InvalidInput([f"config {str(path)!r} must be a mapping of sections "
+                                f"({', '.join(_SECTIONS)})."])
+    problems += [f"{k}: unknown section; use {', '.join(_SECTIONS)}." for k in raw
+                 if k not in _SECTIONS]
+    sections = {k: raw.get(k) or {} for k in _SECTIONS if k != "out"}
+    problems += [f"{k}: must be a mapping, got {type(v).__name__}." for k, v in sections.items()
+                 if not isinstance(v, dict)]
+    if problems:
+        raise InvalidInput(problems)
+    base = (path or Path("x")).resolve()
+    config = Config(path=base, model={}, data=sections["data"], trainer={},
+                    stop=sections["stop"], cluster=sections["cluster"], out=raw.get("out"))
+    problems += [f"run.{k}: unknown setting; use {', '.join(_RUN_KEYS)}."
+                 for k in sections["run"] if k not in _RUN_KEYS]
+    problems += [f"data.{k}: unknown data set; use train, validation (or any name), chunk_rows."
+                 for k, v in sections["data"].items() if k != "chunk_rows" and
+                 not (isinstance(v, Mapping) and "X" in v)]
+    fn = None
+    try:
+        fn = _function(args.target, base.parent)
+    except InvalidInput as exc:
+        problems += exc.problems
+    if problems:
+        raise InvalidInput(problems)
+    return config, fn, sections
+
+
+def _function(target: str, directory: Path) -> Any:
+    """``module:function``, importable from ``directory`` or the current one, sent by value."""
+    import cloudpickle
+
+    module_name, _, name = target.partition(":")
+    if not module_name or not name:
+        raise InvalidInput([f"{target!r} is not module:function, e.g. mytrain:train."])
+    for where in (str(directory), str(Path.cwd())):
+        if where not in sys.path:
+            sys.path.insert(0, where)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidInput([f"{target!r}: module {module_name!r} does not import ({exc}); run "
+                            "from its directory, or put it beside the config."]) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise InvalidInput([f"{target!r}: {module_name} has no function {name!r}."])
+    if not getattr(module, "__file__", "").startswith(sys.prefix):
+        cloudpickle.register_pickle_by_value(module)  # the workers may not have the file
+    return fn
+
+
+def _run_kwargs(config: Any, fn: Any, sections: Mapping[str, Any]) -> dict[str, Any]:
+    """``dt.run``'s keyword arguments from the config (its data loaded lazily, as dask arrays)."""
+    import dask_train as dt
+    from dask_train.cli._commands import load_data
+
+    settings = dict(sections["run"])
+    chunk_rows = int(config.data.get("chunk_rows", 100_000))
+    data = {}
+    for name in [k for k in config.data if k != "chunk_rows"]:
+        spec = config.dataset(name)
+        X, y = load_data(spec, chunk_rows=chunk_rows)
+        data[name] = X if y is None else (X, y)
+    path, keep = settings.pop("checkpoint", None), settings.pop("keep", 3)
+    failures = settings.pop("max_failures", None)
+    if isinstance(settings.get("workers"), list):
+        settings["workers"] = tuple(settings["workers"])
+    kwargs: dict[str, Any] = dict(
+        settings, data=data or None, config=dict(sections["config"]),
+        stop=config.stop_conditions(),
+        checkpoint=None if path is None else dt.CheckpointConfig(config.resolve(str(path)),
+                                                                 keep=keep),
+        failure=None if failures is None else dt.FailureConfig(max_failures=failures))
+    from dask_train.api._run import check_run
+
+    problems = check_run({**_defaults(), **kwargs, "fn": fn})
+    if problems:
+        raise InvalidInput(problems)
+    return kwargs
+
+
+def _defaults() -> dict[str, Any]:
+    from dask_train.api._run import run
+
+    return {k: p.default for k, p in inspect.signature(run).parameters.items()
+            if p.default is not inspect.Parameter.empty}

@@ -1,0 +1,396 @@
+"""``ctx``: what a user's training function gets on each rank of a ``dt.run`` job.
+
+The function owns the loop; the context gives it the job's parts that are not the loop: the
+rank's device and process group (:meth:`RunContext.prepare`), this rank's share of the data, block
+by block from the same ledger the Trainer reads (:meth:`RunContext.batches`), the epochs left
+(:meth:`RunContext.epochs`), scores and checkpoints (:meth:`RunContext.report`), the state to
+start from after a restart (:meth:`RunContext.restore`) and the job's stop decision
+(:meth:`RunContext.should_stop`).
+
+Every rank must call :meth:`~RunContext.report` the same number of times, as with Ray Train's
+``train.report``: each call is a point where the ranks and the controller meet (the scores are
+recorded and the stop conditions looked at, the checkpoint written with every rank's data position),
+which is what lets every rank see the same :meth:`~RunContext.should_stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dask_train.data._feed import FeedItem, block_order
+from dask_train.engines._events import Reported, ShareDone
+from dask_train.engines.shared.harness import TrainerRole, rng_state
+from dask_train.errors import InvalidInput
+
+logger = logging.getLogger(__name__)
+
+REDUCTIONS = (None, "mean", "sum", "min", "max")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every rank of a ``dt.run`` generation receives besides the function.
+
+    ``train`` names the streamed data set (None without one); ``labels`` is False when it has no
+    targets (``data={"train": X}``); ``small`` holds the other named sets, whole, as numpy;
+    ``checkpointing`` is False without a ``CheckpointConfig`` (a checkpoint given to ``report``
+    is then dropped, said once in the log); ``local_ranks`` (each rank's index among the ranks on
+    its host) and ``master`` (the group's store, ``host:port``) are what torchrun would tell it.
+    """
+
+    train: str | None
+    labels: bool = True
+    small: dict[str, Any] = field(default_factory=dict)
+    checkpointing: bool = False
+    epochs: int | None = None
+    batch_size: int = 64
+    local_ranks: tuple[int, ...] = ()
+    master: str = ""
+
+
+class _Cursor:
+    """Where a rank is in its feed: the block being read and the rows of it already handed out."""
+
+    def __init__(self, role: TrainerRole) -> None:
+        self.role = role
+        self.reader = role.feed()
+        self.item: FeedItem | None = None
+        self.consumed = 0
+        self.ahead: FeedItem | None = None  # the next epoch's first block, read too early
+        self.ended = False  # the end marker came (or the job stopped)
+        self.samples = 0
+        self.steps = 0
+        self.wait_s = 0.0
+
+    def position(self) -> list[int] | None:
+        """[epoch, block, rows consumed] of the block being read, None between blocks."""
+        return None if self.item is None else [self.item.epoch, self.item.block, self.consumed]
+
+    def close_block(self) -> None:
+        """Report the block being read (in full or in part) and forget it."""
+        item = self.item
+        if item is not None:
+            self.role.block(item.epoch, item.block, rows=self.consumed - item.skip,
+                            done=self.consumed == item.rows, steps=self.steps)
+        self.item = None
+
+    def next_block(self, upto: int) -> FeedItem | None:
+        """The next block of epoch ``upto`` or an earlier one, or None once the rank's share of
+        it is read (a block of a later epoch waits for its turn)."""
+        if self.ahead is not None:
+            if self.ahead.epoch > upto:
+                return None
+            item, self.ahead = self.ahead, None
+        elif self.ended:
+            return None
+        else:
+            t0 = time.perf_counter()
+            item = self.reader.next()
+            self.wait_s += time.perf_counter() - t0
+        if item is None or item.x is None:
+            self.ended = True
+            return None
+        if item.epoch > upto:
+            self.ahead = item
+            return None
+        self.item, self.consumed = item, item.skip
+        return item
+
+
+class RunContext:
+    """A rank's view of its ``dt.run`` job (see the module docstring).
+
+    Attributes
+    ----------
+    rank, world_size, local_rank : int
+        This rank, the number of ranks, and its index among the ranks on its host.
+    device : torch.device
+        Where this rank computes: its GPU when every worker of the job has one, else the CPU.
+    config : dict
+        The ``config=`` the job was started with.
+    epoch : int
+        The epoch :meth:`epochs` is in (-1 before it starts).
+    step : int
+        Batches this rank has taken (counted on from the checkpoint after a restart).
+    """
+
+    def __init__(self, role: TrainerRole, *, run: RunSettings, config: Mapping[str, Any],
+                 world_size: int, local_rank: int, device: Any, restore: Mapping[str, Any] | None):
+        self._role, self._run, self.config = role, run, dict(config)
+        self.rank, self.world_size, self.local_rank = role.index, world_size, local_rank
+        self.device = device
+        self._restore_info = restore
+        self._restored: Any = None
+        self._cursor = _Cursor(role) if run.train is not None else None
+        self._joinables: list[Any] = []
+        self._reports = 0
+        self._stop = False
+        self._said_no_store = False
+        self.epoch = -1
+        self.step = int(restore["step"]) if restore else 0
+        # The ledger epoch the next ctx.batches() reads: every rank's k-th call reads the same
+        # epoch, whatever share of it the rank got (none, with fewer blocks than ranks).
+        self._data_epoch = int(restore.get("next_epoch", 0)) if restore else 0
+        self._first_epoch = self._data_epoch
+
+    # -- the model ---------------------------------------------------------------------------------
+    def prepare(self, model: Any, **ddp_options: Any) -> Any:
+        """``model`` on this rank's device, wrapped for data-parallel training over the ranks.
+
+        With more than one rank the model is wrapped in
+        ``torch.nn.parallel.DistributedDataParallel`` (``ddp_options`` go to it), which starts
+        every rank from rank 0's parameters and averages the gradients in ``backward``, and
+        :meth:`batches` lets a rank whose share of an epoch ran out early shadow the others'
+        all-reduces (``torch.distributed.algorithms.Join``), so uneven shares never hang.
+        """
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidInput([f"ctx.prepare(model={type(model).__name__}): pass a "
+                                "torch.nn.Module."])
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device] if self.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, **ddp_options)
+        self._joinables.append(wrapped)
+        return wrapped
+
+    # -- data --------------------------------------------------------------------------------------
+    def epochs(self, n: int | None = None) -> Iterator[int]:
+        """The epochs left: from 0, or after a restart from the checkpoint's, up to ``n``
+        (``dt.run(epochs=)`` when None); ends early once the job is stopping."""
+        n = self._run.epochs if n is None else n
+        if n is None or not isinstance(n, int) or n < 0:
+            raise InvalidInput([f"ctx.epochs(n={n!r}): pass the number of epochs, or give "
+                                "dt.run(epochs=)."])
+        for epoch in range(self._first_epoch, n):
+            if self.should_stop():
+                return
+            self.epoch = self._data_epoch = epoch
+            yield epoch
+
+    def batches(self, name: str | None = None, batch_size: int | None = None) -> Iterator[Any]:
+        """This rank's batches of one epoch of the streamed data set: ``(x, y)`` tensors on
+        :attr:`device` (``x`` a dict for a dict of inputs; ``x`` alone without targets).
+
+        Blocks come from the job's ledger (the ones this worker holds first), each row once per
+        epoch over all ranks, shuffled per epoch from ``dt.run(seed=)``. Leaving the loop early
+        and calling again goes on where it left.
+        """
+        cursor = self._cursor
+        if cursor is None or name not in (None, self._run.train):
+            raise InvalidInput([f"ctx.batches({name!r}): this job streams "
+                                f"{self._run.train!r}; pass dt.run(data={{{name!r}: (X, y)}})"
+                                if cursor is not None else
+                                f"ctx.batches({name!r}): the job was given no data=; pass "
+                                "dt.run(data={'train': (X, y)})."])
+        size = self._run.batch_size if batch_size is None else int(batch_size)
+        if size < 1:
+            raise InvalidInput([f"ctx.batches(batch_size={batch_size!r}): use an integer >= 1."])
+        join: Any = contextlib.nullcontext()
+        if self._joinables:
+            from torch.distributed.algorithms import Join
+
+            join = Join(self._joinables)
+        with join:
+            yield from self._epoch_batches(cursor, size, self._data_epoch)
+            # Reports the others make inside their batch loops stop waiting for this rank.
+            self._role.worker.log_event(self._role.config.topic, ShareDone(
+                trainer=self.rank, epoch=self._data_epoch, reports=self._reports).message())
+        self._data_epoch += 1
+        self._epoch_end()
+
+    def _epoch_end(self) -> None:
+        """Every rank at the end of the same epoch: take the most reports any rank made inside
+        its loop (a rank whose share ran out early made fewer) and any stop decided there, so the
+        ranks go on counting and stopping together."""
+        if self.world_size == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        both = torch.tensor([float(self._reports), float(self._stop)], dtype=torch.float64)
+        if self.device.type == "cuda":
+            both = both.to(self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        self._reports, self._stop = int(both[0].item()), bool(both[1].item())
+
+    def _epoch_batches(self, cursor: _Cursor, size: int, epoch: int) -> Iterator[Any]:
+        from dask_train.models._torch import model_inputs
+
+        while True:
+            if cursor.item is None and cursor.next_block(epoch) is None:
+                return
+            item = cursor.item
+            assert item is not None and item.x is not None and item.y is not None
+            order_x, order_y = _ordered(item)
+            while cursor.consumed < item.rows:
+                i = cursor.consumed
+                xb, yb = order_x[i:i + size], order_y[i:i + size]
+                cursor.consumed += len(xb)
+                cursor.samples += len(xb)
+                cursor.steps += 1
+                self.step += 1
+                self._role.started()
+                x = model_inputs(np.ascontiguousarray(xb), self.device)
+                if not self._run.labels:
+                    yield x
+                else:
+                    yield x, _tensor(np.ascontiguousarray(yb), self.device)
+            cursor.close_block()
+
+    def dataset(self, name: str) -> Any:
+        """A small named data set of ``dt.run(data=)`` whole, as tensors on :attr:`device`:
+        ``(x, y)``, or ``x`` without targets (an evaluation set, say)."""
+        from dask_train.models._torch import model_inputs
+
+        if name not in self._run.small:
+            raise InvalidInput([f"ctx.dataset({name!r}): the job's data sets are "
+                                f"{sorted(self._run.small)} (and {self._run.train!r}, streamed "
+                                "with ctx.batches)."])
+        x, y = self._run.small[name]
+        xt = model_inputs(x, self.device)
+        return xt if y is None else (xt, _tensor(y, self.device))
+
+    # -- reports, checkpoints, stopping ------------------------------------------------------------
+    def report(self, metrics: Mapping[str, Any] | None = None, *, checkpoint: Any = None,
+               reduce: str | None = None) -> None:
+        """Send scores (and a checkpoint) to the job; every rank calls it the same number of times.
+
+        Parameters
+        ----------
+        metrics : mapping of str to number, optional
+            Scores for the job's history, stop conditions and callbacks: rank 0's, or with
+            ``reduce`` the ranks' combined.
+        checkpoint : dict, optional
+            The state to restart from: tensors, numpy arrays, numbers, strings and lists, tuples
+            and dicts of them (``{"model": model.state_dict(), "opt": opt.state_dict()}``). Written
+            (as safetensors and JSON, never a pickle) from the lowest rank that passes one, while
+            every rank waits here, together with each rank's position in its data; pass it on rank
+            0 only, or on every rank (the same state, as DDP keeps it).
+        reduce : {None, "mean", "sum", "min", "max"}
+            How the ranks' metrics are combined; None reports rank 0's.
+        """
+        if reduce not in REDUCTIONS:
+            raise InvalidInput([f"ctx.report(reduce={reduce!r}): use one of {REDUCTIONS}."])
+        values = _numbers(metrics)
+        self._reports += 1
+        state = self._role.state
+        holds = checkpoint is not None and self._hold(checkpoint)
+        cursor = self._cursor
+        event = Reported(
+            trainer=self.rank, id=self._reports, steps=self.step,
+            samples=0 if cursor is None else cursor.samples,
+            position=None if cursor is None else cursor.position(), rng=rng_state(),
+            next_epoch=self._restart_epoch(),
+            metrics=values, checkpoint=holds, reduce=reduce)
+        self._role.worker.log_event(self._role.config.topic, event.message())
+        try:
+            if not state.wait_resume(self._reports, timeout=self._role.config.timeout):
+                self._stop = True  # stopped while every rank waited here: each sees it
+        finally:
+            state.params.pop(0, None)
+
+    def _hold(self, checkpoint: Any) -> bool:
+        """Keep ``checkpoint`` where the controller's save finds it; False when none is written."""
+        if not self._run.checkpointing:
+            if not self._said_no_store:
+                self._said_no_store = True
+                logger.info("rank %d: ctx.report(checkpoint=...) is not written: the job has no "
+                            "checkpoint=dt.CheckpointConfig(path)", self.rank)
+            return False
+        from dask_train.checkpoint._state import flatten_state
+
+        flatten_state(checkpoint)  # every problem named here, in the user's own call
+        self._role.state.params[0] = StateHolder(
+            checkpoint, steps=self.step, next_epoch=self._restart_epoch())
+        return True
+
+    def _restart_epoch(self) -> int:
+        """The epoch a restart from here begins: this one, or the next once its batches are read."""
+        return self._data_epoch
+
+    def restore(self) -> Any:
+        """The state of the newest checkpoint this job (or the run resumed) wrote, as it was
+        given to :meth:`report` (tensors on the CPU); None on a fresh start."""
+        info = self._restore_info
+        if info is None or not info.get("files"):
+            return None
+        if self._restored is None:
+            from dask_train.checkpoint._state import load_state
+
+            self._restored = load_state(info["files"][0]["path"])
+        return self._restored
+
+    def should_stop(self) -> bool:
+        """True once the job is stopping (a stop condition, a callback, the client).
+
+        Decided at :meth:`report`, while every rank waits there, so every rank gets the same
+        answer after the same report (a single rank also sees a stop at once).
+        """
+        if self.world_size == 1 and self._role.stopped():
+            self._stop = True
+        return self._stop
+
+    def close(self) -> None:
+        """Report the block being read, as far as it was read (the function returned)."""
+        if self._cursor is not None:
+            self._cursor.close_block()
+
+
+class StateHolder:
+    """A reported checkpoint on its rank's worker, where the controller's save task finds it."""
+
+    def __init__(self, state: Any, *, steps: int, next_epoch: int) -> None:
+        self.state, self.steps, self.next_epoch = state, steps, next_epoch
+
+    def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
+        """Write the state (safetensors and JSON); the record the controller's manifest reads."""
+        from dask_train.checkpoint._state import save_state
+
+        save_state(self.state, path, metadata={**metadata, "next_epoch": str(self.next_epoch)})
+        return {"version": self.steps, "samples": 0, "finite": True}
+
+
+def _ordered(item: FeedItem) -> tuple[np.ndarray, np.ndarray]:
+    """The block's rows in this epoch's order (each batch is then a slice of them)."""
+    assert item.x is not None and item.y is not None
+    if not item.shuffle:
+        return item.x, item.y
+    order = block_order(rows=item.rows, seed=item.seed, epoch=item.epoch, block=item.block,
+                        shuffle=True)
+    return item.x[order], item.y[order]
+
+
+def _tensor(a: np.ndarray, device: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(a).to(device)
+
+
+def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """The metrics as floats; a clear error for anything else."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidInput([f"ctx.report(metrics={type(metrics).__name__}): pass a dict of "
+                            "name -> number."])
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        item = getattr(value, "item", None)
+        try:
+            out[str(name)] = float(item() if callable(item) else value)
+        except (TypeError, ValueError):
+            raise InvalidInput([f"ctx.report(metrics[{name!r}]={value!r}): a metric is a number "
+                                "(or a one-element tensor)."]) from None
+    return out

@@ -1,0 +1,259 @@
+"""The ``dt.run`` engine, client side: the user's function on one rank per worker, in a torch
+process group, fed by the ledger, reporting through ``ctx.report``.
+
+It is the synchronous engine with the user's function in place of the library's loop: the same
+process group (gloo, or NCCL on GPUs), block grants, role watching and restarts. What differs:
+the ranks, not the controller, say when to checkpoint (at a ``ctx.report(checkpoint=...)``, every
+rank waiting there), the scores come from the ranks' reports (no scorer), and the result is what
+each rank's function returned instead of parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from distributed import Client
+
+from dask_train.data._blocks import BlockSet
+from dask_train.engines._events import (
+    Paused,
+    Reported,
+    ReportReady,
+    Score,
+    ShareDone,
+    from_message,
+)
+from dask_train.engines._protocol import Emit, Ending, Snapshot
+from dask_train.engines._spec import JobSpec
+from dask_train.engines.run.context import RunSettings
+from dask_train.engines.run.rank import run_user_rank
+from dask_train.engines.shared import control as worker_side
+from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.shared.role_engine import patch_positions
+from dask_train.engines.torch_sync.engine import TorchSyncEngine
+from dask_train.errors import RoleFailed
+from dask_train.policy._failure import Failure
+from dask_train.policy._placement import Roles
+from dask_train.runtime._calls import alive_workers, run_on_live
+from dask_train.runtime._torch_group import _collateral, local_ranks
+
+_COMBINE: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda v: sum(v) / len(v), "sum": sum, "min": min, "max": max}
+
+
+class RunEngine(TorchSyncEngine):
+    """One generation of a ``dt.run`` job (see the module docstring).
+
+    Parameters
+    ----------
+    client, spec, roles, blocks, job, restore
+        As for every role engine; ``blocks`` may hold no block (a job without data).
+    fn_blob : bytes
+        The user's function, pickled by value.
+    run : RunSettings
+        What every rank receives; the group's store and local ranks are filled in at start.
+    user_config : mapping
+        The keyword arguments of the function.
+    """
+
+    schedules_checkpoints = False
+
+    def __init__(self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, *,
+                 job: str, restore: Mapping[str, Any] | None, fn_blob: bytes, run: RunSettings,
+                 user_config: Mapping[str, Any]) -> None:
+        super().__init__(client, spec, roles, blocks, None, job=job, restore=restore)
+        self.fn_blob, self.run, self.user_config = fn_blob, run, dict(user_config)
+        self.reports: dict[int, dict[int, Reported]] = {}
+        self.ready: set[int] = set()  # reports handed to the controller, until it resumes them
+        self.base_samples = int(restore["samples"]) if restore is not None else 0
+        self.report_samples: dict[int, int] = {}
+        self.peer_errors: dict[int, str] = {}  # rank -> what it got from a lost peer ("" none)
+        # rank -> (epoch, its report count) when it read its whole share of that epoch: the
+        # reports the others make inside that epoch's batch loop after that do not wait for it.
+        self.share_done: dict[int, tuple[int, int]] = {}
+
+    def make_shards(self) -> list[ShardRef]:
+        """The rank that holds a reported checkpoint (rank 0 until a report says otherwise)."""
+        return [ShardRef(0, 0, 0, self.roles["worker"][0])]
+
+    async def start(self, emit: Emit) -> None:
+        """Start the process group, then every rank's function; grant the first blocks."""
+        self.emit = emit
+        await self.start_servers()
+        self.config = self.trainer_config()
+        self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
+        ranks = self.roles["worker"]
+        run = RunSettings(**{**self.run.__dict__, "local_ranks": tuple(local_ranks(ranks)),
+                             "master": self.group.master if self.group is not None else ""})
+        for i, address in enumerate(ranks):
+            self.trainer_futures.append(self.pinned(
+                run_user_rank, self.fn_blob, address=address, key=f"dt-rank-{i}", job=self.job,
+                index=i, shards=self.shards, config=self.config, run=run,
+                user_config=self.user_config))
+        if not self.blocks.blocks:
+            return  # no data: nothing to grant (the ledger would plan empty epochs forever)
+        for _ in range(self.spec.blocks_ahead):
+            for i in range(len(ranks)):
+                self.granter.grant(i)
+
+    # -- reports ----------------------------------------------------------------------------------
+    def _on_event(self, message: dict[str, Any]) -> None:
+        if message.get("kind") == ShareDone.kind:
+            done = from_message(message)
+            assert isinstance(done, ShareDone)
+            self.share_done[done.trainer] = (done.epoch, done.reports)
+            for report_id in sorted(self.reports):
+                self._ready(report_id)
+            return
+        if message.get("kind") != Reported.kind:
+            super()._on_event(message)
+            return
+        event = from_message(message)
+        assert isinstance(event, Reported)
+        self.trainer_steps[event.trainer] = event.steps
+        self.reports.setdefault(event.id, {})[event.trainer] = event
+        # The snapshot of a checkpoint reads the ranks' positions as a pause's.
+        self.pauses.setdefault(event.id, {})[event.trainer] = Paused(
+            trainer=event.trainer, id=event.id, steps=event.steps, position=event.position,
+            rng=event.rng)
+        self._ready(event.id)
+
+    def _expected(self, report_id: int) -> list[int]:
+        """The ranks report ``report_id`` waits for: the running ones, less those whose share of
+        the epoch the report was made in ran out before it."""
+        got = self.reports.get(report_id, {})
+        # A report inside an epoch's batch loop carries that epoch (the next to restart from).
+        epoch = next((e.next_epoch for e in got.values() if isinstance(e, Reported)), None)
+        return [i for i in self._running()
+                if not (i in self.share_done and self.share_done[i][0] == epoch
+                        and self.share_done[i][1] < report_id)]
+
+    def _ready(self, report_id: int) -> None:
+        """Once every expected rank made report ``report_id``: its score, then ReportReady."""
+        got = self.reports.get(report_id, {})
+        if report_id in self.ready or not got or \
+                not all(i in got for i in self._expected(report_id)):
+            return
+        self.ready.add(report_id)
+        ranks = sorted(got)
+        first = got[ranks[0]]
+        samples = self.base_samples + sum(e.samples for e in got.values())
+        self.report_samples[report_id] = samples
+        metrics = _combine([got[i] for i in ranks], first.reduce)
+        if metrics:
+            self.emit(Score(step=first.steps, samples=samples, metrics=metrics,
+                            nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)],
+                            wall=time.time(), worker=self.roles["worker"][ranks[0]]))
+        writer = next((i for i in ranks if got[i].checkpoint), None)
+        if writer is not None:
+            self.shards = [ShardRef(0, 0, 0, self.roles["worker"][writer])]
+        self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
+
+    def paused(self, pause_id: int) -> Snapshot | None:
+        """The snapshot of report ``pause_id``: the reporting ranks' positions; a rank whose
+        share ran out waits, between blocks, for the others' epoch to end."""
+        reports = self.pauses.get(pause_id, {})
+        if not all(t in reports for t in self._expected(pause_id)):
+            return None
+        positions = {t: e.position for t, e in reports.items()}
+        return Snapshot(step=self.reported_step(),
+                        ledger=patch_positions(self.ledger.state(), positions),
+                        rng={str(t): e.rng for t, e in reports.items()})
+
+    async def resume(self, pause_id: int) -> None:
+        """Let the ranks waiting at report ``pause_id`` go on."""
+        self.reports.pop(pause_id, None)
+        self.ready.discard(pause_id)
+        await super().resume(pause_id)
+
+    def epochs_completed(self) -> int:
+        """Epochs every row of which was read (none for a job without data)."""
+        return super().epochs_completed() if self.blocks.blocks else 0
+
+    def reported_step(self) -> int:
+        """The steps rank 0 last reported (restored steps included)."""
+        base = int(self.restore["step"]) if self.restore is not None else 0
+        return int(self.trainer_steps.get(0, max(self.trainer_steps.values(), default=base)))
+
+    async def exact_step(self) -> int:
+        """As reported: the ranks wait at their report while a checkpoint is written."""
+        return self.reported_step()
+
+    async def save(self, *, directory: str, paths: Callable[[int], str],
+                   metadata: Mapping[str, str]) -> list[dict[str, Any]]:
+        """The reporting rank writes the state it holds; the samples are the job's, not its own."""
+        records = await super().save(directory=directory, paths=paths, metadata=metadata)
+        samples = max(self.report_samples.values(), default=self.base_samples)
+        return [{**r, "samples": samples} for r in records]
+
+    # -- failures ---------------------------------------------------------------------------------
+    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
+        """Lost workers first; a rank's own error ends the job with its traceback, and an error
+        a rank got from a lost peer ("Connection closed by peer") waits for the loss to show."""
+        lost = await self._lost(alive)
+        if lost or not await self._troubled():
+            return lost
+        deadline = time.monotonic() + 3.0
+        while True:
+            troubled = await self._troubled()
+            own = [i for i, exc in troubled.items() if exc is not None and not _collateral(exc)]
+            if own or time.monotonic() > deadline:
+                i = own[0] if own else min(troubled)
+                fut = self.trainer_futures[i]
+                where = f"rank {i} on {self.roles['worker'][i]}"
+                if fut.status == "error":
+                    await self.raise_role_error(fut, where)
+                raise RoleFailed(f"{where} lost a peer ({self.peer_errors[i]}), but no worker "
+                                 "left the cluster: see the other ranks' worker logs")
+            await asyncio.sleep(0.2)
+            lost = await self._lost(await alive_workers(self.client))
+            if lost:
+                return lost
+
+    async def _troubled(self) -> dict[int, BaseException | None]:
+        """Ranks that failed: their exception, or None for a rank that returned after losing a
+        peer (see ``run_user_rank``)."""
+        out: dict[int, BaseException | None] = {}
+        for i in self.live():
+            fut = self.trainer_futures[i]
+            if fut.status == "error":
+                out[i] = await fut.exception()
+            elif fut.status == "finished":
+                if i not in self.peer_errors:
+                    result = await fut
+                    self.peer_errors[i] = result.get("lost_peer", "")
+                if self.peer_errors[i]:
+                    out[i] = None
+        return out
+
+    async def _lost(self, alive: Mapping[str, int]) -> list[Failure]:
+        return [Failure("worker", i, address, f"the Dask worker {address} left the cluster")
+                for i, address in enumerate(self.roles.get("worker", []))
+                if address not in alive]
+
+    # -- ending -----------------------------------------------------------------------------------
+    async def stop(self, *, keep_step: int | None) -> Ending:
+        """Tell the ranks the job is stopping (their ``should_stop`` and feeds say so), wait for
+        their functions to return, and hand back what each returned."""
+        self.granter.stopping = True
+        await run_on_live(self.client, worker_side.signal_stop, self.job,
+                          workers=self.roles.addresses)
+        live = [self.trainer_futures[i] for i in self.live()]
+        await self.wait_for(live, what="waiting for the ranks' functions to return")
+        ranks = [await f for f in live]
+        await self._drain_events()
+        return Ending(params=None, steps=max((r["steps"] for r in ranks), default=0),
+                      samples=self.base_samples + sum(r["samples"] for r in ranks),
+                      trainers=ranks, rng={str(r["trainer"]): r["rng"] for r in ranks})
+
+
+def _combine(events: list[Reported], reduce: str | None) -> dict[str, float]:
+    """The report's metrics: the first rank's, or every rank's combined by ``reduce``."""
+    if reduce is None:
+        return dict(events[0].metrics)
+    names = [k for k in events[0].metrics if all(k in e.metrics for e in events)]
+    return {k: float(_COMBINE[reduce]([e.metrics[k] for e in events])) for k in names}

@@ -1,0 +1,75 @@
+"""Worker side of ``dt.run``: one rank's task runs the user's function with its
+:class:`~.context.RunContext`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from dask_train.engines._spec import WorkerConfig
+from dask_train.engines.run.context import RunContext, RunSettings
+from dask_train.engines.shared.harness import TrainerRole
+from dask_train.engines.shared.params import ShardRef
+
+
+def run_user_rank(
+    fn_blob: bytes,
+    *,
+    job: str,
+    index: int,
+    shards: Sequence[ShardRef],
+    config: WorkerConfig,
+    run: RunSettings,
+    user_config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Dask task: rank ``index`` of a ``dt.run`` job; its function's return value in
+    ``"returned"`` beside the rank's counts."""
+    import torch
+    import torch.distributed as dist
+
+    role = TrainerRole(job=job, index=index, config=config, kind="rank")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1 and dist.get_rank() != index:
+        raise RuntimeError(f"rank {index} on {role.address} found the process group of rank "
+                           f"{dist.get_rank()}: the job's group was not started here")
+    local_rank = run.local_ranks[index] if index < len(run.local_ranks) else 0
+    # As torchrun sets them: libraries that read them (Lightning, accelerate) find the job's group.
+    host, _, port = run.master.rpartition(":")
+    os.environ.update({"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                       **({"MASTER_ADDR": host, "MASTER_PORT": port} if host else {})})
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if config.device_kind == "cuda"
+                          else "cpu")
+    restore = _restore_info(config.restore)
+    ctx = RunContext(role, run=run, config=user_config, world_size=world, local_rank=local_rank,
+                     device=device, restore=restore)
+    fn = cloudpickle.loads(fn_blob)
+    try:
+        returned = fn(ctx, **dict(user_config))
+    except Exception as exc:
+        from dask_train.runtime._torch_group import _collateral
+
+        if not _collateral(exc):
+            raise
+        # A peer's worker died under a collective: the controller restarts the generation, and
+        # raising would only print this rank's side of it as an ERROR in its worker's log.
+        return {"trainer": index, "lost_peer": f"{type(exc).__name__}: {exc}"}
+    finally:
+        ctx.close()
+    role.exit(steps=ctx.step)
+    cursor = ctx._cursor
+    return {**role.result(steps=ctx.step, samples=0 if cursor is None else cursor.samples,
+                          feed_wait_s=0.0 if cursor is None else cursor.wait_s),
+            "returned": returned}
+
+
+def _restore_info(restore: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The checkpoint a rank starts from, with the epoch its report was made in."""
+    if restore is None or not restore.get("files"):
+        return None
+    from dask_train.checkpoint import load_metadata
+
+    meta = load_metadata(restore["files"][0]["path"])
+    return {**restore, "next_epoch": int(meta.get("next_epoch", "0"))}
