@@ -25,6 +25,7 @@ from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
 from dask_train.data._blocks import as_dask_array
 from dask_train.data._inputs import cast_floats, is_lazy
+from dask_train.data._xarray import from_xarray
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
@@ -253,8 +254,11 @@ class Trainer:
 
         Parameters
         ----------
-        X : dask.array.Array or dask.dataframe.DataFrame
-            Training inputs, rows are samples. In-memory arrays are wrapped in dask arrays.
+        X : dask.array.Array, dask.dataframe.DataFrame or xarray object
+            Training inputs, rows are samples. In-memory arrays are wrapped in dask arrays. An
+            xarray DataArray or Dataset (``xr.open_zarr(url)``) is cut into rows along the
+            sample dimension (``y``'s, else its first); its other dimensions are flattened into
+            features and a Dataset's variables are stacked side by side.
         y : dask.array.Array or dask.dataframe.Series
             Labels (classification) or targets, one per row of X.
         validation : (array, array), optional
@@ -285,13 +289,16 @@ class Trainer:
             Every problem with the arguments and data at once, before any training starts.
         """
         self._clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
+        X, y = from_xarray(X, y)  # rows along the sample dimension, variables as features
+        if isinstance(validation, tuple) and len(validation) == 2:
+            validation = from_xarray(*validation, name="validation's X")
         # In-memory input goes to the workers by scatter, in blocks, never through the graph.
         local = None if any(is_lazy(a) for a in (X, y, sample_weight)) else (X, y, sample_weight)
         X, y = as_dask_array(X), as_dask_array(y, name="y")
         weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self._model(), ArrayModel):
             return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
-                                   warm_start=warm_start, sample_weight=weights, data=data)
+                                   warm_start=warm_start, sample_weight=weights, mode=data)
         # A dask validation set stays on the cluster, scored where its blocks live.
         validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
         self._validate(X, y, validation, resume=resume, sample_weight=weights,
@@ -364,13 +371,13 @@ class Trainer:
 
     def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
                    warm_start: bool = False, sample_weight: Any = None,
-                   data: str = "auto") -> FitResult:
+                   mode: str = "auto") -> FitResult:
         """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
         from dask_train.data import persist_data
         from dask_train.engines.array.engine import ArrayEngine
 
         self._validate(X, y, validation, resume=resume, sample_weight=sample_weight,
-                       data=(data, False))
+                       data=(mode, False))
         assert isinstance(self._model(), ArrayModel)
         client = self._client()
         t = time.time()

@@ -62,17 +62,20 @@ def choose_data_mode(mode: str, *, nbytes: int, memory_limits: Mapping[str, int]
     return "stream", f"{head}: streaming every epoch from storage"
 
 
-def check_data_mode(data: object, *, in_memory: bool, full_batch: bool) -> list[str]:
+def check_data_mode(data: object, *, in_memory: bool, full_batch: bool,
+                    name: str = "data") -> list[str]:
     """Problems with ``data=`` (empty when valid); ``in_memory``: X is a numpy array or the like,
-    ``full_batch``: the model is an ArrayModel (its solvers read every block every step)."""
+    ``full_batch``: the model is an ArrayModel (its solvers read every block every step);
+    ``name``: the parameter's name where it is not ``data`` (``dt.run``'s ``data_mode``)."""
     if not isinstance(data, str) or data not in DATA_MODES:
-        return [f"data={data!r} is invalid: use 'auto' (persist what fits in {MEMORY_SHARE:.0%} "
+        return [f"{name}={data!r} is invalid: use 'auto' (persist what fits in {MEMORY_SHARE:.0%} "
                 "of the workers' memory, stream the rest), 'persist' or 'stream'."]
     if data == "stream" and in_memory:
-        return ["data='stream' reads blocks from storage on the workers, but X is in memory: pass "
-                "a dask array read from storage (da.from_zarr, dt.from_npy, a dask DataFrame), or "
-                "use data='auto' or 'persist'."]
+        return [f"{name}='stream' reads blocks from storage on the workers, but X is in memory: "
+                "pass a dask array read from storage (da.from_zarr, dt.from_npy, a dask "
+                f"DataFrame), or use {name}='auto' or 'persist'."]
     if data == "stream" and full_batch:
-        return ["data='stream' is for torch and Keras models: an ArrayModel's solvers read every "
-                "block at every step, so its data is persisted; use data='auto' or 'persist'."]
+        return [f"{name}='stream' is for torch and Keras models: an ArrayModel's solvers read "
+                f"every block at every step, so its data is persisted; use {name}='auto' or "
+                "'persist'."]
     return []
