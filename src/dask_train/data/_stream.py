@@ -17,7 +17,6 @@ graph (:class:`~dask_train.data._block_graph.BlockGraph`) where a persisted one 
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,10 +45,11 @@ def data_nbytes(*arrays: Any) -> int:
 
 
 def graph_bytes(graph: BlockGraph) -> int:
-    """How large a block's tasks are on the wire (its embedded data, if any)."""
-    import cloudpickle
-
-    return len(cloudpickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
+    """Bytes of in-memory arrays inside a block's tasks: ``da.from_array`` of a numpy array puts
+    each block's rows into the graph, and a streamed feed would send them again every epoch
+    (a store's reader holds a file name or a zarr array object, 0 here)."""
+    return sum(int(v.value.nbytes) for v in graph.dsk.values()
+               if isinstance(getattr(v, "value", None), np.ndarray))
 
 
 async def stream_blocks(client: Client, X: da.Array, y: da.Array | None, *,

@@ -16,9 +16,9 @@ DATA_MODES = ("auto", "persist", "stream")
 #: needs room too, so half is the most the data may take without spilling.
 MEMORY_SHARE = 0.5
 
-#: A streamed block's tasks larger than this carry the data in the graph (``da.from_array`` of an
-#: in-memory array): every read would send it again, so ``auto`` persists it once.
-EMBEDDED_LIMIT = 16 * 2**20
+#: A block whose tasks hold more than this in arrays carries its data in the graph (``da.from_array``
+#: of an in-memory array): every streamed read would send it again, so ``auto`` persists it once.
+EMBEDDED_LIMIT = 2**20
 
 
 def _size(n: float) -> str:
@@ -35,8 +35,8 @@ def choose_data_mode(mode: str, *, nbytes: int, memory_limits: Mapping[str, int]
 
     ``auto`` persists data whose ``nbytes`` fit in ``share`` of the workers' summed memory
     limits, and streams the rest; with no limit set on some worker (0), the limit is unknown and
-    the data is persisted. A graph whose block pickles to more than :data:`EMBEDDED_LIMIT`
-    (``graph_bytes``) holds its data and is persisted.
+    the data is persisted. A graph whose block's tasks hold more than :data:`EMBEDDED_LIMIT` of
+    arrays (``graph_bytes``) holds its data and is persisted.
 
     Examples
     --------
