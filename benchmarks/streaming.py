@@ -111,7 +111,7 @@ def fit(client: Any, X: Any, y: Any, mode: str, epochs: int) -> dict[str, Any]:
         seconds = time.perf_counter() - started
     t = result.timings
     return {"mode": mode, "samples": result.samples, "train_s": t["train"], "fit_s": seconds,
-            "persist_s": t["persist"], "read_s": t["read"],
+            "persist_s": t["persist"], "read_s": sum(r["read_s"] for r in result.trainers),
             "samples_per_s": result.samples / t["train"],
             "feed_wait_s": sum(r.get("feed_wait_s", 0.0) for r in result.trainers),
             "held_bytes_max": max(r.get("held_bytes_max", 0) for r in result.trainers),

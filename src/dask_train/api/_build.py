@@ -113,13 +113,5 @@ def fit_result(trainer: Any, outcome: Outcome, *, wall_s: float) -> FitResult:
         checkpoints=list(log.checkpoints), nonfinite=list(log.nonfinite),
         generations=log.generations, model_step=outcome.model_step,
         validation_rows=dict((outcome.ending.final or {}).get("validation_rows") or {}),
-        timings={**phase_timings(getattr(trainer, "_clock", {}), log),
-                 "read": read_seconds(outcome.ending.trainers)},
-        started_at=log.started,
+        timings=phase_timings(getattr(trainer, "_clock", {}), log), started_at=log.started,
     )
-
-
-def read_seconds(trainers: list[dict[str, Any]]) -> float:
-    """Seconds the trainers' feed tasks spent reading streamed blocks, summed over the blocks
-    (each trainer's own, per epoch, is its ``read_s_by_epoch``); 0 for persisted data."""
-    return round(sum(float(t.get("read_s", 0.0)) for t in trainers), 4)
