@@ -306,3 +306,27 @@ def test_reports_inside_the_batch_loop_with_uneven_shares(client, tmp_path):
     assert sum(result.returns) > 0 and result.returns[0] != result.returns[1]
     assert result.history["epoch_end"].notna().sum() == 2
     assert len(result.checkpoints) >= max(result.returns)
+
+
+def test_elastic_workers_and_max_failures_name_the_rank_and_worker(client, digits):
+    X, y, Xv, yv = digits
+    # (least, most): as many ranks as the cluster has, up to most.
+    result = dt.run(train, workers=(1, 3), epochs=1, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)})
+    assert len(result.returns) == len(client.scheduler_info()["workers"]) == 2
+    pids = client.run(os.getpid)
+    victim_address = sorted(pids)[1]
+
+    class Kill(dt.Callback):
+        done = False
+
+        def on_score(self, record):
+            if not self.done:
+                self.done = True
+                os.kill(pids[victim_address], signal.SIGKILL)
+
+    with pytest.raises(dt.WorkerLost) as info:
+        dt.run(train, workers=2, epochs=3, client=client, callbacks=[Kill()],
+               data={"train": (X, y), "val": (Xv, yv)}, failure=dt.FailureConfig(max_failures=0))
+    assert "worker-1" in str(info.value) and victim_address in str(info.value)
+    client.wait_for_workers(2, timeout=60)
