@@ -234,3 +234,15 @@ def test_a_page_session_follows_the_latest_job_or_the_one_picked() -> None:
     plugin.jobs.event("dask-train-j3", {"kind": "start", "roles": {}}, now=T0)  # j1 is forgotten
     page.update()
     assert "j3" in page.header.text
+
+
+def test_the_log_says_how_the_data_reaches_the_trainers() -> None:
+    jobs = Jobs()
+    why = ("streamed from storage every epoch (data='auto': the data holds 2.3 GiB; 50% of the "
+           "2 workers' memory limits (2.4 GiB) is 1.2 GiB: streaming every epoch from storage)")
+    jobs.event("dask-train-j2", {"kind": "start", "strategy": "async-ps", "roles": {},
+                                 "data": why}, now=T0)
+    jobs.event("dask-train-j3", {"kind": "start", "strategy": "sync", "roles": {}}, now=T0)
+    views = {v.job_id: v for v in jobs.running()}
+    assert [(kind, text) for _, kind, text in views["j2"].log][1:] == [("data", why)]
+    assert [kind for _, kind, _ in views["j3"].log] == ["start"]  # no data line: none was said

@@ -70,8 +70,10 @@ def training_blocks(client: Client, X: Any, y: Any, *, weights: Any, local: Any,
     if local is not None:
         x_np, y_np, w_np = (None if a is None else to_numpy(a, name=n)
                             for a, n in zip(local, ("X", "y", "sample_weight")))
-        return client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
-    source = None
+        blocks = client.sync(scatter_blocks, client, x_np, y_np, weights=w_np, dtype=X.dtype)
+        blocks.note = "in memory: sent to the workers in blocks"
+        return blocks
+    source, why = None, f"data={mode!r}"
     if mode == "auto":
         rows = [int(r) for r in X.chunks[0]]
         source = StreamSource.of(pair_parts(X, y, weights=weights), rows)
@@ -82,6 +84,10 @@ def training_blocks(client: Client, X: Any, y: Any, *, weights: Any, local: Any,
                                      memory_limits=limits, graph_bytes=embedded)
         logger.info(why)
     if mode == "stream":
-        return client.sync(stream_blocks, client, X, y, weights=weights, labels=labels,
-                           timeout=timeout, source=source)
-    return client.sync(persist_blocks, client, X, y, weights=weights)
+        blocks = client.sync(stream_blocks, client, X, y, weights=weights, labels=labels,
+                             timeout=timeout, source=source)
+        blocks.note = f"streamed from storage every epoch ({why})"
+    else:
+        blocks = client.sync(persist_blocks, client, X, y, weights=weights)
+        blocks.note = f"persisted on the workers ({why})"
+    return blocks

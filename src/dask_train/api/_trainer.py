@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -331,6 +332,7 @@ class Trainer:
         labels = is_classification(self.loss) or keras_sparse_labels(self.loss)
         blocks = training_blocks(client, X, y, weights=weights, local=local, mode=mode,
                                  labels=labels, timeout=self.timeout)
+        spec = dataclasses.replace(spec, data=blocks.note)  # for the Training page
         self._clock["persist"] += time.time() - t
         if labels:
             low, high = blocks.label_range

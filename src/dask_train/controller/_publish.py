@@ -66,6 +66,7 @@ class JobEvents:
             "strategy": spec.strategy, "roles": dict(roles.placement), "rows": rows,
             "epochs": spec.epochs, "batch_size": spec.batch_size, "optimizer": spec.optimizer,
             "lr": spec.lr, "n_params": spec.n_params, "score_every": spec.score_every,
+            "data": spec.data,
             "client": self.client.id,  # a job whose client leaves ended with it
         })
 

@@ -75,6 +75,7 @@ class BlockSet:
     n_features: int = 0
     threads: dict[str, int] = field(default_factory=dict)
     stream: StreamSource | None = None
+    note: str = ""  # how the blocks were made, and why (the Training page's log shows it)
 
     @property
     def streamed(self) -> bool:

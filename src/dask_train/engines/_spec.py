@@ -49,6 +49,7 @@ class JobSpec:
     device_kind: str = "cpu"  # "cpu" or "cuda" (runtime._devices.Devices)
     devices: dict[str, str] = field(default_factory=dict)  # worker address -> torch device
     precision: str | None = None  # autocast dtype: None, "bf16" or "fp16"
+    data: str = ""  # how the training data reaches the trainers (persisted, streamed), and why
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property

@@ -141,6 +141,8 @@ class JobView:
             roles = msg.get("roles") or {}
             self.workers = {w for addresses in roles.values() for w in addresses}
             self.note(now, "start", f"{msg.get('strategy')} on {_describe_roles(roles)}")
+            if msg.get("data"):  # persisted or streamed, with the numbers behind the choice
+                self.note(now, "data", str(msg["data"]))
         elif kind == "record":
             self._record(msg, now=now)
         elif kind == "failure":
