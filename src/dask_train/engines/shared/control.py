@@ -27,7 +27,7 @@ def request_pause(job: str, pause_id: int, dask_worker: Any = None) -> None:
 def resume(job: str, pause_id: int, dask_worker: Any = None) -> None:
     """Run on workers (``client.run``): let trainers paused for ``pause_id`` go on."""
     state = worker_state(dask_worker).job(job)
-    state.resume_id = max(state.resume_id, int(pause_id))
+    state.resume(pause_id)
 
 
 def shard_positions(job: str, index: int, trainer: int, dask_worker: Any = None) -> list[list[int]]:
