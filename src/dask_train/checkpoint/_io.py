@@ -30,6 +30,38 @@ PathLike = str | os.PathLike[str]
 _MAX_HEADER_BYTES = 100_000_000
 
 
+class StoragePath(str):
+    """A checkpoint file's path or URL that carries the fsspec ``storage_options`` to open it
+    with (credentials, an endpoint), so the worker that writes or reads a shard there uses the
+    checkpoint's options: they travel with the path, inside the role's task, as the options of
+    ``da.from_zarr(url, storage_options=...)`` travel inside its graph.
+
+    Examples
+    --------
+    >>> import pickle
+    >>> path = pickle.loads(pickle.dumps(StoragePath("s3://b/shard-0", {"anon": True})))
+    >>> path, path.storage_options
+    ('s3://b/shard-0', {'anon': True})
+    """
+
+    storage_options: dict[str, Any]
+
+    def __new__(cls, path: str, storage_options: Mapping[str, Any]) -> StoragePath:
+        obj = super().__new__(cls, path)
+        obj.storage_options = dict(storage_options)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StoragePath, (str(self), self.storage_options))
+
+
+def options_of(path: object, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The fsspec options to open ``path`` with: those ``given``, else the path's own."""
+    if given is not None:
+        return dict(given)
+    return dict(getattr(path, "storage_options", None) or {})
+
+
 def _to_tensor(*, name: str, value: object, problems: list[str]) -> torch.Tensor | None:
     import torch
 
@@ -165,7 +197,7 @@ def _write(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
            storage_options: Mapping[str, Any] | None = None) -> None:
     """Write prepared tensors to ``path`` atomically: renamed into place on a local file system,
     one upload of the whole file elsewhere (object stores have no rename)."""
-    fs, fs_path = url_to_fs(os.fspath(path), **dict(storage_options or {}))
+    fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, storage_options))
     if isinstance(fs, LocalFileSystem):
         _write_local(tensors=tensors, metadata=metadata, path=fs_path)
     else:

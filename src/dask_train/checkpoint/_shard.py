@@ -22,6 +22,7 @@ from dask_train.checkpoint._io import (
     _prepare,
     _read_header,
     _write,
+    options_of,
 )
 from dask_train.errors import InvalidInput
 
@@ -200,7 +201,7 @@ def load_shard(path: PathLike, *, storage_options: Mapping[str, Any] | None = No
     import safetensors.torch
 
     shown = os.fspath(path)
-    fs, fs_path = url_to_fs(shown, **dict(storage_options or {}))
+    fs, fs_path = url_to_fs(shown, **options_of(path, storage_options))
     # The header first: a file that is not safetensors fails here with a clear message.
     header = _read_header(fs=fs, fs_path=fs_path, shown=shown)
     text = {str(k): str(v) for k, v in (header.get("__metadata__") or {}).items()}

@@ -24,7 +24,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from dask_train.checkpoint._io import write_local_atomic, write_remote_atomic
+from dask_train.checkpoint._io import StoragePath, write_local_atomic, write_remote_atomic
 from dask_train.errors import InvalidInput
 
 MANIFEST = "manifest.json"
@@ -58,7 +58,9 @@ class CheckpointConfig:
     keep : int
         How many of the newest complete checkpoints to keep; older ones are deleted.
     storage_options : mapping, optional
-        Passed to fsspec, e.g. credentials for an object store.
+        Passed to fsspec, e.g. credentials for an object store: by the client for the manifests,
+        and by the workers for the shard files they write and read (the options travel with the
+        shard paths, inside the roles' tasks).
 
     Raises
     ------
@@ -215,8 +217,11 @@ class CheckpointStore:
         return self._join(self.path, f"ckpt-{step:012d}-{generation:03d}")
 
     def shard_path(self, directory: str, index: int) -> str:
-        """Path of shard ``index`` in ``directory``, for :func:`save_shard` on the server's worker."""
-        return self._join(directory, shard_name(index))
+        """Path of shard ``index`` in ``directory``, for :func:`save_shard` on the server's worker
+        (a :class:`StoragePath` carrying the config's ``storage_options``, when it has any)."""
+        path = self._join(directory, shard_name(index))
+        options = self.config.storage_options
+        return StoragePath(path, options) if options else path
 
     # -- manifest --------------------------------------------------------------------------------
     def write_manifest(self, directory: str, manifest: Mapping[str, Any]) -> str:
