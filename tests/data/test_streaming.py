@@ -336,3 +336,30 @@ def test_streams_from_s3_and_checkpoints_to_s3(client: Client, s3: dict[str, Any
     assert first.steps == 130 and resumed.steps == straight.steps == 200
     torch.testing.assert_close(_flat(resumed.model), _flat(straight.model), rtol=0, atol=1e-6)
     assert resumed.trainers[0]["read_s"] > 0
+
+
+def _own_loop(ctx: Any, epochs: int = 2) -> int:
+    """A user's loop for dt.run: plain torch on the rank's batches."""
+    torch.manual_seed(0)
+    model = ctx.prepare(torch.nn.Linear(8, CLASSES))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = 0
+    for _ in ctx.epochs(epochs):
+        for xb, yb in ctx.batches("train", batch_size=64):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            batches += 1
+        ctx.report({"batches": batches})
+    return batches
+
+
+def test_your_own_loop_streams_too(client: Client, store: dict[str, Any]) -> None:
+    X, y = da.from_zarr(store["x"]), da.from_zarr(store["y"])
+    result = dt.run(_own_loop, data={"train": (X, y)}, workers=2, client=client,
+                    data_mode="stream")
+    ledger = result.ledger[result.ledger.epoch < 2]
+    assert ledger.groupby("epoch")["consumed"].sum().tolist() == [3_000, 3_000]
+    assert all(rank["read_s"] > 0 for rank in result.ranks)  # read by the feed tasks
+    with pytest.raises(dt.InvalidInput, match="data_mode='disk' is invalid"):
+        dt.run(_own_loop, data={"train": (X, y)}, client=client, data_mode="disk")
