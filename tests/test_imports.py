@@ -46,7 +46,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
 #   * monitor (the scheduler plugin: Training page, Prometheus metrics): imports errors only;
 #     the controller registers it and publishes the job's events;
-#   * callbacks (public callbacks: TensorBoard): imports errors and policy; used by users;
+#   * callbacks (public callbacks: TensorBoard, MLflow): imports errors and policy; used by users;
+#   * lightning (PyTorch Lightning inside dt.run): imports errors only; used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
@@ -69,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
     "datasets": _BASE | {"policy", "data"},
     "monitor": _BASE,
     "callbacks": _BASE | {"policy"},
+    "lightning": _BASE,
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
     "tensorflow": _BASE | {"policy", "runtime"},
@@ -305,7 +307,7 @@ def test_classical_never_imports_torch() -> None:
 
 # --- what loads: fresh interpreters -------------------------------------------------------------
 
-HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras")
+HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras", "lightning", "mlflow")
 
 
 def _run_fresh(code: str, timeout: float = 240) -> Any:
@@ -373,7 +375,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     # The scheduler imports monitor to unpickle its plugin: Bokeh and prometheus_client load
     # only when the plugin starts; callbacks loads TensorBoard when a fit opens its file.
     "dask_train.monitor": (*NOT_AT_IMPORT, "bokeh", "prometheus_client", "tensorboard"),
-    "dask_train.callbacks": (*NOT_AT_IMPORT, "bokeh", "tensorboard", "tensorflow"),
+    "dask_train.callbacks": (*NOT_AT_IMPORT, "bokeh", "tensorboard", "tensorflow", "mlflow"),
     "dask_train.prediction": NOT_AT_IMPORT,
     "dask_train.tuning": NOT_AT_IMPORT,
     "dask_train.tensorflow": NOT_AT_IMPORT + ("tensorflow", "keras"),

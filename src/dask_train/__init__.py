@@ -64,6 +64,8 @@ _LAZY = {
     "datasets": ".datasets",
     "from_npy": ".data",
     "callbacks": ".callbacks",
+    # PyTorch Lightning inside dt.run (Lightning loads only when used)
+    "lightning": ".lightning",
     # prediction and hyper-parameter search
     "predict": ".prediction",
     "search": ".tuning",
@@ -113,6 +115,7 @@ __all__ = [
     "distributed_loss_grad",
     "from_npy",
     "intuniform",
+    "lightning",
     "loguniform",
     "predict",
     "run",
@@ -126,7 +129,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
-    from dask_train import callbacks, datasets
+    from dask_train import callbacks, datasets, lightning
     from dask_train.api import FitResult, RunResult, Trainer, run
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.classical import (

@@ -130,6 +130,7 @@ class RunContext:
         self._restored: Any = None
         self._cursor = _Cursor(role) if run.train is not None else None
         self._joinables: list[Any] = []
+        self._last_batch: Any = None  # what ctx.batches(even=True) repeats once a share ran out
         self._reports = 0
         self._stop = False
         self._said_no_store = False
@@ -179,13 +180,20 @@ class RunContext:
             self.epoch = self._data_epoch = epoch
             yield epoch
 
-    def batches(self, name: str | None = None, batch_size: int | None = None) -> Iterator[Any]:
+    def batches(self, name: str | None = None, batch_size: int | None = None, *,
+                even: bool = False) -> Iterator[Any]:
         """This rank's batches of one epoch of the streamed data set: ``(x, y)`` tensors on
         :attr:`device` (``x`` a dict for a dict of inputs; ``x`` alone without targets).
 
         Blocks come from the job's ledger (the ones this worker holds first), each row once per
         epoch over all ranks, shuffled per epoch from ``dt.run(seed=)``. Leaving the loop early
         and calling again goes on where it left.
+
+        ``even=True`` gives every rank the same number of batches: a rank whose share ran out
+        repeats its last batch until every share is read (as ``DistributedSampler`` pads its
+        shards), one small all-reduce a batch deciding it. Use it when every step holds
+        collectives that ``Join`` cannot shadow: PyTorch Lightning (it broadcasts every step),
+        FSDP, all-reduces of your own.
         """
         cursor = self._cursor
         if cursor is None or name not in (None, self._run.train):
@@ -198,12 +206,13 @@ class RunContext:
         if size < 1:
             raise InvalidInput([f"ctx.batches(batch_size={batch_size!r}): use an integer >= 1."])
         join: Any = contextlib.nullcontext()
-        if self._joinables:
+        if self._joinables and not even:
             from torch.distributed.algorithms import Join
 
             join = Join(self._joinables)
         with join:
-            yield from self._epoch_batches(cursor, size, self._data_epoch)
+            epoch = self._epoch_batches(cursor, size, self._data_epoch)
+            yield from self._even(epoch) if even and self.world_size > 1 else epoch
             # Reports the others make inside their batch loops stop waiting for this rank.
             self._role.worker.log_event(self._role.config.topic, ShareDone(
                 trainer=self.rank, epoch=self._data_epoch, reports=self._reports).message())
@@ -224,6 +233,27 @@ class RunContext:
             both = both.to(self.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         self._reports, self._stop = int(both[0].item()), bool(both[1].item())
+
+    def _even(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, then this rank's last batch again until every rank's share is read."""
+        import torch
+        import torch.distributed as dist
+
+        while True:
+            batch = next(batches, None)
+            more = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item():
+                return
+            if batch is None:
+                if self._last_batch is None:
+                    raise RuntimeError(f"rank {self.rank} got no rows of the streamed data yet, "
+                                       "so ctx.batches(even=True) has no batch to repeat: give "
+                                       "dt.run more row blocks than ranks")
+                batch = self._last_batch
+                self.step += 1
+            self._last_batch = batch
+            yield batch
 
     def _epoch_batches(self, cursor: _Cursor, size: int, epoch: int) -> Iterator[Any]:
         from dask_train.models._torch import model_inputs

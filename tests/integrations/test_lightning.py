@@ -1,0 +1,90 @@
+"""PyTorch Lightning inside ``dt.run`` on a real cluster: a LightningModule trained with
+Lightning's own DDP strategy on 2 ranks, its logged metrics in the job's history, a stop condition
+ending it, every row read once per epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dask_train as dt
+
+pl = pytest.importorskip("lightning.pytorch", reason="the dev extra: pip install lightning")
+
+
+class Digits(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, _index):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        # Per epoch, synced at its end: a step's own collective would be fine too (every rank
+        # takes as many steps), this is what Lightning recommends.
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, _index):
+        x, y = batch
+        accuracy = (self(x).argmax(1) == y).float().mean()
+        self.log("val_acc", accuracy, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def train_lightning(ctx, epochs=30):
+    """A Lightning script as a user writes it: only the Trainer's plugin, callback and the
+    train loader come from dask-train."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xv, yv = ctx.dataset("val")
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=ctx.world_size,
+                         max_epochs=epochs, plugins=[dt.lightning.DaskEnvironment()],
+                         callbacks=[dt.lightning.Report(ctx)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    module = Digits()
+    trainer.fit(module, train_dataloaders=dt.lightning.batches(ctx, batch_size=64),
+                val_dataloaders=DataLoader(TensorDataset(xv, yv), batch_size=500))
+    return {"rank": trainer.global_rank, "world": trainer.world_size,
+            "epochs": trainer.current_epoch, "steps": trainer.global_step}
+
+
+def test_a_lightning_module_on_two_ranks_reports_and_stops(client):
+    X, y = dt.datasets.digits(n_samples=12_000)
+    Xv, yv = dt.datasets.digits(n_samples=1_000, seed=7)
+    result = dt.run(train_lightning, workers=2, client=client, timeout=90,
+                    data={"train": (X.rechunk(1_000), y.rechunk(1_000)),
+                          "val": (np.asarray(Xv), np.asarray(yv))},
+                    stop=[dt.StopAtScore("val_acc", 0.9)])
+    assert result.stopped_by == "StopAtScore(val_acc>=0.9)"
+    history = result.history
+    # Every epoch's logged metrics reached the history: one row per epoch, the last one the stop.
+    assert {"val_acc", "train_loss"} <= set(history.columns)
+    assert history["val_acc"].iloc[-1] >= 0.9 and (history["val_acc"].iloc[:-1] < 0.9).all()
+    assert history["train_loss"].iloc[-1] < history["train_loss"].iloc[0]
+    # Both ranks are Lightning's ranks 0 and 1 of 2, stopped after the same epoch.
+    epochs = len(history)
+    assert [(r["rank"], r["world"], r["epochs"]) for r in result.returns] == \
+        [(0, 2, epochs), (1, 2, epochs)]
+    assert result.returns[0]["steps"] == result.returns[1]["steps"]
+    consumed = result.ledger.groupby("epoch")["consumed"].sum()
+    assert all(consumed[e] == len(X) for e in range(epochs)), consumed.to_dict()
+
+
+def test_lightning_settings_that_do_not_fit_the_job_are_named():
+    env = dt.lightning.DaskEnvironment()
+    with pytest.raises(dt.InvalidInput, match=r"devices=2, num_nodes=1\) does not fit"):
+        env.validate_settings(2, 1)
+    with pytest.raises(dt.InvalidInput, match="pass the ctx"):
+        dt.lightning.Report(object())
+    with pytest.raises(dt.InvalidInput, match="batch_size=0"):
+        dt.lightning.batches(object(), batch_size=0)
