@@ -20,6 +20,7 @@ from typing import Any
 
 from distributed import Client
 
+from dask_train.controller._callbacks import CallbackThread
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
@@ -38,7 +39,6 @@ from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
-from dask_train.policy.callbacks import run_callbacks
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
 
@@ -98,6 +98,8 @@ class Controller:
         self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
+        # The user's hooks run off this loop, in order: they may block and use the client.
+        self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
 
     # -- the whole job ----------------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> Outcome:
@@ -128,9 +130,11 @@ class Controller:
             except BaseException as exc:
                 self.state.enter(Phase.ERRORED)
                 self.publisher.publish({"kind": "end", "error": f"{type(exc).__name__}: {exc}"})
+                self.callbacks.close()
                 await engine.close()
                 raise
             await engine.close()
+            await self.callbacks.finish(self.spec.timeout)  # on_fit_end comes after every hook
             self.state.enter(Phase.FINISHED)
             await self.publisher.end(stopped_by=self.state.stopped_by)
             kept = ending.final is not None and ending.final.get("params") is not None
@@ -150,6 +154,8 @@ class Controller:
                 event = None
             if event is not None:
                 self._on_event(event)
+            if self.callbacks.stop_asked():
+                self._stop("callback")
             now = time.time()
             if not self.state.stopped_by:
                 self._check_time(now)
@@ -201,10 +207,10 @@ class Controller:
             while self.state.epochs_seen < event.completed:
                 self.state.epochs_seen += 1
                 last = self.log.records[-1] if self.log.records else None
-                if run_callbacks(self.spec.callbacks, "on_epoch_end", self.state.epochs_seen, last):
-                    self._stop("callback")
+                self.callbacks.call("on_epoch_end", self.state.epochs_seen,
+                                    None if last is None else dict(last))
         elif isinstance(event, Stats):
-            run_callbacks(self.spec.callbacks, "on_stats", event.message())
+            self.callbacks.call("on_stats", event.message())
         elif isinstance(event, ReportReady):
             self.pending_report = event
 
@@ -234,8 +240,7 @@ class Controller:
         self.publisher.publish({"kind": "record", **record})
         if self.progress is not None:
             self.progress.update(record)
-        if run_callbacks(self.spec.callbacks, "on_score", record):
-            self._stop("callback")
+        self.callbacks.call("on_score", dict(record))  # a True return stops at the next pass
         fired = check_stop(self.spec.stop, record, elapsed_s=record["time_s"], step=record["step"])
         if fired is not None:
             self._stop(fired.describe())

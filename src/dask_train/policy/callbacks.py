@@ -1,4 +1,5 @@
-"""Callbacks: a base class of no-op ``on_*`` hooks the controller calls during ``fit``.
+"""Callbacks: a base class of no-op ``on_*`` hooks the controller calls during ``fit``
+(off the client's event loop: see :class:`Callback` for where each hook runs).
 
 A hook that returns True asks the job to stop; stopping is that returned decision, never an
 exception. :func:`run_callbacks` calls one hook on every callback and reports whether any asked.
@@ -16,6 +17,20 @@ HOOKS = ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end")
 
 class Callback:
     """Base class for callbacks; every hook is a no-op, override the ones you need.
+
+    Where the hooks run, and what they may do: ``on_fit_start`` and ``on_fit_end`` are called
+    in the thread that called ``fit`` (or ``dt.run``), before the job starts and after it ended.
+    ``on_score``, ``on_stats`` and ``on_epoch_end`` are called in the client process, one at a
+    time and in the order of the job's events, on a thread of their own: not on the client's
+    event loop, which carries the job's messages. So a hook may block (write to a tracking
+    server or a file system, sleep) while the job goes on training, scoring and deciding its
+    stop conditions, and it may use the client as in any script (``client.run(...)``,
+    ``client.submit(...).result()``). A hook that returns True asks the job to stop; the
+    controller acts on it at its next pass (within about 0.2 s of the hook's return), so a slow
+    hook delays its own stop, not the job's others. A hook's exception ends the job. Hooks queue
+    up while a slow one runs, and the job's end waits for them (up to the job's ``timeout``)
+    before ``on_fit_end``. The job's own parts never wait for a hook: keep a hook cheaper than
+    the rate of its events (``on_stats`` comes about once a second per role) or it falls behind.
 
     Examples
     --------

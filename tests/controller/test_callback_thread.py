@@ -1,0 +1,76 @@
+"""User callbacks run off the client's event loop, in order, on a real cluster: a hook may block
+while the job goes on scoring and stopping, and a hook may use the client."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import dask_train as dt
+
+
+def count_up(ctx, pause=0.05):
+    """Reports as fast as the job takes them, until it stops."""
+    i = 0
+    while not ctx.should_stop():
+        time.sleep(pause)
+        i += 1
+        ctx.report({"i": i})
+    return i
+
+
+class Slow(dt.Callback):
+    """Sleeps 2 s in each of its first three scores (6 s behind a job of 4 s)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.threads: set[str] = set()
+
+    def on_score(self, record):
+        self.threads.add(threading.current_thread().name)
+        if len(self.events) < 3:
+            time.sleep(2.0)
+        self.events.append(record["i"])
+
+    def on_fit_end(self, result):
+        self.events.append("end")
+
+
+def test_a_slow_callback_holds_up_neither_the_scores_nor_the_stop(client):
+    slow = Slow()
+    result = dt.run(count_up, workers=2, client=client, callbacks=[slow],
+                    stop=[dt.StopAfter(seconds=4)])
+    assert result.stopped_by.startswith("StopAfter")
+    # Run on the loop, the three 2 s sleeps would have let at most 3 reports through in 4 s.
+    assert len(result.history) >= 6, result.history
+    # Every score reached the hook, in order, and on_fit_end only after the last of them.
+    assert slow.events == [*result.history["i"].astype(int), "end"]
+    assert all(name.startswith("dask-train-callbacks") for name in slow.threads)
+    # Every rank stopped after the same report.
+    assert result.returns[0] == result.returns[1] == len(result.history)
+
+
+class UsesTheClient(dt.Callback):
+    def __init__(self, client) -> None:
+        self.client = client
+        self.pids: list[Any] = []
+        self.sums: list[Any] = []
+
+    def on_score(self, record):
+        self.pids.append(self.client.run(os.getpid))
+        self.sums.append(self.client.submit(sum, [record["i"], 1], pure=False).result())
+        return record["i"] >= 3  # stops the job
+
+
+def test_a_callback_may_use_the_client_and_stop_the_job(client):
+    hook = UsesTheClient(client)
+    result = dt.run(count_up, workers=2, client=client, callbacks=[hook], config={"pause": 0.2},
+                    stop=[dt.StopAfter(seconds=60)])
+    assert result.stopped_by == "callback"
+    assert hook.pids and all(isinstance(p, dict) and len(p) == 2 for p in hook.pids)
+    assert hook.pids[0] == client.run(os.getpid)
+    assert hook.sums == [i + 1 for i in result.history["i"].astype(int)]
+    # The stop comes at the controller's next pass, after the report that asked for it.
+    assert len(result.history) >= 3
