@@ -5,10 +5,16 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import dask
 import numpy as np
 import pytest
 import torch
 from distributed import Client, LocalCluster
+
+# A LocalCluster closes for good a nanny whose killed worker has not come back within this time
+# (distributed's default 15 s): on a loaded CI machine a restart took 18 s, and every later test
+# of that cluster ran one worker short. Read when a worker leaves, in this process.
+dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
 
 @pytest.fixture(autouse=True)

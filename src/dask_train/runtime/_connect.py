@@ -29,6 +29,10 @@ _MALLOC_ENV = {
 }
 
 
+#: distributed's own default for ``distributed.deploy.lost-worker-timeout`` (see ``_embedded``).
+_LOST_WORKER_DEFAULT = "15s"
+
+
 def connect(
     address: str | None = None,
     *,
@@ -150,6 +154,11 @@ def _embedded(
     # Workers never re-run the user's script (see _compat): it saves each of them the script's
     # own imports, and a script without the __main__ guard starts as a notebook would.
     start_workers_without_main()
+    if dask.config.get("distributed.deploy.lost-worker-timeout") == _LOST_WORKER_DEFAULT:
+        # The embedded cluster closes for good a nanny whose killed worker is not back within
+        # this time; Dask's 15 s was short on a loaded 2-core machine (a restart took 18 s) and
+        # the job went on one worker short. Read when a worker leaves: set for the process.
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "120s"})
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.update(_MALLOC_ENV)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
