@@ -46,7 +46,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * datasets: imports errors, policy, data; used only by the cli (and by users);
 #   * monitor (the scheduler plugin: Training page, Prometheus metrics): imports errors only;
 #     the controller registers it and publishes the job's events;
-#   * callbacks (public callbacks: TensorBoard, MLflow): imports errors and policy; used by users;
+#   * callbacks (public callbacks: TensorBoard, MLflow): imports errors, policy and checkpoint
+#     (MLflow logs the model as safetensors); used by users;
 #   * lightning (PyTorch Lightning inside dt.run): imports errors only; used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
@@ -69,7 +70,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": _BASE | {"checkpoint"},
     "datasets": _BASE | {"policy", "data"},
     "monitor": _BASE,
-    "callbacks": _BASE | {"policy"},
+    "callbacks": _BASE | {"policy", "checkpoint"},
     "lightning": _BASE,
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},

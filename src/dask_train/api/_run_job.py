@@ -73,7 +73,9 @@ def run_job(client: Client, s: Mapping[str, Any], *, fn_blob: bytes, small: dict
                          run=run, user_config=user_config)
 
     roles = plan(alive)
-    run_callbacks(spec.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows})
+    settings = {k: s[k] for k in ("workers", "epochs", "batch_size", "seed", "stop", "resume")}
+    run_callbacks(spec.callbacks, "on_fit_start", {
+        "roles": roles, "rows": blocks.n_rows, "params": {**user_config, "run": settings}})
     started = time.time()
     controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan, roles=roles,
                             rows=blocks.n_rows)

@@ -235,6 +235,10 @@ class Trainer:
         names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
         return {name: getattr(self, name) for name in names}
 
+    def _tracked_params(self) -> dict[str, Any]:
+        """The hyper-parameters a callback records (``on_fit_start``'s ``info["params"]``)."""
+        return {k: v for k, v in self.get_params().items() if k not in ("callbacks", "client")}
+
     def set_params(self, **params: Any) -> Trainer:
         """Set hyper-parameters by name; unknown names raise :class:`InvalidInput`."""
         known = self.get_params()
@@ -349,7 +353,8 @@ class Trainer:
 
             fix_keras_serialization()  # distributed's Keras serializer is for Keras 2
             warm_workers(client, roles.addresses, timeout=self.timeout)
-        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows})
+        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows,
+                                                       "params": self._tracked_params()})
 
         def make_engine(roles: Roles, job: str, restore: Any) -> Any:
             return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
@@ -399,7 +404,8 @@ class Trainer:
 
         first = make_engine(Roles(), "probe", None).roles  # where the groups and scorer will run
         try:
-            run_callbacks(self.callbacks, "on_fit_start", {"roles": first, "rows": data.n_rows})
+            run_callbacks(self.callbacks, "on_fit_start", {"roles": first, "rows": data.n_rows,
+                                                           "params": self._tracked_params()})
             with Progress(total=self.epochs * data.n_rows, enabled=self.progress) as progress:
                 started = time.time()
                 controller = Controller(client, spec, make_engine=make_engine,

@@ -42,7 +42,9 @@ class Callback:
     """
 
     def on_fit_start(self, info: Mapping[str, Any]) -> None:
-        """Called once before training starts with a description of the job."""
+        """Called once before training starts with a description of the job: ``roles``,
+        ``rows`` (per epoch) and ``params`` (a Trainer's hyper-parameters; ``dt.run``'s
+        ``config``, and its settings under ``"run"``)."""
 
     def on_score(self, record: Mapping[str, Any]) -> bool | None:
         """Called with each new score record; return True to ask the job to stop."""
