@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -227,6 +228,15 @@ def test_a_dask_scheduler_and_workers_started_with_certificate_files(tmp_path: P
                 assert result.stopped_by == "epochs=1" and result.samples == 4_000
             labels = dt.predict(result.model, Xv, method="argmax").compute()
             assert float(np.mean(labels == yv)) == pytest.approx(accuracy(result.model, Xv, yv))
+        # Without security=: Dask's TLS config from the environment (as for the dask-train command).
+        env = {**os.environ, "DASK_DISTRIBUTED__COMM__TLS__CA_FILE": str(files["ca"]),
+               "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": str(files["cert"]),
+               "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY": str(files["key"])}
+        code = (f"import dask_train as dt; c = dt.connect({address!r}, quiet=True); "
+                "print(len(c.scheduler_info(n_workers=-1)['workers'])); c.close()")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.split() == ["2"], proc.stderr[-2000:]
     finally:
         for process in (workers, scheduler):  # workers first: a quiet end
             if process is not None:
