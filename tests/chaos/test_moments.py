@@ -1,5 +1,5 @@
 """Lost workers at the worst moments, in both strategies: while a checkpoint is written, as the
-trainers pause for one, while the job restarts after a first loss.
+trainers pause for one, while the job restarts after a first loss, as a score stops the job.
 
 The tests run on a cluster of their own (they kill its workers; the nannies restart them) and
 assert what must hold after the job survived: every sample of every epoch applied exactly once
@@ -175,4 +175,52 @@ def test_a_second_worker_lost_while_the_job_restarts(own_client: Client, tmp_pat
     assert [f["worker"] for f in restarts] == [_holder(roles, strategy), second[0]], summary(result)
     assert result.generations == 3, summary(result)
     _assert_every_sample_once(result)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+class _KillAndStop(dt.StopCondition):
+    """Kills a worker and stops the job at the same score (once): the loss meets the roles
+    stopping. A stop condition, not a callback: the controller decides it in the same pass
+    (callbacks answer from a thread of their own, possibly after the loss was seen)."""
+
+    def __init__(self, client: Client, victim: str, samples: int) -> None:
+        self.pid, self.samples, self.done = pid_of(client, victim), samples, False
+
+    def should_stop(self, record, *, elapsed_s: float, step: int) -> bool:
+        if self.done or record is None or record["samples"] < self.samples:
+            return False
+        self.done = True
+        os.kill(self.pid, signal.SIGKILL)
+        return True
+
+    def describe(self) -> str:
+        return "kill-and-stop"
+
+
+@pytest.mark.parametrize(("strategy", "who"), [("async-ps", "scorer"), ("async-ps", "holder"),
+                                               ("sync", "holder")])
+def test_a_worker_killed_as_a_score_stops_the_job(own_client: Client, tmp_path: Path,
+                                                   strategy: str, who: str) -> None:
+    roles = _roles(own_client, strategy)
+    victim = roles["scorer"][0] if who == "scorer" else _holder(roles, strategy)
+    stop = _KillAndStop(own_client, victim, samples=6000)
+    config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None, every_steps=40,
+                                 keep=3)
+    result = _fit(own_client, strategy, stop=[stop], checkpoint=config)
+    assert stop.done, summary(result)
+    if who == "scorer":
+        # The parameters are intact: the job stops without the lost trainer, with a new
+        # scorer for the final score (one loss: the worker held both roles).
+        assert [(f["role"], f["action"], f["loss"]) for f in result.failures] == \
+            [("worker-1", "continue", 1), ("scorer-0", "replace", 1)], summary(result)
+        assert result.stopped_by == "kill-and-stop" and result.generations == 1
+        per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+        assert (per_block <= 1000).all()  # nothing applied twice
+    else:
+        # The parameters were lost with their holder: the stop is withdrawn, a new generation
+        # trains from the checkpoint to the job's end.
+        [failure] = result.failures
+        assert failure["action"] == "restart" and failure["worker"] == victim
+        assert result.generations == 2 and result.stopped_by == "epochs=2", summary(result)
+        _assert_every_sample_once(result)
     assert result.history["accuracy"].iloc[-1] > 0.85

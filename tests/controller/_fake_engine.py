@@ -35,11 +35,12 @@ S, R, C, RS, F, FD, E = (Phase.STARTING, Phase.RUNNING, Phase.CHECKPOINTING, Pha
 @dataclass(frozen=True)
 class Fault:
     """A failure ``failures()`` reports once, ``at`` seconds after start and ``after_saves``
-    checkpoint writes."""
+    checkpoint writes (and, with ``stopping``, once the engine was asked to stop)."""
 
     failure: Failure
     at: float = 0.0
     after_saves: int = 0
+    stopping: bool = False
 
 
 class FakeEngine(Engine):
@@ -120,7 +121,8 @@ class FakeEngine(Engine):
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
         elapsed = time.monotonic() - self.t0
         due = [i for i, f in enumerate(self.faults) if i not in self.reported
-               and elapsed >= f.at and self.saves >= f.after_saves]
+               and elapsed >= f.at and self.saves >= f.after_saves
+               and (self.stopped or not f.stopping)]
         self.reported.update(due)
         return [self.faults[i].failure for i in due]
 
@@ -169,8 +171,9 @@ class FakeEngine(Engine):
         self.stopped, self.pending = True, 0  # a pause outstanding is released, as engines do
         if self.feeder is not None:
             self.feeder.cancel()
-        if self.stop_error is not None:
-            raise self.stop_error
+        if self.stop_error is not None:  # once: stopping again (without a lost role) succeeds
+            error, self.stop_error = self.stop_error, None
+            raise error
         final: dict[str, Any] | None = None
         if keep_step is not None and keep_step in self.scored:
             final = {"record": None, "params": self.scored[keep_step]}

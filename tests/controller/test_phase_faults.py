@@ -99,3 +99,39 @@ def test_a_restart_says_how_many_samples_are_trained_again(tmp_path: Path,
     redone = 30 if checkpoint else 40
     assert [(f["action"], f["redone"]) for f in outcome.log.failures] == [("restart", redone)]
     assert run.published[run.kinds.index("generation")]["redone"] == redone
+
+
+def test_a_server_lost_while_the_roles_stop_restarts_and_the_next_generation_finishes(
+        tmp_path: Path) -> None:
+    # The stop's engine call fails on a lost parameter server: the final parameters are gone
+    # with it. The stop is withdrawn and a new generation trains to the job's end.
+    lost = Failure("ps", 0, "tcp://10.0.0.3:4000", "removed from the scheduler")
+    error = WorkerLost("pulling the final parameters: parameter holder 0's worker left",
+                       worker=lost.worker, role="ps-0")
+    first = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
+                       strategy="async-ps", stop_error=error, faults=[Fault(lost, stopping=True)])
+    second = FakeEngine([(0.0, Progress(step=3)), (0.05, Epochs(completed=1))], ends_at=0.1,
+                        strategy="async-ps")
+    outcome = _ok(run := _run([first, second], _spec(strategy="async-ps"),
+                              roles={"ps": 1, "worker": 1}))
+
+    assert run.phases == [S, R, F, RS, S, R, F, FD]
+    assert first.calls == ["start", "stop None", "close"]
+    assert [(f["role"], f["action"]) for f in outcome.log.failures] == [("ps-0", "restart")]
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
+
+
+def test_a_scorer_lost_while_the_roles_stop_is_replaced_and_the_job_stops() -> None:
+    lost = Failure("scorer", 0, "tcp://10.0.0.5:4000", "removed from the scheduler")
+    error = WorkerLost("the final score: scorer-0's worker left", worker=lost.worker,
+                       role="scorer-0")
+    engine = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
+                        strategy="async-ps", stop_error=error, faults=[Fault(lost, stopping=True)])
+    outcome = _ok(run := _run([engine], _spec(strategy="async-ps"),
+                              roles={"ps": 1, "worker": 1, "scorer": 1}))
+
+    assert run.phases == [S, R, F, FD]
+    assert engine.calls == ["start", "stop None", "replace scorer on 1 worker(s)", "stop None",
+                            "close"]
+    assert [(f["role"], f["action"]) for f in outcome.log.failures] == [("scorer-0", "replace")]
+    assert outcome.stopped_by == "epochs=1"

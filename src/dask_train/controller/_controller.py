@@ -22,6 +22,7 @@ from distributed import Client
 
 from dask_train.controller._callbacks import CallbackThread
 from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.engines._events import (
@@ -36,7 +37,7 @@ from dask_train.engines._events import (
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
-from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
+from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
@@ -100,6 +101,7 @@ class Controller:
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The user's hooks run off this loop, in order: they may block and use the client.
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
+        self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
 
     # -- the whole job ----------------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> Outcome:
@@ -123,10 +125,11 @@ class Controller:
                     self.log.roles_up_at = self.log.roles_up_at or time.time()
                     self.state.enter(Phase.RUNNING)
                     failure = await self._run_generation(engine)
-                if failure is not None:
-                    await self._restart(engine, failure)
+                finished = await self._finish(engine) if failure is None else failure
+                if isinstance(finished, Failure):
+                    await self._restart(engine, finished)
                     continue
-                ending = await self._finish(engine)
+                ending = finished
             except BaseException as exc:
                 self.state.enter(Phase.ERRORED)
                 self.publisher.publish({"kind": "end", "error": f"{type(exc).__name__}: {exc}"})
@@ -186,9 +189,10 @@ class Controller:
         try:
             await engine.start(self.events.put_nowait)
         except Exception:
-            alive = await alive_workers(self.client)
-            lost = [f for f in await engine.failures(alive) if f.worker not in alive]
-            if not lost or self._decide(engine, lost[0], alive) is not Action.RESTART:
+            lost, alive = await self.losses.lost(self.client, engine)
+            if not lost or self.losses.decide(engine, lost[0], alive,
+                                              has_checkpoint=self.has_checkpoint) \
+                    is not Action.RESTART:
                 raise
             logger.info("generation %d could not start: %s was lost", self.state.generation,
                         lost[0].role)
@@ -362,47 +366,21 @@ class Controller:
         }
 
     # -- failures ---------------------------------------------------------------------------------
+    @property
+    def has_checkpoint(self) -> bool:
+        """Whether a checkpoint exists to restart from (written by this fit, or resumed)."""
+        return bool(self.log.checkpoints) or self.restore is not None
+
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
         alive = await alive_workers(self.client)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
-        for i, failure in enumerate(failures):
-            # A worker that held several roles (a trainer and the scorer) is one loss.
-            again = any(f.worker == failure.worker for f in failures[:i])
-            action = self._decide(engine, failure, alive, same_loss=again)
-            if action is Action.RESTART:
-                return failure
-            if action is Action.REPLACE:
-                await engine.replace_scorer(alive)
-            else:
-                await engine.retire_trainer(failure.index)
+        restart = await self.losses.act(engine, failures, alive,
+                                        has_checkpoint=self.has_checkpoint)
         if not failures and not self.state.stopped_by:
             await engine.adopt_workers(alive)
-        return None
-
-    def _decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int], *,
-                same_loss: bool = False) -> Action:
-        """The policy's action on one lost role; ``same_loss``: its worker's loss was counted
-        with another role (max_failures counts lost workers, not the roles they held)."""
-        live = engine.live_trainers() - (1 if failure.kind == "worker" else 0)
-        loss = len({f["loss"] for f in self.log.failures}) + (0 if same_loss else 1)
-        status = JobStatus(
-            strategy=engine.strategy, failure=failure, failures=loss,
-            live_trainers=max(0, live), live_workers=len(alive),
-            has_checkpoint=bool(self.log.checkpoints) or self.restore is not None)
-        decision = decide(status, self.spec.failure)
-        self.log.failures.append({
-            "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,
-            "cause": failure.cause, "action": decision.action.value, "reason": decision.reason,
-            "generation": self.state.generation, "loss": loss,
-        })
-        self.publisher.publish({"kind": "failure", **self.log.failures[-1]})
-        logger.warning("%s on %s: %s -> %s (%s)", failure.role, failure.worker, failure.cause,
-                       decision.action.value, decision.reason)
-        if decision.action is Action.RAISE:
-            raise failure_error(status, decision)
-        return decision.action
+        return restart
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
         """End this generation and place the next one on the live workers, from the newest
@@ -447,8 +425,9 @@ class Controller:
                        self.roles, time.time() - t0, failure.role, redone)
 
     # -- the end ----------------------------------------------------------------------------------
-    async def _finish(self, engine: Engine) -> Ending:
-        """Stop the engine, close the history with the final score, write the final checkpoint."""
+    async def _finish(self, engine: Engine) -> Ending | Failure:
+        """Stop the engine, close the history with the final score, write the final checkpoint;
+        a role lost while stopping that needs a new generation is returned instead."""
         self.state.enter(Phase.FINISHING)
         if not engine.schedules_checkpoints:
             # A stop decided while every rank waits on a report (its score stopped the job):
@@ -458,7 +437,13 @@ class Controller:
             report, self.pending_report = self.pending_report, None
             if report is not None and report.checkpoint:
                 await self._write_report(engine, report)
-        ending = await engine.stop(keep_step=self.state.stop_step)
+        ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
+                                        has_checkpoint=self.has_checkpoint)
+        if isinstance(ending, Failure):
+            # What the stop stood for (a scored snapshot) may be gone with the role.
+            logger.info("the stop (%s) waits for the next generation: %s was lost",
+                        self.state.withdraw_stop(), ending.role)
+            return ending
         while not self.events.empty():  # the trainers' last events
             self._on_event(self.events.get_nowait())
         final = ending.final

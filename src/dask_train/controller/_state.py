@@ -32,7 +32,8 @@ _NEXT: dict[Phase, frozenset[Phase]] = {
     Phase.CHECKPOINTING: frozenset({Phase.RUNNING, Phase.RESTARTING, Phase.FINISHING,
                                     Phase.ERRORED}),
     Phase.RESTARTING: frozenset({Phase.STARTING, Phase.ERRORED}),
-    Phase.FINISHING: frozenset({Phase.FINISHED, Phase.ERRORED}),
+    # A parameter server or a rank lost while the roles stop: the job goes on in a new one.
+    Phase.FINISHING: frozenset({Phase.FINISHED, Phase.RESTARTING, Phase.ERRORED}),
     Phase.FINISHED: frozenset(),
     Phase.ERRORED: frozenset(),
 }

@@ -353,16 +353,15 @@ class RoleEngine(Engine):
         return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref, r in zip(self.shards, results)]
 
-    async def wait_for_holders(self, futures: list[Future], *, what: str) -> None:
-        """``wait_for`` the holders' tasks (starting, saving), giving up as soon as a holder's
-        worker is gone.
-
-        A task pinned to a worker that left would wait for it until the timeout (and the job
-        would fail with it); the loss itself is the controller's to handle: a new generation,
-        from the newest checkpoint.
-        """
+    async def wait_for_holders(self, futures: list[Future], *, what: str,
+                               holders: Mapping[str, str] | None = None) -> None:
+        """``wait_for`` role tasks (starting, saving, stopping), giving up with WorkerLost as
+        soon as the worker of one of ``holders`` (address -> role; default: the parameter
+        holders, whose tasks are then released) is gone: a task pinned to a worker that left
+        would wait until the timeout, and the loss is the controller's to act on."""
         deadline = time.monotonic() + self.spec.timeout
-        holders = {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
+        release = holders is None
+        holders = holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
         while True:
             try:
                 await wait_futures(futures, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -373,7 +372,7 @@ class RoleEngine(Engine):
                 alive = await alive_workers(self.client)
                 gone = [(addr, role) for addr, role in holders.items() if addr not in alive]
                 if gone:
-                    for fut in futures:
+                    for fut in futures if release else []:
                         fut.release()
                     addr, role = gone[0]
                     raise WorkerLost(f"{what}: {role}'s worker {addr} left the cluster",
@@ -382,7 +381,8 @@ class RoleEngine(Engine):
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
-        """Stop every role (each wait bounded by the timeout); pull the final parameters."""
+        """Stop every role (each wait bounded by the timeout); pull the final parameters. A role
+        lost meanwhile raises WorkerLost; once acted on, stopping again goes on without it."""
         self.granter.stopping = True
         scorer = self.scorer_future is not None
         if scorer and keep_step is not None:
@@ -396,7 +396,8 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.signal_stop, self.job,
                           workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
-        await self.wait_for(live, what="stopping the trainers")
+        await self.wait_for_holders(live, what="stopping the trainers", holders={
+            self.roles["worker"][i]: f"worker-{i}" for i in self.live()})
         trainers = [await f for f in live]
         await self._drain_events()
         final = None
@@ -404,11 +405,12 @@ class RoleEngine(Engine):
             if keep_step is None:  # the final parameters' score, once the trainers stopped
                 await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
                                   keep_step=None, workers=self.roles["scorer"])
-            await self.wait_for([self.scorer_future], what="the final score")
+            await self.wait_for_holders([self.scorer_future], what="the final score",
+                                        holders={self.roles["scorer"][0]: "scorer-0"})
             final = await self.scorer_future
         pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",
                              job=self.job, index=ref.index) for ref in self.shards]
-        await self.wait_for(pulls, what="pulling the final parameters")
+        await self.wait_for_holders(pulls, what="pulling the final parameters")
         parts = await self.client.gather(pulls, asynchronous=True)
         import numpy as np
 

@@ -1,0 +1,108 @@
+"""What the controller does about lost roles, at any moment of a generation.
+
+Each lost or failed role goes to the pure failure policy (:func:`~dask_train.policy._failure.decide`)
+with the job's count of losses, where a lost worker counts once whatever roles it held (a trainer
+and the scorer). The actions that let the survivors go on (a replaced scorer, a retired async
+trainer) are taken here; a restart is returned to the controller, which starts the next
+generation. The same rules hold while a generation runs, while it starts and while it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from distributed import Client
+
+from dask_train.controller._publish import JobEvents
+from dask_train.controller._state import JobLog, JobState
+from dask_train.engines._protocol import Ending, Engine
+from dask_train.engines._spec import JobSpec
+from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
+from dask_train.runtime._calls import alive_workers
+
+logger = logging.getLogger(__name__)
+
+
+class Losses:
+    """The decisions on one job's lost roles, recorded in its log and published.
+
+    Parameters
+    ----------
+    spec : JobSpec
+    log : JobLog
+        Receives one record per lost role (``result.failures``).
+    state : JobState
+    publisher : JobEvents
+
+    Every decision takes ``has_checkpoint``: whether the job has a checkpoint to restart from
+    (written, or resumed from), which only the controller knows.
+    """
+
+    def __init__(self, *, spec: JobSpec, log: JobLog, state: JobState,
+                 publisher: JobEvents) -> None:
+        self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
+
+    def decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int], *,
+               has_checkpoint: bool, same_loss: bool = False) -> Action:
+        """The policy's action on one lost role (raises the typed error on RAISE);
+        ``same_loss``: its worker's loss was counted with another of its roles."""
+        live = engine.live_trainers() - (1 if failure.kind == "worker" else 0)
+        loss = len({f["loss"] for f in self.log.failures}) + (0 if same_loss else 1)
+        status = JobStatus(
+            strategy=engine.strategy, failure=failure, failures=loss,
+            live_trainers=max(0, live), live_workers=len(alive),
+            has_checkpoint=has_checkpoint)
+        decision = decide(status, self.spec.failure)
+        self.log.failures.append({
+            "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,
+            "cause": failure.cause, "action": decision.action.value, "reason": decision.reason,
+            "generation": self.state.generation, "loss": loss,
+        })
+        self.publisher.publish({"kind": "failure", **self.log.failures[-1]})
+        logger.warning("%s on %s: %s -> %s (%s)", failure.role, failure.worker, failure.cause,
+                       decision.action.value, decision.reason)
+        if decision.action is Action.RAISE:
+            raise failure_error(status, decision)
+        return decision.action
+
+    async def act(self, engine: Engine, failures: Sequence[Failure], alive: Mapping[str, int],
+                  *, has_checkpoint: bool) -> Failure | None:
+        """Decide on each failure in turn and act: the scorer replaced, an async trainer
+        retired. Returns the first failure that needs a new generation (None: the survivors
+        go on)."""
+        for i, failure in enumerate(failures):
+            # A worker that held several roles (a trainer and the scorer) is one loss.
+            again = any(f.worker == failure.worker for f in failures[:i])
+            action = self.decide(engine, failure, alive, has_checkpoint=has_checkpoint,
+                                 same_loss=again)
+            if action is Action.RESTART:
+                return failure
+            if action is Action.REPLACE:
+                await engine.replace_scorer(alive)
+            else:
+                await engine.retire_trainer(failure.index)
+        return None
+
+    async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
+        """The roles whose worker has left the cluster, and the live workers."""
+        alive = await alive_workers(client)
+        return [f for f in await engine.failures(alive) if f.worker not in alive], alive
+
+    async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,
+                   has_checkpoint: bool) -> Ending | Failure:
+        """Stop the engine's roles. A role lost meanwhile (the scorer's worker killed as a
+        score stops the job) is a loss like any other: the job stops without a lost async
+        trainer, or with the scorer started again (the final parameters then make the
+        result), or the failure that needs a new generation is returned (a server, a rank).
+        An error with every role's worker alive is the job's."""
+        while True:
+            try:
+                return await engine.stop(keep_step=keep_step)
+            except Exception:
+                lost, alive = await self.lost(client, engine)
+                if not lost:
+                    raise
+                restart = await self.act(engine, lost, alive, has_checkpoint=has_checkpoint)
+                if restart is not None:
+                    return restart
