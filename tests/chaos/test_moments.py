@@ -1,5 +1,6 @@
 """Lost workers at the worst moments, in both strategies: while a checkpoint is written, as the
-trainers pause for one, while the job restarts after a first loss, as a score stops the job.
+trainers pause for one, while the job restarts after a first loss, as a score stops the job, while
+the ranks of a torch group join.
 
 The tests run on a cluster of their own (they kill its workers; the nannies restart them) and
 assert what must hold after the job survived: every sample of every epoch applied exactly once
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 from distributed import Client
 
 import dask_train as dt
+from dask_train.errors import WorkerLost
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _faults import (  # noqa: E402
@@ -224,3 +227,33 @@ def test_a_worker_killed_as_a_score_stops_the_job(own_client: Client, tmp_path: 
         assert result.generations == 2 and result.stopped_by == "epochs=2", summary(result)
         _assert_every_sample_once(result)
     assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+def test_a_rank_lost_while_the_torch_group_starts_is_named_at_once() -> None:
+    # Rank 1's worker is busy (its join task queues behind a sleep) when it is killed: the
+    # start must end with WorkerLost naming it, not wait for the dead rank until timeout=.
+    from dask_train.runtime import start_torch
+
+    with killable_cluster() as client:
+        a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        busy = client.submit(time.sleep, 20, workers=[b], pure=False)
+        outcome: dict[str, BaseException] = {}
+
+        def start() -> None:
+            try:
+                start_torch(client, workers=[a, b], timeout=25)
+            except BaseException as exc:  # the test reads it below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        joining = JobWatch(client).wait(lambda: any(
+            k.startswith("torch-join-") for k in client.run_on_scheduler(
+                lambda dask_scheduler: [str(t) for t in dask_scheduler.tasks])), timeout=60)
+        assert joining, "the ranks never started joining"
+        kill(client, b)
+        thread.join(timeout=60)
+        del busy
+    error = outcome.get("error")
+    assert isinstance(error, WorkerLost), repr(error)
+    assert (error.worker, error.role) == (b, "worker-1") and "join the torch group" in str(error)
