@@ -138,6 +138,11 @@ class JobWatch:
 
 
 # -- watchers inside the victim's process ----------------------------------------------------
+#: How long a watcher stays armed: one whose moment never came must not kill a later test's
+#: worker on the same cluster.
+_ARMED_S = 90.0
+
+
 def _kill_self(marker: str, note: str) -> None:
     # The marker tells the test what the process saw when it died: written, then the kill.
     Path(marker).write_text(note)
@@ -147,8 +152,8 @@ def _kill_self(marker: str, note: str) -> None:
 def _watch_writes(root: str, marker: str, after: int) -> None:
     """Kill this process once a shard file is being written under ``root`` while ``after``
     complete checkpoints (manifests) exist."""
-    base = Path(root)
-    while True:
+    base, deadline = Path(root), time.monotonic() + _ARMED_S
+    while time.monotonic() < deadline:
         try:
             dirs = [d for d in base.iterdir() if d.is_dir()] if base.exists() else []
             complete = [d for d in dirs if (d / "manifest.json").exists()]
@@ -186,8 +191,8 @@ def kill_at_pause(client: Client, address: str, marker: str, *, pause_id: int) -
 def _watch_pauses(dask_worker: Any, marker: str, pause_id: int) -> None:
     from dask_train.runtime._plugin import worker_state
 
-    state = worker_state(dask_worker)
-    while True:
+    state, deadline = worker_state(dask_worker), time.monotonic() + _ARMED_S
+    while time.monotonic() < deadline:
         for job, held in list(state.jobs.items()):
             if held.pause_id >= pause_id:
                 _kill_self(marker, f"{job} pause {held.pause_id}")
