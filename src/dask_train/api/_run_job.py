@@ -56,7 +56,7 @@ def run_job(client: Client, s: Mapping[str, Any], *, fn_blob: bytes, small: dict
         devices=dict(devices.by_worker))
     run = RunSettings(train=train, labels=labels, small=small,
                       checkpointing=s["checkpoint"] is not None, epochs=s["epochs"],
-                      batch_size=int(s["batch_size"]))
+                      batch_size=int(s["batch_size"]), sharded_root=_staging(s["checkpoint"]))
     user_config = dict(s["config"] or {})
 
     def plan(alive: Mapping[str, int]) -> Roles:
@@ -86,6 +86,16 @@ def run_job(client: Client, s: Mapping[str, Any], *, fn_blob: bytes, small: dict
     result = _result(outcome, wall_s=time.time() - started, clock=clock)
     run_callbacks(spec.callbacks, "on_fit_end", result)
     return result
+
+
+def _staging(config: Any) -> str:
+    """Where the ranks write a sharded state before the controller moves it into a checkpoint:
+    beside the checkpoints, so that the move is a rename on a local disk."""
+    if config is None:
+        return ""
+    from dask_train.checkpoint import CheckpointStore
+
+    return f"{CheckpointStore(config).path.rstrip('/')}/.staging"
 
 
 def _bounds(workers: Any, client: Client) -> tuple[int, int]:

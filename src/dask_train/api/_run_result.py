@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_train.errors import InvalidInput
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -68,9 +70,24 @@ class RunResult:
         return self.checkpoints[-1]["directory"] if self.checkpoints else None
 
     def load_checkpoint(self) -> Any:
-        """The state the newest checkpoint holds, as the function reported it (None without)."""
+        """The state the newest checkpoint holds, as the function reported it (None without).
+
+        A sharded state (``ctx.report(sharded=True)``) is in ``torch.distributed.checkpoint``'s
+        format: load it with ``torch.distributed.checkpoint.load`` (raises here)."""
         if self.checkpoint is None:
             return None
+        import json
+
+        import fsspec
+
+        directory = self.checkpoint.rstrip("/")
+        with fsspec.open(f"{directory}/manifest.json", "rb") as f:
+            manifest = json.loads(f.read())
+        if manifest.get("sharded"):
+            raise InvalidInput([f"the checkpoint {directory} is sharded: load it with "
+                                "torch.distributed.checkpoint.load(state, checkpoint_id="
+                                f"'{directory}/{manifest['sharded']['dir']}') into a "
+                                "state of the same structure, or ctx.restore(state) in dt.run."])
         from dask_train.checkpoint import load_state
         from dask_train.checkpoint._store import shard_name
 

@@ -28,6 +28,8 @@ from dask_train.checkpoint._io import StoragePath, write_local_atomic, write_rem
 from dask_train.errors import InvalidInput
 
 MANIFEST = "manifest.json"
+#: What torch.distributed.checkpoint writes last, once every rank's shard is written.
+SHARDED_METADATA = ".metadata"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)-(\d+)$")
 
@@ -345,6 +347,10 @@ class CheckpointStore:
             return None
         if not all(self.fs.exists(f"{fs_dir}/{s}") for s in shards):
             return None
+        sharded = manifest.get("sharded")
+        if sharded is not None and not (isinstance(sharded, dict) and self.fs.exists(
+                f"{fs_dir}/{sharded.get('dir')}/{SHARDED_METADATA}")):
+            return None  # a torch.distributed.checkpoint whose metadata (written last) is missing
         return manifest
 
     def _shown(self, fs_dir: str) -> str:

@@ -40,8 +40,12 @@ class Restore:
         files = [{"path": self.store.shard_path(self.directory, int(f["index"])),
                   "start": int(f["start"]), "stop": int(f["stop"])}
                  for f in self.manifest["files"]]
+        sharded = self.manifest.get("sharded")
         return {"files": files, "step": self.step, "samples": int(self.manifest["samples"]),
-                "ledger": self.manifest["ledger"], "rng": self.manifest.get("rng") or {}}
+                "ledger": self.manifest["ledger"], "rng": self.manifest.get("rng") or {},
+                # Each rank's shard of a dt.run state, in torch.distributed.checkpoint's format.
+                **({"sharded": {**sharded, "path": f"{self.directory.rstrip('/')}/"
+                                                   f"{sharded['dir']}"}} if sharded else {})}
 
 
 class Checkpoints:
@@ -93,9 +97,11 @@ class Checkpoints:
             # The holders' own counts, taken under their locks while every trainer is paused.
             **manifest, "step": min(int(r["version"]) for r in records),
             "samples": min(int(r["samples"]) for r in records), "generation": generation,
-            "shards": [f"shard-{r['index']}.safetensors" for r in records],
+            "shards": [f"shard-{r['index']}.safetensors" for r in records if "sharded" not in r],
             "files": [{"index": r["index"], "start": r["start"], "stop": r["stop"]}
-                      for r in records],
+                      for r in records if "sharded" not in r],
+            # A state every rank wrote its shard of (dt.run): the engine's record says where.
+            **next(({"sharded": r["sharded"]} for r in records if "sharded" in r), {}),
         }
         loop = asyncio.get_running_loop()
         # File-system calls block: keep them off the event loop that carries the job's messages.

@@ -169,8 +169,9 @@ class Reported(_Event):
     ``position`` is where it is in its data ([epoch, block, rows] or None between blocks),
     ``samples`` the rows it has read in this generation, ``next_epoch`` the epoch a restart from
     this report begins (the current one, or the next when its batches were all read).
-    ``checkpoint``: the rank holds a state to write; ``reduce``: how the ranks' ``metrics`` are
-    combined (None: rank 0's).
+    ``checkpoint``: the rank holds a state to write; ``sharded``: every rank wrote its shard of
+    the state there already (``torch.distributed.checkpoint``), for the controller to adopt;
+    ``reduce``: how the ranks' ``metrics`` are combined (None: rank 0's).
     """
 
     kind: ClassVar[str] = "reported"
@@ -184,6 +185,7 @@ class Reported(_Event):
     metrics: dict[str, float] = field(default_factory=dict)
     checkpoint: bool = False
     reduce: str | None = None
+    sharded: str = ""
 
 
 @dataclass(frozen=True)

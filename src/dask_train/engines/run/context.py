@@ -43,6 +43,8 @@ class RunSettings:
     ``checkpointing`` is False without a ``CheckpointConfig`` (a checkpoint given to ``report``
     is then dropped, said once in the log); ``local_ranks`` (each rank's index among the ranks on
     its host) and ``master`` (the group's store, ``host:port``) are what torchrun would tell it.
+    ``sharded_root``: where the ranks write a sharded state (``report(sharded=True)``) before
+    the controller adopts it into its checkpoint.
     """
 
     train: str | None
@@ -53,6 +55,7 @@ class RunSettings:
     batch_size: int = 64
     local_ranks: tuple[int, ...] = ()
     master: str = ""
+    sharded_root: str = ""
 
 
 class _Cursor:
@@ -294,7 +297,7 @@ class RunContext:
 
     # -- reports, checkpoints, stopping ------------------------------------------------------------
     def report(self, metrics: Mapping[str, Any] | None = None, *, checkpoint: Any = None,
-               reduce: str | None = None) -> None:
+               reduce: str | None = None, sharded: bool = False) -> None:
         """Send scores (and a checkpoint) to the job; every rank calls it the same number of times.
 
         Parameters
@@ -310,20 +313,26 @@ class RunContext:
             0 only, or on every rank (the same state, as DDP keeps it).
         reduce : {None, "mean", "sum", "min", "max"}
             How the ranks' metrics are combined; None reports rank 0's.
+        sharded : bool
+            The state is split over the ranks (FSDP's ``get_state_dict``, ``DTensor``s, or
+            ``Stateful`` objects): every rank passes its part, and writes it at once with
+            ``torch.distributed.checkpoint`` (DCP) before the controller records the
+            checkpoint; :meth:`restore` loads it back on any number of ranks.
         """
         if reduce not in REDUCTIONS:
             raise InvalidInput([f"ctx.report(reduce={reduce!r}): use one of {REDUCTIONS}."])
         values = _numbers(metrics)
         self._reports += 1
         state = self._role.state
-        holds = checkpoint is not None and self._hold(checkpoint)
+        written = self._write_sharded(checkpoint) if sharded else ""
+        holds = bool(written) or not sharded and checkpoint is not None and self._hold(checkpoint)
         cursor = self._cursor
         event = Reported(
             trainer=self.rank, id=self._reports, steps=self.step,
             samples=0 if cursor is None else cursor.samples,
             position=None if cursor is None else cursor.position(), rng=rng_state(),
             next_epoch=self._restart_epoch(),
-            metrics=values, checkpoint=holds, reduce=reduce)
+            metrics=values, checkpoint=holds, reduce=reduce, sharded=written)
         self._role.worker.log_event(self._role.config.topic, event.message())
         try:
             if not state.wait_resume(self._reports, timeout=self._role.config.timeout):
@@ -346,16 +355,60 @@ class RunContext:
             checkpoint, steps=self.step, next_epoch=self._restart_epoch())
         return True
 
+    def _write_sharded(self, checkpoint: Any) -> str:
+        """Every rank writes its part of ``checkpoint`` (DCP, a collective) where the controller
+        adopts it; the directory, or "" when none is written."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size > 1:
+            # DCP's save is a collective: a rank without a state would leave the others hanging.
+            has = 1.0 if checkpoint is not None else 0.0
+            both = torch.tensor([has, -has], dtype=torch.float64, device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            if both[0].item() != -both[1].item():
+                raise InvalidInput([f"ctx.report(checkpoint=..., sharded=True): rank {self.rank} "
+                                    f"{'passed' if has else 'did not pass'} a state but not every "
+                                    "rank did: each rank passes its part of a sharded state."])
+        if checkpoint is None or not self._run.checkpointing:
+            if checkpoint is not None:
+                self._hold(checkpoint)  # says once that the job writes no checkpoint
+            return ""
+        import torch.distributed.checkpoint as dcp
+
+        path = f"{self._run.sharded_root}/{self._role.job}-r{self._reports}"
+        dcp.save(checkpoint, checkpoint_id=path)
+        return path
+
     def _restart_epoch(self) -> int:
         """The epoch a restart from here begins: this one, or the next once its batches are read."""
         return self._data_epoch
 
-    def restore(self) -> Any:
+    def restore(self, state: Any = None) -> Any:
         """The state of the newest checkpoint this job (or the run resumed) wrote, as it was
-        given to :meth:`report` (tensors on the CPU); None on a fresh start."""
+        given to :meth:`report` (tensors on the CPU); None on a fresh start.
+
+        A sharded checkpoint (``report(sharded=True)``) is loaded into ``state``, in place, as
+        ``torch.distributed.checkpoint.load`` does: pass the same structure you report (a new
+        FSDP model's ``get_state_dict``, or ``Stateful`` objects), on every rank; DCP splits it
+        anew when the number of ranks changed. ``state`` is returned, or None on a fresh start.
+        """
         info = self._restore_info
+        sharded = None if info is None else info.get("sharded")
+        if sharded:
+            if state is None:
+                raise InvalidInput(["ctx.restore(): the checkpoint is sharded (written with "
+                                    "report(sharded=True)); pass the state to load it into, as "
+                                    "you report it: ctx.restore({'model': ..., 'optim': ...})."])
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(state, checkpoint_id=sharded["path"])
+            return state
         if info is None or not info.get("files"):
             return None
+        if state is not None:
+            raise InvalidInput(["ctx.restore(state): the checkpoint is not sharded; call "
+                                "ctx.restore() for the state as it was reported."])
         if self._restored is None:
             from dask_train.checkpoint._state import load_state
 

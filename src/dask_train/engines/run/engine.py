@@ -11,6 +11,9 @@ each rank's function returned instead of parameters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +31,7 @@ from dask_train.engines._events import (
     from_message,
 )
 from dask_train.engines._protocol import Emit, Ending, Snapshot
-from dask_train.engines._spec import JobSpec
+from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.run.context import RunSettings
 from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.shared import control as worker_side
@@ -40,6 +43,8 @@ from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._torch_group import _collateral, local_ranks
+
+logger = logging.getLogger(__name__)
 
 _COMBINE: dict[str, Callable[[list[float]], float]] = {
     "mean": lambda v: sum(v) / len(v), "sum": sum, "min": min, "max": max}
@@ -75,6 +80,8 @@ class RunEngine(TorchSyncEngine):
         # rank -> (epoch, its report count) when it read its whole share of that epoch: the
         # reports the others make inside that epoch's batch loop after that do not wait for it.
         self.share_done: dict[int, tuple[int, int]] = {}
+        # The sharded state (DCP) every rank of a ready report wrote, for save to adopt.
+        self.sharded: Reported | None = None
 
     def make_shards(self) -> list[ShardRef]:
         """The rank that holds a reported checkpoint (rank 0 until a report says otherwise)."""
@@ -151,6 +158,7 @@ class RunEngine(TorchSyncEngine):
         writer = next((i for i in ranks if got[i].checkpoint), None)
         if writer is not None:
             self.shards = [ShardRef(0, 0, 0, self.roles["worker"][writer])]
+            self.sharded = got[writer] if got[writer].sharded else None
         self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
 
     def paused(self, pause_id: int) -> Snapshot | None:
@@ -183,11 +191,30 @@ class RunEngine(TorchSyncEngine):
         """As reported: the ranks wait at their report while a checkpoint is written."""
         return self.reported_step()
 
+    def trainer_config(self) -> WorkerConfig:
+        """As the sync engine's, with where a sharded checkpoint's parts are."""
+        config = super().trainer_config()
+        sharded = None if self.restore is None else self.restore.get("sharded")
+        if sharded and config.restore is not None:
+            config = dataclasses.replace(config, restore={**config.restore, "sharded": sharded})
+        return config
+
     async def save(self, *, directory: str, paths: Callable[[int], str],
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:
-        """The reporting rank writes the state it holds; the samples are the job's, not its own."""
-        records = await super().save(directory=directory, paths=paths, metadata=metadata)
+        """The reporting rank writes the state it holds, or every rank's sharded state (written
+        already) moves into the checkpoint; the samples are the job's, not a rank's."""
         samples = max(self.report_samples.values(), default=self.base_samples)
+        report, self.sharded = self.sharded, None
+        if report is not None:
+            name = f"sharded-r{report.id}"
+            await asyncio.get_running_loop().run_in_executor(
+                None, _adopt, report.sharded, f"{directory.rstrip('/')}/{name}",
+                dict(self.spec.checkpoint.storage_options or {}) if self.spec.checkpoint else {})
+            return [{"version": self.reported_step(), "samples": samples, "finite": True,
+                     "index": 0, "start": 0, "stop": 0,
+                     "sharded": {"dir": name, "format": "torch.distributed.checkpoint",
+                                 "next_epoch": report.next_epoch}}]
+        records = await super().save(directory=directory, paths=paths, metadata=metadata)
         return [{**r, "samples": samples} for r in records]
 
     # -- failures ---------------------------------------------------------------------------------
@@ -249,6 +276,36 @@ class RunEngine(TorchSyncEngine):
         return Ending(params=None, steps=max((r["steps"] for r in ranks), default=0),
                       samples=self.base_samples + sum(r["samples"] for r in ranks),
                       trainers=ranks, rng={str(r["trainer"]): r["rng"] for r in ranks})
+
+    async def close(self) -> None:
+        """Close the generation; drop sharded states its ranks wrote that no checkpoint took."""
+        await super().close()
+        root = self.run.sharded_root
+        if root:
+            options = dict(self.spec.checkpoint.storage_options or {}) if self.spec.checkpoint \
+                else {}
+            await asyncio.get_running_loop().run_in_executor(
+                None, _drop_staged, f"{root}/{self.job}-r*", options)
+
+
+def _adopt(staged: str, target: str, options: dict[str, Any]) -> None:
+    """Move the ranks' sharded state into the checkpoint directory (a rename on a local disk)."""
+    from fsspec.core import url_to_fs
+
+    fs, source = url_to_fs(staged, **options)
+    _, path = url_to_fs(target, **options)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.mv(source, path, recursive=True)
+
+
+def _drop_staged(pattern: str, options: dict[str, Any]) -> None:
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(pattern, **options)
+    for leftover in fs.glob(path):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(leftover, recursive=True)
+        logger.info("removed %s: a sharded state no checkpoint took", leftover)
 
 
 def _combine(events: list[Reported], reduce: str | None) -> dict[str, float]:

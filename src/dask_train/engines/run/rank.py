@@ -67,6 +67,8 @@ def run_user_rank(
 
 def _restore_info(restore: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The checkpoint a rank starts from, with the epoch its report was made in."""
+    if restore is not None and restore.get("sharded"):
+        return {**restore, "next_epoch": int(restore["sharded"].get("next_epoch", 0))}
     if restore is None or not restore.get("files"):
         return None
     from dask_train.checkpoint import load_metadata
