@@ -76,6 +76,9 @@ def _push_servers() -> int:
     return len(push_socket._servers)
 
 
+EPOCHS = 8
+
+
 @pytest.mark.timeout(240)
 def test_both_strategies_train_on_tls_as_plain_torch_does(tls_client: Client,
                                                           digits: Any) -> None:
@@ -86,17 +89,19 @@ def test_both_strategies_train_on_tls_as_plain_torch_does(tls_client: Client,
     Xn, yn = X.compute(), y.compute()
     # The same job in plain torch: sync's two ranks of 64 make one step of 128; the async
     # trainers each step on their own 64.
-    reference = {strategy: accuracy(plain_torch(mlp(), Xn, yn, epochs=3, lr=3e-3,
+    # Eight epochs: near where accuracy levels off, so other shuffles and an async step's
+    # staleness move it little (after 3 epochs async-ps scored 0.77 against 0.85 once, loaded).
+    reference = {strategy: accuracy(plain_torch(mlp(), Xn, yn, epochs=EPOCHS, lr=3e-3,
                                                 batch_size=batch), Xv, yv)
                  for strategy, batch in (("sync", 128), ("async-ps", 64))}
     assert min(reference.values()) > 0.75  # it learned: chance is 0.1
     got, roles = {}, {}
     # One push at a time (prefetch=False): staleness stays one update, however loaded the machine.
     for strategy, extra in (("async-ps", {"ps": 1, "prefetch": False}), ("sync", {})):
-        result = dt.Trainer(mlp(), strategy=strategy, workers=2, lr=3e-3, epochs=3,
+        result = dt.Trainer(mlp(), strategy=strategy, workers=2, lr=3e-3, epochs=EPOCHS,
                             batch_size=64, progress=False, client=tls_client, **extra).fit(
             X, y, validation=(Xv, yv))
-        assert result.stopped_by == "epochs=3" and result.samples == 3 * 6_000
+        assert result.stopped_by == f"epochs={EPOCHS}" and result.samples == EPOCHS * 6_000
         got[strategy], roles[strategy] = accuracy(result.model, Xv, yv), result.roles
     # Other shuffles than the reference's; async a step stale besides: some room.
     assert got["sync"] >= reference["sync"] - 0.05, (got, reference)
