@@ -330,3 +330,19 @@ def test_elastic_workers_and_max_failures_name_the_rank_and_worker(client, digit
                data={"train": (X, y), "val": (Xv, yv)}, failure=dt.FailureConfig(max_failures=0))
     assert "worker-1" in str(info.value) and victim_address in str(info.value)
     client.wait_for_workers(2, timeout=60)
+
+
+def test_scores_and_each_ranks_figures_reach_tensorboard(client, digits, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "monitor"))
+    from _tensorboard_read import read_scalars
+
+    X, y, Xv, yv = digits
+    result = dt.run(train, workers=2, epochs=2, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)},
+                    callbacks=[dt.callbacks.TensorBoard(tmp_path / "tb", flush_secs=1)])
+    scalars = read_scalars(tmp_path / "tb")
+    assert [step for step, _ in scalars["score/accuracy"]] == list(result.history["step"])
+    assert {"trainer/0/samples_per_s", "trainer/1/samples_per_s"} <= set(scalars)

@@ -132,6 +132,10 @@ class RunContext:
         self._restore_info = restore
         self._restored: Any = None
         self._cursor = _Cursor(role) if run.train is not None else None
+        # A rank's last second, as every trainer's: the Training page, Prometheus, on_stats.
+        restored_steps = int(restore["step"]) if restore else 0
+        self._stats = role.stats(start={"steps": restored_steps}) if run.train is not None \
+            else None
         self._joinables: list[Any] = []
         self._last_batch: Any = None  # what ctx.batches(even=True) repeats once a share ran out
         self._reports = 0
@@ -275,12 +279,19 @@ class RunContext:
                 cursor.steps += 1
                 self.step += 1
                 self._role.started()
+                self._report_stats(cursor)
                 x = model_inputs(np.ascontiguousarray(xb), self.device)
                 if not self._run.labels:
                     yield x
                 else:
                     yield x, _tensor(np.ascontiguousarray(yb), self.device)
             cursor.close_block()
+
+    def _report_stats(self, cursor: _Cursor, *, force: bool = False) -> None:
+        """This rank's rows, batches and time waiting for data, once a second."""
+        if self._stats is not None:
+            self._stats.report(step=self.step, force=force, samples=cursor.samples,
+                               steps=self.step, feed_wait_s=cursor.wait_s, server_wait_s=0.0)
 
     def dataset(self, name: str) -> Any:
         """A small named data set of ``dt.run(data=)`` whole, as tensors on :attr:`device`:
@@ -429,6 +440,7 @@ class RunContext:
         """Report the block being read, as far as it was read (the function returned)."""
         if self._cursor is not None:
             self._cursor.close_block()
+            self._report_stats(self._cursor, force=True)
 
 
 class StateHolder:
