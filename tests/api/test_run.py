@@ -346,3 +346,30 @@ def test_scores_and_each_ranks_figures_reach_tensorboard(client, digits, tmp_pat
     scalars = read_scalars(tmp_path / "tb")
     assert [step for step, _ in scalars["score/accuracy"]] == list(result.history["step"])
     assert {"trainer/0/samples_per_s", "trainer/1/samples_per_s"} <= set(scalars)
+
+
+def test_a_dict_of_inputs_reaches_the_function_by_name(client):
+    import dask.array as da
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 20, size=(6_000, 1))
+    numeric = rng.normal(size=(6_000, 3)).astype("float32")
+    y = ((codes[:, 0] % 2 == 0) ^ (numeric[:, 0] > 0)).astype("int64")
+    X = {"code": da.from_array(codes, chunks=(1_000, 1)),
+         "numeric": da.from_array(numeric, chunks=(1_000, 3))}
+
+    def tabular(ctx):
+        seen = set()
+        rows = 0
+        for _ in ctx.epochs(1):
+            for xb, yb in ctx.batches(batch_size=250):
+                seen.add((tuple(sorted(xb)), str(xb["code"].dtype), str(xb["numeric"].dtype)))
+                assert len(xb["code"]) == len(xb["numeric"]) == len(yb)
+                rows += len(yb)
+        return sorted(seen), rows
+
+    result = dt.run(tabular, workers=2, client=client, data={"train": (X, da.from_array(y))})
+    assert {tuple(s) for r in result.returns for s in r[0]} == {
+        (("code", "numeric"), "torch.int64", "torch.float32")}
+    assert sum(r[1] for r in result.returns) == 6_000
+    each_epoch_once(result, 6_000, 1)

@@ -53,16 +53,35 @@ def run_user_rank(
 
         if not _collateral(exc):
             raise
+        ctx.close()
+        # The user's objects (a DDP model and, through it, the process group) go with the
+        # exception's frames and the context: freed here, a gloo group whose peer vanished can
+        # block its destructor forever (it joins a thread stuck on that peer), and with it this
+        # Dask thread. They are let go on a thread of their own instead.
+        _release_elsewhere(exc, ctx)
         # A peer's worker died under a collective: the controller restarts the generation, and
         # raising would only print this rank's side of it as an ERROR in its worker's log.
         return {"trainer": index, "lost_peer": f"{type(exc).__name__}: {exc}"}
-    finally:
-        ctx.close()
+    ctx.close()
     role.exit(steps=ctx.step)
     cursor = ctx._cursor
     return {**role.result(steps=ctx.step, samples=0 if cursor is None else cursor.samples,
                           feed_wait_s=0.0 if cursor is None else cursor.wait_s),
             "returned": returned}
+
+
+def _release_elsewhere(*objects: Any) -> None:
+    """Drop the last references to ``objects`` on a daemon thread, a moment from now."""
+    import threading
+    import time
+
+    held = list(objects)
+
+    def drop() -> None:
+        time.sleep(2.0)  # after the task's own frame let go of them
+        held.clear()
+
+    threading.Thread(target=drop, name="dask-train-release", daemon=True).start()
 
 
 def _restore_info(restore: Mapping[str, Any] | None) -> dict[str, Any] | None:
