@@ -4,14 +4,14 @@ ending it, every row read once per epoch."""
 
 from __future__ import annotations
 
+# Imported, not skipped when missing: make test installs the lightning extra.
+import lightning.pytorch as pl  # noqa: E402
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dask_train as dt
-
-pl = pytest.importorskip("lightning.pytorch", reason="the dev extra: pip install lightning")
 
 
 class Digits(pl.LightningModule):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+# Imported, not skipped when missing: make test installs the mlflow extra.
+import mlflow  # noqa: E402
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,6 @@ import torch.nn.functional as F
 
 import dask_train as dt
 from dask_train.checkpoint import load_tensors
-
-mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'dask-train[mlflow]'")
 
 
 @pytest.fixture(autouse=True)

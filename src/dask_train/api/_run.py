@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dask_train.errors import InvalidInput
-
 from dask_train.api._run_result import RunResult
+from dask_train.errors import InvalidInput
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -161,7 +160,8 @@ def check_run(s: Mapping[str, Any]) -> list[str]:
 
 
 def _int(value: Any, low: int) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low
+    return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                and value >= low)
 
 
 def _check_fn(fn: Any, config: Any) -> list[str]:
@@ -228,7 +228,7 @@ def _small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
     problems = []
     for name, value in list(data.items())[1:]:
         x, y = value if isinstance(value, tuple) else (value, None)
-        parts = []
+        parts: list[Any] = []
         for part in (x, y):
             if part is None:
                 parts.append(None)

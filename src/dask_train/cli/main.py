@@ -4,8 +4,8 @@
 cluster (or on ``--scheduler ADDR``) and writes what it measured to ``--out``.
 ``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
 of each shows an example) and write a run directory; ``dask-train run module:function
-CONFIG.yaml`` runs your own training function on every rank (``dt.run``). ``dask-train bench`` measures throughput
-over a grid of trainers x parameter servers x model sizes (x link rates).
+CONFIG.yaml`` runs your own training function on every rank (``dt.run``). ``dask-train bench``
+measures throughput over a grid of trainers x parameter servers x model sizes (x link rates).
 """
 
 from __future__ import annotations

@@ -30,13 +30,12 @@ from dask_train.engines._events import (
     ShareDone,
     from_message,
 )
-from dask_train.engines._protocol import Emit, Ending, Snapshot
+from dask_train.engines._protocol import Emit, Ending
 from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.run.context import RunSettings
 from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.shared import control as worker_side
 from dask_train.engines.shared.params import ShardRef
-from dask_train.engines.shared.role_engine import patch_positions
 from dask_train.engines.torch_sync.engine import TorchSyncEngine
 from dask_train.errors import RoleFailed
 from dask_train.policy._failure import Failure
@@ -129,7 +128,7 @@ class RunEngine(TorchSyncEngine):
             rng=event.rng)
         self._ready(event.id)
 
-    def _expected(self, report_id: int) -> list[int]:
+    def awaited(self, report_id: int) -> list[int]:
         """The ranks report ``report_id`` waits for: the running ones, less those whose share of
         the epoch the report was made in ran out before it."""
         got = self.reports.get(report_id, {})
@@ -143,7 +142,7 @@ class RunEngine(TorchSyncEngine):
         """Once every expected rank made report ``report_id``: its score, then ReportReady."""
         got = self.reports.get(report_id, {})
         if report_id in self.ready or not got or \
-                not all(i in got for i in self._expected(report_id)):
+                not all(i in got for i in self.awaited(report_id)):
             return
         self.ready.add(report_id)
         ranks = sorted(got)
@@ -160,23 +159,6 @@ class RunEngine(TorchSyncEngine):
             self.shards = [ShardRef(0, 0, 0, self.roles["worker"][writer])]
             self.sharded = got[writer] if got[writer].sharded else None
         self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
-
-    def paused(self, pause_id: int) -> Snapshot | None:
-        """The snapshot of report ``pause_id``: the reporting ranks' positions; a rank whose
-        share ran out waits, between blocks, for the others' epoch to end."""
-        reports = self.pauses.get(pause_id, {})
-        if not all(t in reports for t in self._expected(pause_id)):
-            return None
-        positions = {t: e.position for t, e in reports.items()}
-        return Snapshot(step=self.reported_step(),
-                        ledger=patch_positions(self.ledger.state(), positions),
-                        rng={str(t): e.rng for t, e in reports.items()})
-
-    async def resume(self, pause_id: int) -> None:
-        """Let the ranks waiting at report ``pause_id`` go on."""
-        self.reports.pop(pause_id, None)
-        self.ready.discard(pause_id)
-        await super().resume(pause_id)
 
     def epochs_completed(self) -> int:
         """Epochs every row of which was read (none for a job without data)."""

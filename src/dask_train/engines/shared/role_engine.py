@@ -1,10 +1,9 @@
-"""Engines whose roles are long-running Dask tasks fed block by block: async-ps and sync torch.
+"""Engines whose roles are long-running Dask tasks fed block by block: async-ps, sync torch, dt.run.
 
 What they share: roles pinned to their workers, blocks granted from the ledger as trainers free
 queue slots (by one RPC for a local block, by a task otherwise), the shared scorer, pauses and
 shard writes for checkpoints, stopping and pulling, and watching the workers the roles live on.
-The two subclasses differ in their servers (parameter servers, or rank 0's own parameters) and in
-the trainer function they run.
+Subclasses differ in their servers (parameter servers, or rank 0's own) and trainer function.
 """
 
 from __future__ import annotations
@@ -321,11 +320,14 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.request_pause, self.job, pause_id,
                           workers=workers)
 
+    def awaited(self, pause_id: int) -> list[int]:
+        """The trainers pause ``pause_id`` waits for: every running one."""
+        return self._running()
+
     def paused(self, pause_id: int) -> Snapshot | None:
-        """Every running trainer's pause report, as a snapshot (its step is the reported one;
-        the controller reads the exact step from the saved files)."""
+        """The awaited trainers' pause reports as a snapshot (at the reported step)."""
         reports = self.pauses.get(pause_id, {})
-        if not all(t in reports for t in self._running()):
+        if not all(t in reports for t in self.awaited(pause_id)):
             return None
         positions = {t: e.position for t, e in reports.items()}
         return Snapshot(step=self.reported_step(),
