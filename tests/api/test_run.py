@@ -261,6 +261,14 @@ def test_bad_arguments_are_named_before_anything_runs(client, digits):
                                              "big": np.zeros(((80 << 20) // 256, 64), "float32")})
 
 
+def test_a_metric_named_as_a_history_column_is_refused(client):
+    def names_epoch(ctx):
+        ctx.report({"epoch": 1.0})
+
+    with pytest.raises(RoleFailed, match=r"names \['epoch'\], which the job's history sets"):
+        dt.run(names_epoch, workers=1, client=client)
+
+
 def test_a_checkpoint_that_is_not_tensors_and_plain_values_is_named(client, digits, tmp_path):
     X, y, _, _ = digits
 

@@ -32,6 +32,8 @@ from dask_train.errors import InvalidInput
 logger = logging.getLogger(__name__)
 
 REDUCTIONS = (None, "mean", "sum", "min", "max")
+#: Columns every history record has from the job itself (see controller._record).
+_HISTORY_COLUMNS = frozenset({"time_s", "step", "epoch", "samples", "samples_per_s", "worker"})
 
 
 @dataclass(frozen=True)
@@ -480,6 +482,11 @@ def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     if not isinstance(metrics, Mapping):
         raise InvalidInput([f"ctx.report(metrics={type(metrics).__name__}): pass a dict of "
                             "name -> number."])
+    taken = sorted(set(map(str, metrics)) & _HISTORY_COLUMNS)
+    if taken:
+        raise InvalidInput([f"ctx.report(metrics) names {taken}, which the job's history sets "
+                            "itself (the step, epoch and samples the job counted): report them "
+                            "under another name, e.g. 'my_epoch'."])
     out: dict[str, float] = {}
     for name, value in metrics.items():
         item = getattr(value, "item", None)
