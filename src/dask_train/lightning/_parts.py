@@ -131,12 +131,11 @@ class Report(Callback):
         """Report the epoch's metrics; stop the trainer when the job stops."""
         if trainer.sanity_checking:
             return
-        from dask_train.engines.run.context import _HISTORY_COLUMNS
-
-        # A logged "step" or "epoch" is Lightning's count: the job's history keeps its own.
+        # A logged "step" or "epoch" is Lightning's count: the job's history keeps its own, and
+        # ctx.report refuses the history's column names.
         values = {name: value for name, value in _numbers(trainer.callback_metrics).items()
                   if (self.metrics is None or name in self.metrics)
-                  and name not in _HISTORY_COLUMNS}
+                  and name not in ("time_s", "step", "epoch", "samples", "samples_per_s")}
         self.ctx.report(values, reduce=self.reduce)
         self.reports += 1
         if self.ctx.should_stop():
