@@ -25,11 +25,12 @@ from dask_train.errors import BlockReadError, DataUnreadable, RoleFailed
 
 #: Each worker of the limited cluster holds about 350 MiB before any data (Python, Dask, torch,
 #: the roles' code; dask.array imports xarray and pandas when they are installed) and Dask starts
-#: spilling at 70% of its limit (448 MiB): about 100 MiB free per worker, 200 MiB for both, under
-#: half of the 470 MiB of data. Persisted, the data would spill to the workers' disks; streamed,
-#: nothing may.
-MEMORY_LIMIT = 640 * 2**20
-ROWS, FEATURES, CLASSES, BLOCK_ROWS = 120_000, 1024, 10, 2_000  # 492 MB float32, 8 MB blocks
+#: spilling at 70% of its limit (420 MiB): about 70 MiB free per worker, 140 MiB for both, under
+#: a third of the 615 MB of data (the test measures it). Persisted, the data would spill to the
+#: workers' disks; streamed, nothing may. While streaming, a worker peaks near 410 MiB, under the
+#: spill threshold and well under the 80% (480 MiB) at which Dask pauses a worker.
+MEMORY_LIMIT = 600 * 2**20
+ROWS, FEATURES, CLASSES, BLOCK_ROWS = 150_000, 1024, 10, 2_000  # 615 MB float32, 8 MB blocks
 
 
 def _rss() -> int:
@@ -96,8 +97,8 @@ def limited() -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def large(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A zarr store on disk about twice the limited cluster's free memory (uncompressed, as
-    noisy sensor data is), a held-out set, and a plain torch loop's accuracy on it."""
+    """A zarr store on disk over three times the limited cluster's free memory (uncompressed,
+    as noisy sensor data is), a held-out set, and a plain torch loop's accuracy on it."""
     root = tmp_path_factory.mktemp("large")
     x, y = _classes(ROWS, FEATURES)
     _write_zarr(str(root / "x.zarr"), x)
@@ -119,14 +120,15 @@ def _accuracy(result: Any) -> float:
     return float(result.history["accuracy"].dropna().iloc[-1])
 
 
-def test_data_over_twice_the_free_memory_streams_without_spilling(
+def test_data_over_three_times_the_free_memory_streams_without_spilling(
         limited: Client, large: dict[str, Any]) -> None:
     X, y = da.from_zarr(large["x"]), da.from_zarr(large["y"])
     workers = set(limited.scheduler_info()["workers"])
     limited.run(_import_roles)
-    # The claim holds on this machine: the room below Dask's spill threshold is under half the data.
+    # The claim holds on this machine: the room below Dask's spill threshold is under a third of
+    # the data (what the workers hold before any data is measured, not assumed).
     room = sum(0.7 * MEMORY_LIMIT - rss for rss in limited.run(_rss).values())
-    assert large["nbytes"] > 2 * room
+    assert large["nbytes"] > 3 * room
 
     result = dt.Trainer(torch.nn.Linear(FEATURES, CLASSES), lr=2e-3, workers=2, epochs=2,
                         batch_size=512, progress=False, score_every=0.5, client=limited,
@@ -151,14 +153,14 @@ def test_data_over_twice_the_free_memory_streams_without_spilling(
 
 def test_auto_streams_what_exceeds_half_the_memory_and_logs_the_numbers(
         limited: Client, caplog: pytest.LogCaptureFixture) -> None:
-    # 700 MB of zeros made on the workers: over half of the two 640 MiB limits.
+    # 700 MB of zeros made on the workers: over half of the two 600 MiB limits.
     X = da.zeros((700_000, 250), chunks=(25_000, 250), dtype=np.float32)
     y = da.zeros(700_000, chunks=25_000, dtype=np.int64)
     with caplog.at_level(logging.INFO, logger="dask_train"):
         result = dt.Trainer(torch.nn.Linear(250, 2), workers=2, scorer=0, progress=False,
                             stop=dt.StopAtStep(20), client=limited).fit(X, y)
     [why] = [r.getMessage() for r in caplog.records if "data='auto'" in r.getMessage()]
-    assert "streaming" in why and "672.9 MiB" in why and "1.2 GiB" in why and "640.0 MiB" in why
+    assert "streaming" in why and "672.9 MiB" in why and "1.2 GiB" in why and "600.0 MiB" in why
     assert all(t["read_s"] > 0 for t in result.trainers)  # read by the feed tasks
     small = da.zeros((1_000, 250), chunks=(250, 250), dtype=np.float32)
     with caplog.at_level(logging.INFO, logger="dask_train"):
