@@ -19,6 +19,7 @@ from dask_train.data._blocks import (
     persist_pairs,
     scatter_blocks,
 )
+from dask_train.data._cluster import live_workers
 from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
 from dask_train.data._stream import data_nbytes, graph_bytes, stream_blocks
 from dask_train.policy._data_mode import choose_data_mode
@@ -78,8 +79,8 @@ def training_blocks(client: Client, X: Any, y: Any, *, weights: Any, local: Any,
         rows = [int(r) for r in X.chunks[0]]
         source = StreamSource.of(pair_parts(X, y, weights=weights), rows)
         embedded = graph_bytes(source.graph(int(np.argmin(rows)))) if rows else 0
-        info = client.scheduler_info(n_workers=-1)["workers"]
-        limits = in_scope({a: int(w.get("memory_limit") or 0) for a, w in info.items()})
+        limits = in_scope({a: int(w.get("memory_limit") or 0)
+                           for a, w in live_workers(client).items()})
         mode, why = choose_data_mode(mode, nbytes=data_nbytes(X, y, weights),
                                      memory_limits=limits, graph_bytes=embedded)
         logger.info(why)

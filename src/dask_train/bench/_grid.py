@@ -22,6 +22,7 @@ from distributed import Client
 
 from dask_train.errors import InvalidInput
 from dask_train.policy._cost import CostModel, Measured, calibrate
+from dask_train.runtime._calls import live_workers
 
 #: The factors calibrate() fits from the measured points (the rest are probed), as many as there
 #: are points: the fixed cost of an exchange (what a probe on a busy cluster gets least right), the
@@ -195,7 +196,7 @@ def _data(client: Client, grid: Grid) -> tuple[Any, Any, np.ndarray, np.ndarray]
     from dask_train.datasets import digits
 
     client.run(_import_torch)  # every worker once, before anything is timed (2 s or more each)
-    n_workers = max(len(client.scheduler_info()["workers"]), 1)
+    n_workers = max(len(live_workers(client)), 1)
     X, y = digits(n_samples=grid.n_samples, seed=0,
                               chunks=max(1000, grid.n_samples // (4 * n_workers)))
     X, y = client.persist([X, y])

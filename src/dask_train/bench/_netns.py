@@ -463,13 +463,15 @@ class NetnsCluster:
     def _wait_workers(self, n: int) -> None:
         from distributed import Client
 
+        from dask_train.runtime._calls import live_workers
+
         with Client(self.scheduler_address, timeout=self.start_timeout) as client:
             try:
                 client.wait_for_workers(n, timeout=self.start_timeout)
             except TimeoutError:
                 logs = "\n".join(f"--- {h.name}\n{self.logs(h, 15)}" for h in self.hosts)
                 raise HarnessUnavailable(
-                    f"only {len(client.scheduler_info()['workers'])} of {n} workers joined within "
+                    f"only {len(live_workers(client))} of {n} workers joined within "
                     f"{self.start_timeout:g} s:\n{logs}") from None
 
 

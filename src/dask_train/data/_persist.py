@@ -19,6 +19,7 @@ import numpy as np
 from distributed import Client, wait
 
 from dask_train.data._blocks import BlockSet, as_dask_array, as_pair, located, persist_pairs
+from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope, in_scope
 
@@ -80,14 +81,19 @@ def persist_data(X: Any, y: Any = None, *, client: Client, dtype: Any = np.float
     # The solver's dtype is applied by the persisting task itself: one copy at most.
     futures = client.sync(persist_pairs, client, Xd, yd, dtype=dtype)
     who_has = client.who_has(futures)
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    threads = in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
+    threads = _threads(client)
     rows = [int(r) for r in Xd.chunks[0]]
     return BlockSet(futures, located(futures, rows, who_has), client=client,
                     n_features=int(Xd.shape[1]), threads=threads)
 
 
 _LOCAL_BLOCK_BYTES = 8 * 2**20
+
+
+def _threads(client: Client) -> dict[str, int]:
+    """The job's live workers and their threads, asked of the scheduler now (its cached view
+    can be empty for a moment: see :func:`~dask_train.data._cluster.live_workers`)."""
+    return in_scope({a: int(w.get("nthreads", 1)) for a, w in live_workers(client).items()})
 
 
 def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: Any) -> BlockSet:
@@ -101,8 +107,7 @@ def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: A
             f"X has shape {X.shape} and y has shape {None if y is None else y.shape}: pass a 2-D X "
             "and a 1-D y with one value per row of X."
         ])
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    threads = in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
+    threads = _threads(client)
     n_blocks = max(1, min(sum(threads.values()) or 1, X.nbytes // _LOCAL_BLOCK_BYTES, len(X)))
     bounds = np.linspace(0, len(X), n_blocks + 1).astype(int)
     blocks = [

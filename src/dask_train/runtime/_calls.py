@@ -7,20 +7,9 @@ from typing import Any
 
 from distributed import Client
 
+# Asked of the scheduler by the data layer too: defined there, one function for both.
+from dask_train.data._cluster import live_workers as live_workers
 from dask_train.policy._scope import in_scope
-
-
-def live_workers(client: Client) -> dict[str, Any]:
-    """Every live Dask worker (address -> the scheduler's record of it), asked of the scheduler
-    now, from a thread other than the client's event loop.
-
-    Not ``client.scheduler_info(n_workers=-1)["workers"]``: that reads the client's cached
-    identity after refreshing it, and the client's own periodic refresh (without workers) can
-    overwrite it in between: 3 of 1,000 calls saw no worker at all (measured with the refresh
-    every 5 ms), and a search once took a running trial's live worker for lost.
-    """
-    info = client.sync(client.scheduler.identity, n_workers=-1)
-    return dict(info.get("workers", {}))
 
 
 async def alive_workers(client: Client) -> dict[str, int]:
