@@ -92,7 +92,8 @@ def test_run_callbacks_empty_list() -> None:
 def test_run_callbacks_rejects_unknown_hook() -> None:
     with pytest.raises(InvalidInput, match=r"hook='on_batch' is invalid: use one of on_fit_start"):
         run_callbacks([Callback()], "on_batch")
-    assert HOOKS == ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end")
+    assert HOOKS == ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end",
+                     "on_fit_error")
 
 
 def test_run_callbacks_propagates_callback_errors() -> None:

@@ -80,7 +80,7 @@ def run_job(client: Client, s: Mapping[str, Any], *, fn_blob: bytes, small: dict
     controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan, roles=roles,
                             rows=blocks.n_rows)
     try:
-        outcome = client.sync(controller.run, resume=bool(s["resume"]))
+        outcome = controller.run_sync(resume=bool(s["resume"]))
     finally:
         blocks_release(blocks)
     result = _result(outcome, wall_s=time.time() - started, clock=clock)

@@ -369,7 +369,7 @@ class Trainer:
             started = time.time()
             controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan,
                                     roles=roles, rows=blocks.n_rows, progress=progress)
-            outcome = client.sync(controller.run, resume=resume)
+            outcome = controller.run_sync(resume=resume)
             progress.close(outcome.stopped_by)
         result = self._result(outcome, wall_s=time.time() - started)
         self._last_model = result.model
@@ -411,7 +411,7 @@ class Trainer:
                 controller = Controller(client, spec, make_engine=make_engine,
                                         plan_roles=lambda alive: Roles(), roles=first,
                                         rows=data.n_rows, progress=progress)
-                outcome = client.sync(controller.run, resume=resume)
+                outcome = controller.run_sync(resume=resume)
                 progress.close(outcome.stopped_by)
         finally:
             held["data"].release()

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # History columns logged under their own names besides the scores; the rest are not metrics.
 _NOT_METRICS = {"time_s", "step", "samples"}
 _MAX_PARAM = 1000  # characters of a parameter's text (MLflow's limit is 6000 since 2.x)
+_MAX_TAG = 5000  # characters of the error tag (MLflow keeps up to 8000 of a tag's value)
 
 
 class MLflow(Callback):
@@ -40,12 +41,17 @@ class MLflow(Callback):
       metrics of ``dt.run``, ``epoch``, ``samples_per_s``) at the record's step.
     * ``on_fit_end``: with ``log_model``, the trained torch model as ``model/model.safetensors``
       (a Trainer job), or the newest checkpoint directory under ``checkpoint/`` (``dt.run``, or
-      a model that is not torch); then the run is ended if this callback started it.
+      a model that is not torch); then the run is ended (FINISHED) if this callback started it.
+    * ``on_fit_error`` (the job raised: a role's error, workers lost beyond ``max_failures``,
+      Ctrl-C): the error as the tag ``dask_train.error``, the newest checkpoint the job wrote
+      (with ``log_model``), then a run this callback started ends as FAILED, or KILLED on
+      ``KeyboardInterrupt``. Every score before the error is logged already.
 
     Which run: the run active in the thread that called ``fit``/``dt.run``
-    (``with mlflow.start_run(): ...``), which is left running; otherwise a new run in
+    (``with mlflow.start_run(): ...``), which is left running, for its owner to end (its
+    ``with`` block marks it FAILED when the error leaves it); otherwise a new run in
     ``experiment`` (MLflow's current experiment when None: ``MLFLOW_EXPERIMENT_NAME``,
-    ``mlflow.set_experiment``), ended when the job ends (a job that raised leaves it RUNNING).
+    ``mlflow.set_experiment``), ended when the job ends.
     Only the client process writes, so the workers need no access to the tracking store.
 
     Parameters
@@ -161,6 +167,24 @@ class MLflow(Callback):
             self._log_result(result)
         if self._owned:
             self._client.set_terminated(self.run_id, "FINISHED")
+
+    def on_fit_error(self, error: BaseException, partial: Mapping[str, Any]) -> None:
+        """Log the error and the newest checkpoint; end a run this callback began as FAILED
+        (KILLED on Ctrl-C)."""
+        if self._client is None:
+            return
+        self._client.set_tag(self.run_id, "dask_train.error",
+                             f"{type(error).__name__}: {error}"[:_MAX_TAG])
+        checkpoints = partial.get("checkpoints") or []
+        if self.log_model and checkpoints:
+            try:
+                self._log_directory(str(checkpoints[-1]["directory"]), "checkpoint")
+            except Exception:  # pruned or unreachable: the run still ends with its status
+                logger.warning("MLflow run %s: the newest checkpoint %s could not be logged",
+                               self.run_id, checkpoints[-1]["directory"], exc_info=True)
+        if self._owned:
+            self._client.set_terminated(
+                self.run_id, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
 
     def _log_result(self, result: Any) -> None:
         torch = sys.modules.get("torch")

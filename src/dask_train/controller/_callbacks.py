@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dask_train.policy.callbacks import Callback, run_callbacks
@@ -40,6 +40,7 @@ class CallbackThread:
         self.name = f"dask-train-callbacks-{name}" if name else "dask-train-callbacks"
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._ending: threading.Thread | None = None  # closed, running the hooks left
         self._stop = threading.Event()
         self._error: BaseException | None = None
 
@@ -78,11 +79,16 @@ class CallbackThread:
                            self.name)
         self.stop_asked()  # raises a hook's error
 
-    def close(self) -> None:
-        """End the thread once the hooks queued so far have run."""
+    def close(self, wait: float = 0.0) -> None:
+        """End the thread once the hooks queued so far have run; wait up to ``wait`` seconds for
+        them (a second call only waits: the controller closes on an error, then the caller of
+        ``fit`` waits before ``on_fit_error``)."""
         if self._thread is not None:
             self._queue.put(None)
-            self._thread = None
+            self._ending, self._thread = self._thread, None
+        ending = self._ending
+        if wait > 0 and ending is not None and ending is not threading.current_thread():
+            ending.join(wait)
 
     def _run(self) -> None:
         while True:
@@ -100,3 +106,31 @@ class CallbackThread:
                 logger.debug("callback %s raised", hook, exc_info=True)
                 if self._error is None:
                     self._error = exc
+
+
+#: Longest wait for the hooks queued before a job's error, before ``on_fit_error``.
+_ERROR_WAIT_S = 10.0
+
+
+def job_failed(callbacks: Sequence[Callback], error: BaseException, controller: Any = None,
+               *, wait: float = _ERROR_WAIT_S) -> None:
+    """Tell every callback that the job raised ``error`` (``on_fit_error``), in the caller's
+    thread, once the hooks the controller had queued ran (up to ``wait`` seconds).
+
+    ``controller``: the job's :class:`~dask_train.controller._controller.Controller`, or None
+    when the job failed before one was made. A hook's own exception is logged: ``error`` is
+    what the caller raises next.
+    """
+    partial: Mapping[str, Any] = {"records": [], "checkpoints": [], "failures": []}
+    if controller is not None:
+        controller.callbacks.close(wait=wait)
+        log = controller.log
+        partial = {"records": [dict(r) for r in log.records],
+                   "checkpoints": [dict(c) for c in log.checkpoints],
+                   "failures": [dict(f) for f in log.failures]}
+    for callback in callbacks:
+        try:
+            callback.on_fit_error(error, partial)
+        except Exception:  # the job's error is the one to raise
+            logger.warning("%s.on_fit_error raised (the job's own error follows)",
+                           type(callback).__name__, exc_info=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from distributed import Client
 
-from dask_train.controller._callbacks import CallbackThread
+from dask_train.controller._callbacks import CallbackThread, job_failed
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
@@ -104,6 +104,15 @@ class Controller:
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
 
     # -- the whole job ----------------------------------------------------------------------------
+    def run_sync(self, *, resume: bool = False) -> Outcome:
+        """:meth:`run` from the caller's thread (the one that called ``fit``). When the job
+        raises (Ctrl-C included), the callbacks hear of it first (``on_fit_error``)."""
+        try:
+            return self.client.sync(self.run, resume=resume)
+        except BaseException as exc:
+            job_failed(self.spec.callbacks, exc, self)
+            raise
+
     async def run(self, *, resume: bool = False) -> Outcome:
         """Run generation after generation until one ends; always closes the last engine."""
         for condition in self.spec.stop:  # a fit starts from fresh stop conditions

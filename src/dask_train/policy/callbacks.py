@@ -12,14 +12,15 @@ from typing import Any
 
 from dask_train.errors import InvalidInput
 
-HOOKS = ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end")
+HOOKS = ("on_fit_start", "on_score", "on_stats", "on_epoch_end", "on_fit_end", "on_fit_error")
 
 
 class Callback:
     """Base class for callbacks; every hook is a no-op, override the ones you need.
 
-    Where the hooks run, and what they may do: ``on_fit_start`` and ``on_fit_end`` are called
-    in the thread that called ``fit`` (or ``dt.run``), before the job starts and after it ended.
+    Where the hooks run, and what they may do: ``on_fit_start`` and ``on_fit_end`` (or
+    ``on_fit_error``, for a job that raised) are called in the thread that called ``fit`` (or
+    ``dt.run``), before the job starts and after it ended.
     ``on_score``, ``on_stats`` and ``on_epoch_end`` are called in the client process, one at a
     time and in the order of the job's events, on a thread of their own: not on the client's
     event loop, which carries the job's messages. So a hook may block (write to a tracking
@@ -68,6 +69,18 @@ class Callback:
 
     def on_fit_end(self, result: Any) -> None:
         """Called once after training ends with the fit result."""
+
+    def on_fit_error(self, error: BaseException, partial: Mapping[str, Any]) -> None:
+        """Called once instead of :meth:`on_fit_end` when the job raised after ``on_fit_start``:
+        a role's own error, workers lost beyond ``max_failures``, a timeout, or
+        ``KeyboardInterrupt`` (Ctrl-C). The job raises ``error`` once every callback returned
+        (an exception of this hook is logged, never raised in its place).
+
+        ``partial`` is what the job had: ``records`` (the score records so far), ``checkpoints``
+        (those written, each with its ``directory``; the last is the newest) and ``failures``
+        (the lost roles it survived). The hooks queued before the error ran first (for up to
+        10 s).
+        """
 
 
 def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> bool:
