@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import socket
 from collections.abc import Iterator
+from typing import Any
 
 import dask
 import numpy as np
@@ -36,3 +39,29 @@ def cluster() -> Iterator[LocalCluster]:
 def client(cluster: LocalCluster) -> Iterator[Client]:
     with Client(cluster) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[dict[str, Any]]:
+    """A local S3 server (moto) on a free port with a bucket, and the s3fs options to reach it
+    (one for the session: each test writes under a prefix of its own). The workers have no
+    credentials of their own: the options travel with the data's graph and
+    with the checkpoint's shard paths."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(**options).mkdir("train")
+    try:
+        yield options
+    finally:
+        server.stop()

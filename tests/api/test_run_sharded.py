@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import dask_train as dt
+from dask_train.checkpoint import CheckpointStore
 from dask_train.errors import RoleFailed
 
 
@@ -144,3 +145,45 @@ def test_a_sharded_report_needs_every_ranks_part_and_restore_needs_a_target(clie
     with pytest.raises(RoleFailed, match="the checkpoint is sharded"):
         dt.run(restore_without_target, workers=1, client=client, resume=True,
                checkpoint=dt.CheckpointConfig(tmp_path / "b"))
+
+
+def test_a_sharded_state_on_s3_is_committed_by_its_manifest(client, uneven, s3) -> None:
+    """On an object store the staged DCP files are copied (no rename there): the manifest,
+    written last, lists them with their sizes, and a checkpoint missing one (a copy cut short,
+    or a copy of the checkpoint synced manifest first) is not complete, so a resume takes the
+    one before."""
+    import s3fs
+
+    X, y = uneven
+    fs = s3fs.S3FileSystem(**s3)
+    config = dt.CheckpointConfig("s3://train/sharded", keep=2, storage_options=s3)
+    first = dt.run(fsdp_train, workers=2, client=client, data={"train": (X, y)},
+                   checkpoint=config, timeout=90)
+    ends = first.returns[0]["end"]
+    newest = first.checkpoint.split("://", 1)[1]
+    manifest = json.loads(fs.cat_file(f"{newest}/manifest.json"))
+    sharded = f"{newest}/{manifest['sharded']['dir']}"
+    on_s3 = {p.rsplit("/", 1)[1]: info["size"] for p, info in fs.find(sharded, detail=True).items()}
+    assert manifest["sharded"]["files"] == on_s3
+    assert set(on_s3) == {".metadata", "__0_0.distcp", "__1_0.distcp"} and all(on_s3.values())
+    assert not fs.find("train/sharded/.staging")  # every staged state adopted, none left
+
+    # A later checkpoint whose copy is not whole: its manifest is there, a rank's file is not,
+    # and the other is cut short.
+    step = int(newest.rsplit("-", 2)[1])
+    broken = newest.replace(f"ckpt-{step:012d}", f"ckpt-{step + 100:012d}")
+    fs.copy(f"{newest}/", f"{broken}/", recursive=True)
+    fs.rm(f"{broken}/{manifest['sharded']['dir']}/__1_0.distcp")
+    store = CheckpointStore(config)
+    assert store.newest()[0] == first.checkpoint
+    fs.copy(f"{sharded}/__1_0.distcp", f"{broken}/{manifest['sharded']['dir']}/__1_0.distcp")
+    assert store.newest()[0].endswith(broken.rsplit("/", 1)[1])  # whole again: complete
+    fs.pipe(f"{broken}/{manifest['sharded']['dir']}/__1_0.distcp", b"cut short")
+    assert store.newest()[0] == first.checkpoint
+
+    # Resumed from S3 (the ranks read DCP's files with the checkpoint's options): the whole one.
+    again = dt.run(fsdp_train, workers=2, client=client, data={"train": (X, y)},
+                   config={"epochs": 3}, resume=True, timeout=90, checkpoint=config)
+    for r in again.returns:
+        assert r["restored"] and r["epochs"] == [2]
+        assert same(r["start"][0], ends[0]) and same(r["start"][1], ends[1])

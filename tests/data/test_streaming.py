@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -292,31 +291,6 @@ def test_a_passing_read_error_is_retried_and_blocks_are_read_where_trained(
         read_on = (tmp_path / f"part-0.npy.{block * 500}.reads").read_text().split()
         trained_on = result.ledger[result.ledger.block == block]["trainer"]
         assert sorted(read_on) == sorted(trainers[t] for t in trained_on)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[dict[str, Any]]:
-    """A local S3 server (moto) on a free port with a bucket, and the s3fs options to reach it.
-    The workers have no credentials of their own: the options travel with the data's graph and
-    with the checkpoint's shard paths."""
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-    options = {"key": "testing", "secret": "testing",
-               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem(**options).mkdir("train")
-    try:
-        yield options
-    finally:
-        server.stop()
 
 
 def test_streams_from_s3_and_checkpoints_to_s3(client: Client, s3: dict[str, Any]) -> None:

@@ -94,8 +94,11 @@ def _staging(config: Any) -> str:
     if config is None:
         return ""
     from dask_train.checkpoint import CheckpointStore
+    from dask_train.checkpoint._io import StoragePath
 
-    return f"{CheckpointStore(config).path.rstrip('/')}/.staging"
+    path = f"{CheckpointStore(config).path.rstrip('/')}/.staging"
+    # The ranks open it with the checkpoint's storage options (credentials, an endpoint).
+    return StoragePath(path, config.storage_options) if config.storage_options else path
 
 
 def _bounds(workers: Any, client: Client) -> tuple[int, int]:

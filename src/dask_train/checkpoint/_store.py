@@ -25,11 +25,10 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from dask_train.checkpoint._io import StoragePath, write_local_atomic, write_remote_atomic
+from dask_train.checkpoint._sharded import sharded_complete
 from dask_train.errors import InvalidInput
 
 MANIFEST = "manifest.json"
-#: What torch.distributed.checkpoint writes last, once every rank's shard is written.
-SHARDED_METADATA = ".metadata"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d+)-(\d+)$")
 
@@ -348,9 +347,8 @@ class CheckpointStore:
         if not all(self.fs.exists(f"{fs_dir}/{s}") for s in shards):
             return None
         sharded = manifest.get("sharded")
-        if sharded is not None and not (isinstance(sharded, dict) and self.fs.exists(
-                f"{fs_dir}/{sharded.get('dir')}/{SHARDED_METADATA}")):
-            return None  # a torch.distributed.checkpoint whose metadata (written last) is missing
+        if sharded is not None and not sharded_complete(self.fs, fs_dir, sharded):
+            return None  # a sharded state not (or not yet) whole: a copy cut short, say
         return manifest
 
     def _shown(self, fs_dir: str) -> str:

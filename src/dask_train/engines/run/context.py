@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from dask_train.checkpoint._io import options_of
+from dask_train.checkpoint._sharded import load_sharded, save_sharded
 from dask_train.data._feed import FeedItem, block_order
 from dask_train.engines._events import Reported, ShareDone
 from dask_train.engines.shared.harness import TrainerRole, rng_state
@@ -46,7 +48,8 @@ class RunSettings:
     is then dropped, said once in the log); ``local_ranks`` (each rank's index among the ranks on
     its host) and ``master`` (the group's store, ``host:port``) are what torchrun would tell it.
     ``sharded_root``: where the ranks write a sharded state (``report(sharded=True)``) before
-    the controller adopts it into its checkpoint.
+    the controller adopts it into its checkpoint (a ``StoragePath`` with the checkpoint's
+    ``storage_options``, if it has any).
     """
 
     train: str | None
@@ -387,10 +390,8 @@ class RunContext:
             if checkpoint is not None:
                 self._hold(checkpoint)  # says once that the job writes no checkpoint
             return ""
-        import torch.distributed.checkpoint as dcp
-
         path = f"{self._run.sharded_root}/{self._role.job}-r{self._reports}"
-        dcp.save(checkpoint, checkpoint_id=path)
+        save_sharded(checkpoint, path, options_of(self._run.sharded_root, None))
         return path
 
     def _restart_epoch(self) -> int:
@@ -413,9 +414,7 @@ class RunContext:
                 raise InvalidInput(["ctx.restore(): the checkpoint is sharded (written with "
                                     "report(sharded=True)); pass the state to load it into, as "
                                     "you report it: ctx.restore({'model': ..., 'optim': ...})."])
-            import torch.distributed.checkpoint as dcp
-
-            dcp.load(state, checkpoint_id=sharded["path"])
+            load_sharded(state, sharded["path"], options_of(self._run.sharded_root, None))
             return state
         if info is None or not info.get("files"):
             return None

@@ -21,6 +21,7 @@ from typing import Any
 
 from distributed import Client
 
+from dask_train.checkpoint._sharded import adopt_sharded
 from dask_train.data._blocks import BlockSet
 from dask_train.engines._events import (
     Paused,
@@ -189,13 +190,15 @@ class RunEngine(TorchSyncEngine):
         report, self.sharded = self.sharded, None
         if report is not None:
             name = f"sharded-r{report.id}"
-            await asyncio.get_running_loop().run_in_executor(
-                None, _adopt, report.sharded, f"{directory.rstrip('/')}/{name}",
+            # Renamed on a local disk, copied on an object store: the manifest written after
+            # this lists the files, and only a checkpoint holding them all is complete.
+            files = await asyncio.get_running_loop().run_in_executor(
+                None, adopt_sharded, report.sharded, f"{directory.rstrip('/')}/{name}",
                 dict(self.spec.checkpoint.storage_options or {}) if self.spec.checkpoint else {})
             return [{"version": self.reported_step(), "samples": samples, "finite": True,
                      "index": 0, "start": 0, "stop": 0,
                      "sharded": {"dir": name, "format": "torch.distributed.checkpoint",
-                                 "next_epoch": report.next_epoch}}]
+                                 "next_epoch": report.next_epoch, "files": files}}]
         records = await super().save(directory=directory, paths=paths, metadata=metadata)
         return [{**r, "samples": samples} for r in records]
 
@@ -268,16 +271,6 @@ class RunEngine(TorchSyncEngine):
                 else {}
             await asyncio.get_running_loop().run_in_executor(
                 None, _drop_staged, f"{root}/{self.job}-r*", options)
-
-
-def _adopt(staged: str, target: str, options: dict[str, Any]) -> None:
-    """Move the ranks' sharded state into the checkpoint directory (a rename on a local disk)."""
-    from fsspec.core import url_to_fs
-
-    fs, source = url_to_fs(staged, **options)
-    _, path = url_to_fs(target, **options)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.mv(source, path, recursive=True)
 
 
 def _drop_staged(pattern: str, options: dict[str, Any]) -> None:
