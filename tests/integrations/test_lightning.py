@@ -1,8 +1,12 @@
 """PyTorch Lightning inside ``dt.run`` on a real cluster: a LightningModule trained with
 Lightning's own DDP strategy on 2 ranks, its logged metrics in the job's history, a stop condition
-ending it, every row read once per epoch."""
+ending it, every row read once per epoch; a rank's worker SIGKILLed mid-run, and every rank going on
+from Lightning's checkpoint of the newest epoch."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 # Imported, not skipped when missing: make test installs the lightning extra.
 import lightning.pytorch as pl  # noqa: E402
@@ -12,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))
+from _faults import alive, kill, killable_cluster  # noqa: E402
 
 
 class Digits(pl.LightningModule):
@@ -80,6 +87,61 @@ def test_a_lightning_module_on_two_ranks_reports_and_stops(client):
     assert all(consumed[e] == len(X) for e in range(epochs)), consumed.to_dict()
 
 
+def train_resumable(ctx, epochs=8):
+    """As train_lightning, with Lightning's checkpoint reported each epoch and resumed from."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xv, yv = ctx.dataset("val")
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=1, num_nodes=ctx.world_size,
+                         max_epochs=epochs, plugins=[dt.lightning.DaskEnvironment()],
+                         callbacks=[dt.lightning.Report(ctx, checkpoint=True)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    path = dt.lightning.checkpoint_path(ctx)
+    trainer.fit(Digits(), train_dataloaders=dt.lightning.batches(ctx, batch_size=64),
+                val_dataloaders=DataLoader(TensorDataset(xv, yv), batch_size=500), ckpt_path=path)
+    return {"rank": trainer.global_rank, "epochs": trainer.current_epoch,
+            "steps": trainer.global_step,
+            "from_epoch": None if path is None else int(torch.load(path)["epoch"])}
+
+
+class KillRankOne(dt.Callback):
+    """SIGKILLs the worker of rank 1 at the job's third score (after two checkpoints)."""
+
+    def __init__(self, client) -> None:
+        self.client, self.scores, self.killed = client, 0, ""
+
+    def on_score(self, record) -> None:
+        self.scores += 1
+        if self.scores == 3 and not self.killed:
+            self.killed = sorted(alive(self.client))[1]  # ranks go in address order
+            kill(self.client, self.killed)
+
+
+def test_a_lightning_job_whose_worker_is_killed_resumes_from_its_checkpoint(tmp_path):
+    X, y = dt.datasets.digits(n_samples=12_000)
+    Xv, yv = dt.datasets.digits(n_samples=1_000, seed=7)
+    with killable_cluster() as own:
+        killer = KillRankOne(own)
+        result = dt.run(train_resumable, workers=2, client=own, timeout=90, callbacks=[killer],
+                        data={"train": (X.rechunk(1_000), y.rechunk(1_000)),
+                              "val": (np.asarray(Xv), np.asarray(yv))},
+                        checkpoint=dt.CheckpointConfig(tmp_path, every_seconds=None, keep=2),
+                        failure=dt.FailureConfig(max_failures=1))
+    assert killer.killed and result.generations == 2
+    [lost] = result.failures
+    assert lost["worker"] == killer.killed and lost["action"] == "restart"
+    # Every rank of the new generation went on from Lightning's checkpoint of an epoch reported
+    # before the kill, not from scratch, to the same end.
+    assert [r["rank"] for r in result.returns] == [0, 1]
+    assert all(r["epochs"] == 8 and r["steps"] == 8 * 96 for r in result.returns)
+    assert {r["from_epoch"] for r in result.returns} <= {1, 2}
+    assert len({r["from_epoch"] for r in result.returns}) == 1
+    consumed = result.ledger.groupby("epoch")["consumed"].sum()
+    assert all(consumed[e] == len(X) for e in range(8)), consumed.to_dict()
+    assert result.history["val_acc"].iloc[-1] > 0.85
+
+
 def test_lightning_settings_that_do_not_fit_the_job_are_named():
     env = dt.lightning.DaskEnvironment()
     with pytest.raises(dt.InvalidInput, match=r"devices=2, num_nodes=1\) does not fit"):
@@ -88,3 +150,5 @@ def test_lightning_settings_that_do_not_fit_the_job_are_named():
         dt.lightning.Report(object())
     with pytest.raises(dt.InvalidInput, match="batch_size=0"):
         dt.lightning.batches(object(), batch_size=0)
+    with pytest.raises(dt.InvalidInput, match=r"checkpoint='yes'\): pass True or False"):
+        dt.lightning.Report(type("Ctx", (), {"report": print})(), checkpoint="yes")

@@ -1,7 +1,7 @@
 """PyTorch Lightning inside ``dt.run``: a ``lightning.pytorch.Trainer`` on every rank of the job.
 
 ``dt.run`` starts the ranks' process group and sets each rank's environment as ``torchrun`` does;
-Lightning's DDP strategy takes the group as it finds it. Three small parts connect the rest:
+Lightning's DDP strategy takes the group as it finds it. Small parts connect the rest:
 
 * :class:`DaskEnvironment`, a Lightning ``ClusterEnvironment``: every rank is its own node of one
   device (``Trainer(devices=1, num_nodes=ctx.world_size)``), whatever the number of Dask workers
@@ -12,6 +12,10 @@ Lightning's DDP strategy takes the group as it finds it. Three small parts conne
   ``trainer.should_stop``.
 * :func:`batches`: a ``DataLoader`` over this rank's share of the streamed data set
   (``ctx.batches``), for ``train_dataloader``.
+* :func:`checkpoint_path`: after a lost worker, ``dt.run`` starts every rank again (a new
+  process group, the function called anew in the surviving processes); with
+  ``Report(ctx, checkpoint=True)`` each epoch's Lightning checkpoint is the job's, and
+  ``trainer.fit(..., ckpt_path=checkpoint_path(ctx))`` goes on from the newest.
 
 Importing this module imports Lightning (``pip install lightning``); ``import dask_train`` does not.
 
@@ -28,6 +32,6 @@ Examples
 
 from __future__ import annotations
 
-from dask_train.lightning._parts import DaskEnvironment, Report, batches
+from dask_train.lightning._parts import DaskEnvironment, Report, batches, checkpoint_path
 
-__all__ = ["DaskEnvironment", "Report", "batches"]
+__all__ = ["DaskEnvironment", "Report", "batches", "checkpoint_path"]

@@ -101,6 +101,14 @@ class Report(Callback):
     callbacks and stop conditions. When the job stops (a stop condition, a callback),
     ``trainer.should_stop`` is set on every rank after the same epoch.
 
+    With ``checkpoint=True`` each report also carries Lightning's own checkpoint of the epoch
+    (what ``trainer.save_checkpoint`` writes: the module's and the optimizers' states, the loops'
+    counters, the callbacks' states), written by the job as a ``dt.run`` checkpoint (safetensors
+    and JSON, no pickle) with every rank's place in the data. After a lost worker the job starts
+    every rank again from the newest one: pass :func:`checkpoint_path` as ``ckpt_path`` to
+    ``trainer.fit`` and Lightning goes on from the epoch after it, on the data the ledger has not
+    given out since.
+
     Parameters
     ----------
     ctx : RunContext
@@ -110,20 +118,26 @@ class Report(Callback):
     reduce : {None, "mean", "sum", "min", "max"}
         As ``ctx.report``: rank 0's metrics, or the ranks' combined. Metrics logged with
         ``sync_dist=True`` are the same on every rank already.
+    checkpoint : bool
+        Report Lightning's checkpoint each epoch (the job needs ``checkpoint=dt.CheckpointConfig``).
 
     Examples
     --------
-    >>> trainer = pl.Trainer(..., callbacks=[dt.lightning.Report(ctx)])       # doctest: +SKIP
+    >>> trainer = pl.Trainer(..., callbacks=[dt.lightning.Report(ctx, checkpoint=True)])  # doctest: +SKIP
+    >>> trainer.fit(module, train_dataloaders=dt.lightning.batches(ctx),
+    ...             ckpt_path=dt.lightning.checkpoint_path(ctx))                           # doctest: +SKIP
     """
 
     def __init__(self, ctx: Any, *, metrics: Sequence[str] | None = None,
-                 reduce: str | None = None) -> None:
+                 reduce: str | None = None, checkpoint: bool = False) -> None:
         if not callable(getattr(ctx, "report", None)):
             raise InvalidInput([f"Report(ctx={ctx!r}): pass the ctx your dt.run function "
                                 "received."])
         if isinstance(metrics, str):
             raise InvalidInput([f"Report(metrics={metrics!r}): pass a list of names."])
-        self.ctx, self.reduce = ctx, reduce
+        if not isinstance(checkpoint, bool):
+            raise InvalidInput([f"Report(checkpoint={checkpoint!r}): pass True or False."])
+        self.ctx, self.reduce, self.checkpoint = ctx, reduce, checkpoint
         self.metrics = None if metrics is None else list(metrics)
         self.reports = 0
 
@@ -136,10 +150,39 @@ class Report(Callback):
         values = {name: value for name, value in _numbers(trainer.callback_metrics).items()
                   if (self.metrics is None or name in self.metrics)
                   and name not in ("time_s", "step", "epoch", "samples", "samples_per_s")}
-        self.ctx.report(values, reduce=self.reduce)
+        state = None
+        if self.checkpoint:
+            # Every rank builds it, as Lightning's ModelCheckpoint does (a strategy may gather
+            # its state collectively); rank 0's is written (DDP's ranks hold the same).
+            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self.ctx.report(values, reduce=self.reduce,
+                        checkpoint=state if self.ctx.rank == 0 else None)
         self.reports += 1
         if self.ctx.should_stop():
             trainer.should_stop = True
+
+
+def checkpoint_path(ctx: Any) -> str | None:
+    """The job's newest checkpoint as a Lightning checkpoint file for ``trainer.fit(...,
+    ckpt_path=...)``, or None on a fresh start (Lightning then starts from scratch).
+
+    The state :class:`Report` reported (``checkpoint=True``), read back from the job's
+    checkpoint (safetensors and JSON) and saved with ``torch.save`` in a local temporary file
+    on this rank's worker: tensors, numbers, strings and containers only, which Lightning loads
+    with ``torch.load(weights_only=True)``.
+    """
+    state = ctx.restore()
+    if state is None:
+        return None
+    import tempfile
+
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise InvalidInput(["checkpoint_path(ctx): the job's checkpoint is not Lightning's (it "
+                            "was not reported by dt.lightning.Report(ctx, checkpoint=True)); "
+                            "read it with ctx.restore()."])
+    path = os.path.join(tempfile.mkdtemp(prefix="dask-train-lightning-"), "resume.ckpt")
+    torch.save(state, path)
+    return path
 
 
 class _Share(IterableDataset):  # type: ignore[type-arg]
@@ -196,4 +239,4 @@ def _numbers(metrics: Any) -> dict[str, float]:
     return out
 
 
-__all__ = ["DaskEnvironment", "Report", "batches"]
+__all__ = ["DaskEnvironment", "Report", "batches", "checkpoint_path"]
