@@ -103,6 +103,37 @@ def test_a_trainer_trial_whose_worker_is_killed(client3: Client, digits: Any,
         assert result.study.trials[0].state == optuna.trial.TrialState.COMPLETE
 
 
+@pytest.mark.timeout(240)
+def test_in_memory_data_beyond_the_embedding_limit_is_sent_again(
+        client3: Client, caplog: pytest.LogCaptureFixture) -> None:
+    """In-memory search data over 64 MiB is scattered, which Dask cannot recompute: the worker
+    holding the first trial (and a share of the data) is killed mid-trial, and the client sends
+    that share again, so the retried trial and the later ones train (they all failed on 'lost
+    dependencies' before)."""
+    from dask_train.tuning._data import EMBED_SEARCH_BYTES
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(260_000, 64)).astype(np.float32)
+    y = (X[:, :10] @ rng.normal(size=(10, 10))).argmax(axis=1)
+    assert X.nbytes + y.nbytes > EMBED_SEARCH_BYTES  # the scattered path, at its real size
+    Xv, yv = X[:2_000].copy(), y[:2_000].copy()
+    killer = KillAtFirstScore(client3.run(os.getpid))
+    trainer = dt.Trainer(mlp, workers=1, ps=1, batch_size=64, score_every=0.3, timeout=60,
+                         stop=[dt.StopAtStep(400)], callbacks=[killer])
+    sampler = FixedSampler([{"lr": 1e-2}, {"lr": 3e-3}, {"lr": 1e-3}])
+    result = dt.search(trainer, {"lr": dt.loguniform(1e-3, 1e-2)}, X, y, validation=(Xv, yv),
+                       n_trials=3, max_concurrent=1, sampler=sampler, pruner=None, retries=1,
+                       progress=False, client=client3)
+    assert killer.killed
+    trials = result.trials
+    # The first trial survives in its own job (a new generation) or runs again (retries=1).
+    assert list(trials["state"]) == ["complete"] * 3, trials[["state", "error"]]
+    assert "sent it again from the client" in caplog.text
+    assert list(trials["attempts"])[1:] == [1, 1]
+    assert all(r.result.steps >= 400 for r in result.records)
+    assert result.records[0].score > 0.3  # trained on every share: ten classes, chance is 0.1
+
+
 def _xgb_killer(marker: Path) -> Any:
     """An XGBoost callback: rank 1 SIGKILLs its own worker at round 10, the first time only."""
     from xgboost import collective

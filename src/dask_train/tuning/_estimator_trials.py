@@ -28,7 +28,7 @@ from distributed import Client, Future
 from dask_train.errors import WorkerLost
 from dask_train.policy._scope import use_workers
 from dask_train.runtime._calls import live_workers
-from dask_train.tuning._data import SearchData, on_cluster
+from dask_train.tuning._data import Resendable, SearchData, on_cluster
 from dask_train.tuning._space import Space, check_names
 from dask_train.tuning._trial import Outcome, TrialContext, TrialRunner, clock
 
@@ -93,7 +93,7 @@ class EstimatorTrials(TrialRunner):
         self.estimator, self.space, self.data, self.metric = estimator, space, data, metric
         self.client, self.workers_per_trial = client, workers_per_trial
         self.local: dict[str, Future] = {}
-        self.validation: Future | None = None
+        self.validation: Resendable | None = None
         self.lock = threading.Lock()
 
     def problems(self) -> list[str]:
@@ -128,7 +128,9 @@ class EstimatorTrials(TrialRunner):
         [worker] = ctx.gang
         estimator = clone(self.estimator).set_params(**ctx.params)
         started = clock()
-        fut = self.client.submit(fit_and_score, estimator, self._data_on(worker), self.validation,
+        assert self.validation is not None, "prepare() runs before the trials"
+        fut = self.client.submit(fit_and_score, estimator, self._data_on(worker),
+                                 self.validation.future(),
                                  self.metric, workers=[worker], allow_other_workers=False,
                                  pure=False, key=f"dt-trial-{ctx.number}-{uuid.uuid4().hex[:8]}")
         try:

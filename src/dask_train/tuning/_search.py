@@ -298,6 +298,9 @@ class _Search:
         gang = self.book.take(alive, need=pending.need, trial=trial.number)
         if gang is None:
             return False
+        data = getattr(self.runner, "data", None)
+        if data is not None:  # a lost worker's share of in-memory data is sent again first
+            data.refresh()
         record = pending.record
         if record is None:
             record = TrialRecord(trial.number, params, "running", math.nan, self.elapsed(),
