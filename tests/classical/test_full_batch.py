@@ -223,3 +223,38 @@ def test_block_set_groups_follow_the_holders() -> None:
 def test_distributed_loss_grad_rejects_a_non_callable(client: Client) -> None:
     with pytest.raises(dt.InvalidInput, match="fn="):
         dt.distributed_loss_grad("not a function", np.zeros(2), np.zeros((2, 2)), np.zeros(2))
+
+
+def _shift_target(block: tuple[np.ndarray, np.ndarray], by: float) -> tuple[np.ndarray, np.ndarray]:
+    return block[0], block[1] + by
+
+
+def test_in_memory_blocks_lost_with_their_worker_are_sent_again() -> None:
+    """In-memory data is scattered (Dask cannot recompute it): after the worker holding a block
+    is SIGKILLed, the next sums are the same, from blocks the client sent again with the
+    changes made to them since (a label encoding)."""
+    import sys
+    from pathlib import Path
+
+    from dask_train.classical.full_batch import evaluate_sum
+    from dask_train.data._persist import map_blocks_inplace
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))
+    from _faults import kill, killable_cluster
+
+    rng = np.random.default_rng(3)
+    X, y = rng.normal(size=(300_000, 8)), rng.normal(size=300_000)  # 19 MB: two blocks
+    w = rng.normal(size=8)
+    with killable_cluster() as own:
+        data = persist_data(X, y, client=own)
+        map_blocks_inplace(data, _shift_target, 2.0)
+        assert len(data.futures) == 2 and len(set(data.holders)) == 2
+        before = evaluate_sum(_least_squares, w, data)
+        victim = data.holders[0]
+        kill(own, victim)
+        after = evaluate_sum(_least_squares, w, data)
+        assert data.futures[0].status == "finished"
+    expected = _least_squares(w, X, y + 2.0)
+    for got, old, want in zip(after, before, expected):
+        np.testing.assert_allclose(got, old, rtol=1e-10)
+        np.testing.assert_allclose(got, want, rtol=1e-8)

@@ -55,7 +55,26 @@ def _eval_group(fn: BlockFn, params: Any, *blocks: tuple[np.ndarray, np.ndarray 
 def evaluate_sum(
     fn: BlockFn, params: Any, data: BlockSet, *, split_every: int = 2, param_future: Any = None
 ) -> Any:
-    """``sum over blocks of fn(params, X_block, y_block)``, reduced on the workers; one result back."""
+    """``sum over blocks of fn(params, X_block, y_block)``, reduced on the workers; one result back.
+
+    In-memory input (scattered, which Dask cannot recompute) lost with a worker is sent again
+    from the client first, and an evaluation that failed because a worker died meanwhile is
+    done once more on the data sent again.
+    """
+    if data.source is not None:
+        data.resend_lost()
+    try:
+        return _evaluate_sum(fn, params, data, split_every=split_every, param_future=param_future)
+    except Exception:
+        if data.source is None or not data.resend_lost():
+            raise
+    alive = param_future is not None and param_future.status == "finished"
+    return _evaluate_sum(fn, params, data, split_every=split_every,
+                         param_future=param_future if alive else None)
+
+
+def _evaluate_sum(fn: BlockFn, params: Any, data: BlockSet, *, split_every: int,
+                  param_future: Any) -> Any:
     client = data.client or default_client(quiet=True)
     groups = data.groups()
     ref = param_future if param_future is not None else send_params(client, params, copies=len(groups))

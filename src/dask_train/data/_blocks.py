@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,15 +34,21 @@ class LocalSource:
     recompute scattered data)."""
 
     x: np.ndarray
-    y: np.ndarray
+    y: np.ndarray | None
     w: np.ndarray | None
     bounds: list[int]
     dtype: Any = None
+    # Functions applied to every block on the workers since (map_blocks_inplace), in order.
+    maps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = field(default_factory=list)
 
     def block(self, i: int) -> tuple[Any, ...]:
         """Block ``i`` as the pair (or triple) a worker holds."""
         a, b = self.bounds[i], self.bounds[i + 1]
-        return as_pair(self.x[a:b], self.y[a:b], self.dtype, None if self.w is None else self.w[a:b])
+        block = as_pair(self.x[a:b], None if self.y is None else self.y[a:b], self.dtype,
+                        None if self.w is None else self.w[a:b])
+        for fn, args in self.maps:
+            block = fn(block, *args)
+        return block
 
 
 @dataclass
@@ -151,6 +157,20 @@ class BlockSet:
     def lost(self, i: int) -> bool:
         """Whether block ``i`` is gone and must be scattered again before it is read."""
         return self.source is not None and self.futures[i].status != "finished"
+
+    def resend_lost(self) -> int:
+        """Send every block a lost worker took again from the in-memory source (from a thread
+        other than the client's event loop); how many were sent."""
+        lost = [i for i in range(len(self.futures)) if self.lost(i)]
+        if not lost or self.client is None:
+            return 0
+        assert self.source is not None
+        sent = self.client.scatter([self.source.block(i) for i in lost], hash=False, direct=True)
+        for i, future in zip(lost, sent):
+            self.futures[i] = future
+        logger.warning("%d of %d blocks of the in-memory input sent again: the worker holding "
+                       "them was lost", len(lost), len(self.futures))
+        return len(lost)
 
     async def rescatter(self, client: Client, i: int) -> Future:
         """Send block ``i`` to the cluster again from the in-memory source; its new future."""

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Client, wait
 
-from dask_train.data._blocks import BlockSet, as_dask_array, as_pair, located, persist_pairs
+from dask_train.data._blocks import (
+    BlockSet,
+    LocalSource,
+    as_dask_array,
+    as_pair,
+    located,
+    persist_pairs,
+)
 from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope, in_scope
@@ -118,8 +125,10 @@ def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: A
                              workers=sorted(threads) if current_scope() is not None else None)
     who_has = client.who_has(futures)
     rows = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+    # Kept to send a block again when its worker dies (Dask cannot recompute scattered data).
+    source = LocalSource(X, y, None, [int(b) for b in bounds], dtype)
     return BlockSet(list(futures), located(list(futures), rows, who_has), client=client,
-                    n_features=int(X.shape[1]), threads=threads)
+                    n_features=int(X.shape[1]), threads=threads, source=source)
 
 
 def map_blocks_inplace(data: BlockSet, fn: Callable[..., Any], *args: Any) -> None:
@@ -136,3 +145,5 @@ def map_blocks_inplace(data: BlockSet, fn: Callable[..., Any], *args: Any) -> No
     old, data.futures = data.futures, list(new)
     for fut in old:
         fut.release()
+    if data.source is not None:  # a block sent again from the client gets the same changes
+        data.source.maps.append((fn, args))
