@@ -97,6 +97,8 @@ def test_train_then_predict_then_search(project: Path, client: Client,
         {p.name for p in run.iterdir()}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "epochs=1" and summary["accuracy"] > 0.3
+    # The config names no strategy: the command's default, "auto", chose one and says which.
+    assert summary["strategy"] in ("one-process", "sync", "async-ps")
 
     predict = _config(project, "predict", out="runs/predict",
                       weights="runs/train/model.safetensors")

@@ -246,3 +246,16 @@ def test_the_log_says_how_the_data_reaches_the_trainers() -> None:
     views = {v.job_id: v for v in jobs.running()}
     assert [(kind, text) for _, kind, text in views["j2"].log][1:] == [("data", why)]
     assert [kind for _, kind, _ in views["j3"].log] == ["start"]  # no data line: none was said
+
+
+def test_the_scorers_report_is_its_cpu_not_a_trainers_samples() -> None:
+    jobs = Jobs()
+    _a_job(jobs)
+    view = jobs.latest()
+    assert view is not None
+    samples, rates = view.samples_total, dict(view.trainer_rate)
+    jobs.event("dask-train-j1-g1", {"kind": "stats", "role": "scorer", "index": 0, "step": 41,
+                                    "interval_s": 2.0, "cpu_s": 0.5, "cpu_s_total": 1.5,
+                                    "scores": 3, "skipped": 4}, now=T0 + 7.8)
+    assert view.scorer.columns()["cpu_share"] == [0.25]  # 0.5 CPU-s in 2 s: a quarter core
+    assert view.samples_total == samples and view.trainer_rate == rates  # trainer 0 untouched

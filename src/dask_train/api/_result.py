@@ -77,6 +77,18 @@ class FitResult:
         Wall-clock time (``time.time()``) when training started: the origin of ``history.time_s``
         and of ``StopAfter`` (placing the roles counts; persisting the data does not). A resumed
         job's ``time_s`` goes on from the checkpoint's.
+    plan : dict
+        How the job ran: ``strategy`` (the engine), ``workers`` and ``ps``; with
+        ``strategy="auto"`` also ``chosen`` (``"one-process"``, ``"sync"`` or ``"async-ps"``),
+        ``predicted_samples_per_s`` and ``bottlenecks`` of every candidate, and ``probe_s``
+        (the seconds measuring the costs took); with ``ps="auto"`` the prediction of the count
+        chosen.
+    scorer : dict
+        What the scorer spent: ``cpu_s`` (CPU seconds scoring: its own thread's, and where the
+        validation blocks were evaluated), ``share`` (``cpu_s`` over ``wall_s``: the cores it
+        took, on average), ``budget`` (the share of one core allowed, None for no limit),
+        ``scores`` taken and ``skipped`` (due by ``score_every`` but left out to keep within
+        the budget). Empty without a scorer.
     """
 
     model: torch.nn.Module | ArrayModel | Any
@@ -97,6 +109,8 @@ class FitResult:
     validation_rows: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0
+    plan: dict[str, Any] = field(default_factory=dict)
+    scorer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -119,6 +133,9 @@ class FitResult:
             "wall_s": float(self.wall_s),
             "epochs_completed": int(self.epochs_completed),
             "stopped_by": self.stopped_by,
+            # What ran: "one-process", "sync" or "async-ps" ("auto"'s choice, else as asked).
+            **({"strategy": self.plan.get("chosen", self.plan.get("strategy"))}
+               if self.plan else {}),
         }
 
     def predict(self, X: Any, *, batch_size: int = 4096) -> Any:
@@ -180,3 +197,12 @@ def phase_timings(clock: Mapping[str, float], log: Any) -> dict[str, float]:
             "train": round(max(0.0, stop - first), 4),
             "teardown": round(max(0.0, end - stop), 4),
             "total": round(end - start, 4)}
+
+
+def scorer_record(cpu: Mapping[str, Any] | None, *, wall_s: float) -> dict[str, Any]:
+    """``FitResult.scorer`` from what the scorer returned of its CPU (None: no scorer)."""
+    if not cpu:
+        return {}
+    spent = float(cpu.get("cpu_s", 0.0))
+    return {**cpu, "cpu_s": round(spent, 4),
+            "share": round(spent / wall_s, 4) if wall_s > 0 else math.nan}

@@ -34,6 +34,7 @@ class Settings:
     stop: Any
     callbacks: Any
     score_every: Any
+    scorer_budget: Any
     shuffle: Any
     seed: Any
     prefetch: Any

@@ -13,14 +13,22 @@ import numpy as np
 import torch
 from distributed import Client
 
-from dask_train.api._auto_ps import resolve_ps
-from dask_train.api._build import engine_class, fit_result, float_dtype, job_spec
+from dask_train.api._auto_strategy import FitPlan, plan_fit
+from dask_train.api._build import (
+    engine_class,
+    fit_result,
+    float_dtype,
+    job_spec,
+    prepare_keras,
+    replan_roles,
+    trainer_roles,
+)
 from dask_train.api._data import materialize, spread_validation, training_blocks
+from dask_train.api._fit_array import fit_array
 from dask_train.api._model import build_from, is_factory
-from dask_train.api._probe import probe_module
 from dask_train.api._result import FitResult
 from dask_train.api._settings import Settings
-from dask_train.api._validate import check_fit, check_labels
+from dask_train.api._validate import check_fit, check_label_range
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._progress import Progress
@@ -31,15 +39,14 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
-from dask_train.models._torch import is_classification, primary_output
+from dask_train.models._torch import is_classification
 from dask_train.policy._data_mode import check_data_mode
 from dask_train.policy._failure import FailureConfig
-from dask_train.policy._placement import Roles, plan_roles
+from dask_train.policy._placement import Roles
 from dask_train.policy.callbacks import Callback, run_callbacks
 from dask_train.policy.stop import StopCondition
 from dask_train.runtime._connect import default_client
 from dask_train.runtime._devices import probe_devices
-from dask_train.runtime._roles import ensure_plugin, worker_threads
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +80,14 @@ class Trainer:
         Learning rate.
     optimizer_options : mapping, optional
         Extra optimizer arguments, e.g. ``{"momentum": 0.9}`` for SGD.
-    strategy : {"async-ps", "sync"}
+    strategy : {"async-ps", "sync", "auto"}
         ``"async-ps"``: asynchronous parameter servers. ``"sync"``: synchronous data-parallel
         training, one rank per Dask worker in a torch process group (gloo) started by
         :func:`dask_train.start_torch`; every step applies the mean gradient of all ranks'
-        batches. ``ps`` and ``prefetch`` do not apply to it.
+        batches. ``ps`` and ``prefetch`` do not apply to it. ``"auto"``: the job's costs are
+        measured on the cluster at fit time and the fastest of async-ps, sync and one process
+        on one worker (sync with one rank) is run; the choice and every candidate's predicted
+        samples/s are logged and in ``result.plan`` (see ``dask_train.policy._strategy``).
     ps : int or "auto"
         Parameter servers; the flat parameters are split into this many balanced shards.
         ``"auto"``: chosen at fit time by the cost model from the job's costs measured on the
@@ -102,6 +112,11 @@ class Trainer:
     callbacks : sequence of Callback
     score_every : float
         Seconds between scores.
+    scorer_budget : "auto", float or None
+        The share of one core the scorer may spend scoring, over the job: a score that would
+        exceed it is skipped (the next is spaced out) rather than slow the trainers. ``"auto"``
+        is ``1 / (trainers + 1)``; None scores every ``score_every`` whatever it costs.
+        ``result.scorer`` says what it spent and skipped.
     shuffle : bool
         Shuffle block order and rows within blocks, per epoch, seeded by ``seed``.
     seed : int
@@ -179,6 +194,7 @@ class Trainer:
         stop: Sequence[StopCondition] | StopCondition | None = None,
         callbacks: Sequence[Callback] | None = None,
         score_every: float = 1.0,
+        scorer_budget: float | str | None = "auto",
         shuffle: bool = True,
         seed: int = 0,
         prefetch: int | bool | str = True,
@@ -209,6 +225,7 @@ class Trainer:
         self.stop = [stop] if isinstance(stop, StopCondition) else list(stop or [])
         self.callbacks = list(callbacks or [])
         self.score_every = score_every
+        self.scorer_budget = scorer_budget
         self.shuffle = shuffle
         self.seed = seed
         self.prefetch = prefetch
@@ -224,10 +241,11 @@ class Trainer:
         self.client = client
 
     def per_trainer_batch(self) -> int:
-        """Rows per batch of each trainer: ``batch_size``, or ``global_batch_size / workers``."""
+        """Rows per batch of each trainer: ``batch_size``, or ``global_batch_size / workers``
+        (the trainers this fit runs: with ``strategy="auto"``, those it chose)."""
         if self.global_batch_size is None:
             return int(self.batch_size)
-        return max(1, int(self.global_batch_size) // max(1, int(self.workers)))
+        return max(1, int(self.global_batch_size) // max(1, self._trainers()))
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """Hyper-parameters by name, as scikit-learn estimators report them."""
@@ -294,6 +312,7 @@ class Trainer:
             Every problem with the arguments and data at once, before any training starts.
         """
         self._clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
+        self._plan: FitPlan | None = None  # this fit's strategy, trainers and servers
         X, y = from_xarray(X, y)  # rows along the sample dimension, variables as features
         if isinstance(validation, tuple) and len(validation) == 2:
             validation = from_xarray(*validation, name="validation's X")
@@ -302,7 +321,7 @@ class Trainer:
         X, y = as_dask_array(X), as_dask_array(y, name="y")
         weights = None if sample_weight is None else as_dask_array(sample_weight)
         if isinstance(self._model(), ArrayModel):
-            return self._fit_array(X, y, materialize(validation, dtype=np.float64), resume=resume,
+            return fit_array(self, X, y, materialize(validation, dtype=np.float64), resume=resume,
                                    warm_start=warm_start, sample_weight=weights, mode=data)
         # A dask validation set stays on the cluster, scored where its blocks live.
         validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
@@ -326,7 +345,7 @@ class Trainer:
         keras = is_keras_model(self._model())  # TensorFlow places its math: no torch devices
         devices = probe_devices(client, "cpu" if keras else self.device,
                                 mixed_precision=self.mixed_precision)
-        self._fit_ps = resolve_ps(self, client, self._input_dtype(X, log=False), y)
+        self._plan = plan_fit(self, client, self._input_dtype(X, log=False), y)
         spec = self._spec(module=self._start_model(warm_start), devices=devices)
         if devices.kind == "cuda" or devices.precision:
             logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
@@ -338,83 +357,27 @@ class Trainer:
                                  labels=labels, timeout=self.timeout)
         spec = dataclasses.replace(spec, data=blocks.note)  # for the Training page
         self._clock["persist"] += time.time() - t
-        if labels:
-            low, high = blocks.label_range
-            out = primary_output(probe_module(self._model(), tuple(X.shape[1:]), X.dtype))
-            n_out = int(out.shape[1])
-            problems = check_labels(int(low), int(high), n_out, self.loss)
-            if problems:
-                raise InvalidInput(problems)
-        engine_cls = engine_class(self.strategy)  # first: its module registers RPC handlers
-        roles = self._roles(client, has_validation=validation is not None)
+        problems = check_label_range(self._model(), self.loss, X, blocks.label_range) \
+            if labels else []
+        if problems:
+            raise InvalidInput(problems)
+        engine_cls = engine_class(self._strategy())  # first: its module registers RPC handlers
+        roles = trainer_roles(self, client, has_validation=validation is not None)
         if keras:
-            from dask_train.models._keras import warm_workers
-            from dask_train.runtime._compat import fix_keras_serialization
-
-            fix_keras_serialization()  # distributed's Keras serializer is for Keras 2
-            warm_workers(client, roles.addresses, timeout=self.timeout)
+            prepare_keras(client, roles, timeout=self.timeout)
         run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows,
                                                        "params": self._tracked_params()})
 
         def make_engine(roles: Roles, job: str, restore: Any) -> Any:
             return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
 
-        def plan(alive: Mapping[str, int]) -> Roles:
-            sync = self.strategy == "sync"
-            return Roles(plan_roles(alive, ps=0 if sync else self._servers(),
-                                    worker=min(self.workers, len(alive)) if sync else self.workers,
-                                    scorer=self.scorer if validation is not None else 0))
-
         with Progress(total=self.epochs * blocks.n_rows, enabled=self.progress) as progress:
             started = time.time()
-            controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan,
+            controller = Controller(client, spec, make_engine=make_engine,
+                                    plan_roles=replan_roles(self, validation is not None),
                                     roles=roles, rows=blocks.n_rows, progress=progress)
             outcome = controller.run_sync(resume=resume)
             progress.close(outcome.stopped_by)
-        result = self._result(outcome, wall_s=time.time() - started)
-        self._last_model = result.model
-        run_callbacks(self.callbacks, "on_fit_end", result)
-        return result
-
-    def _fit_array(self, X: Any, y: Any, validation: Any, *, resume: bool,
-                   warm_start: bool = False, sample_weight: Any = None,
-                   mode: str = "auto") -> FitResult:
-        """``fit`` for an ArrayModel: the numpy sync engine under the same controller."""
-        from dask_train.data import persist_data
-        from dask_train.engines.array.engine import ArrayEngine
-
-        self._validate(X, y, validation, resume=resume, sample_weight=sample_weight,
-                       data=(mode, False))
-        assert isinstance(self._model(), ArrayModel)
-        client = self._client()
-        t = time.time()
-        data = persist_data(X, y, client=client, dtype=np.float64)
-        self._clock["persist"] += time.time() - t
-        spec = self._spec(n_params=int(self._model().params.size),
-                          module=self._start_model(warm_start))
-        held = {"data": data}
-
-        def make_engine(roles: Roles, job: str, restore: Any) -> Any:
-            if any(f.status != "finished" for f in held["data"].futures):
-                # A lost worker took blocks that Dask cannot recompute (scattered numpy input):
-                # persist them again, from the collection the user passed.
-                held["data"].release()
-                held["data"] = persist_data(X, y, client=client, dtype=np.float64)
-            return ArrayEngine(client, spec, held["data"], validation, job=job, restore=restore)
-
-        first = make_engine(Roles(), "probe", None).roles  # where the groups and scorer will run
-        try:
-            run_callbacks(self.callbacks, "on_fit_start", {"roles": first, "rows": data.n_rows,
-                                                           "params": self._tracked_params()})
-            with Progress(total=self.epochs * data.n_rows, enabled=self.progress) as progress:
-                started = time.time()
-                controller = Controller(client, spec, make_engine=make_engine,
-                                        plan_roles=lambda alive: Roles(), roles=first,
-                                        rows=data.n_rows, progress=progress)
-                outcome = controller.run_sync(resume=resume)
-                progress.close(outcome.stopped_by)
-        finally:
-            held["data"].release()
         result = self._result(outcome, wall_s=time.time() - started)
         self._last_model = result.model
         run_callbacks(self.callbacks, "on_fit_end", result)
@@ -475,23 +438,22 @@ class Trainer:
               devices: Any = None) -> JobSpec:
         return job_spec(self, n_params=n_params, module=module, devices=devices)
 
-    def _servers(self) -> int:
-        """``ps`` as a count: with ``ps="auto"``, the one chosen for the current fit."""
-        return self.ps if isinstance(self.ps, int) else int(getattr(self, "_fit_ps", 1))
+    def _strategy(self) -> str:
+        """The strategy this fit runs: ``strategy``, or the one ``"auto"`` chose."""
+        plan = getattr(self, "_plan", None)
+        return plan.strategy if plan is not None else str(self.strategy)
 
-    def _roles(self, client: Client, *, has_validation: bool) -> Roles:
-        ensure_plugin(client)
-        threads = worker_threads(client)
-        scorer = self.scorer if has_validation else 0
-        ps = 0 if self.strategy == "sync" else self._servers()
-        if self.strategy == "sync" and self.workers > len(threads):
-            # torch's default process group is one per process: one rank per Dask worker.
-            raise InvalidInput([
-                f"workers={self.workers} is more than the {len(threads)} Dask workers of the "
-                "cluster: strategy='sync' runs one rank per worker process; lower workers= or "
-                "add workers."
-            ])
-        return Roles(plan_roles(threads, ps=ps, worker=self.workers, scorer=scorer))
+    def _trainers(self) -> int:
+        """The trainers (ranks) this fit runs: ``workers``, or those ``"auto"`` chose."""
+        plan = getattr(self, "_plan", None)
+        return plan.workers if plan is not None else int(self.workers)
+
+    def _servers(self) -> int:
+        """``ps`` as a count: with ``ps="auto"`` or ``strategy="auto"``, the one chosen."""
+        plan = getattr(self, "_plan", None)
+        if plan is not None:
+            return plan.ps
+        return self.ps if isinstance(self.ps, int) else 1
 
     def _result(self, outcome: Outcome, *, wall_s: float) -> FitResult:
         return fit_result(self, outcome, wall_s=wall_s)

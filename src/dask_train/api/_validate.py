@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dask_train.api._model import travel_problems
-from dask_train.api._probe import check_module_output
+from dask_train.api._probe import check_module_output, probe_module
 from dask_train.api._settings import Settings
 from dask_train.data._blocks import is_dask_array
 from dask_train.data._inputs import label
@@ -22,13 +22,14 @@ from dask_train.models._torch import (
     OPTIMIZERS,
     is_classification,
     loss_name,
+    primary_output,
     takes_weights,
 )
 from dask_train.policy._placement import check_role_counts
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
-STRATEGIES = ("async-ps", "sync")
+STRATEGIES = ("async-ps", "sync", "auto")
 
 
 def _int_at_least(name: str, value: object, low: int) -> list[str]:
@@ -53,17 +54,13 @@ def check_settings(settings: Settings) -> list[str]:
             f"module={type(s.module).__name__} is invalid: pass a torch.nn.Module instance, "
             "a Keras 3 model, or a dt.ArrayModel (with strategy='sync')."
         )
-    if s.strategy not in STRATEGIES:
-        problems.append(f"strategy={s.strategy!r} is unknown: use one of {list(STRATEGIES)}.")
+    problems += _check_strategy(s, keras=keras)
     loss = s.loss
     if keras:  # Keras losses, TensorFlow's devices (its own checks)
         from dask_train.models._keras_eval import check_settings as check_keras
 
         problems += check_keras(s.module, loss, device=s.device,
                                 mixed_precision=s.mixed_precision)
-        if s.ps == "auto":
-            problems.append("ps='auto' measures torch modules only: give a Keras model's job a "
-                            "server count, e.g. ps=1.")
     elif isinstance(loss, str) and loss not in LOSSES:
         problems.append(
             f"loss={loss!r} is unknown: use one of {sorted(LOSSES)}, a torch.nn loss module "
@@ -122,6 +119,28 @@ def check_settings(settings: Settings) -> list[str]:
     problems += _check_recovery(s)
     problems += check_metrics(s.metrics, s.module, s.loss)
     problems += check_device(s.device, s.mixed_precision, s.module)
+    return problems
+
+
+def _check_strategy(s: Settings, *, keras: bool) -> list[str]:
+    """Problems with ``strategy=``, ``ps="auto"`` (both measure torch modules) and the
+    scorer's ``scorer_budget=``."""
+    problems = []
+    if s.strategy not in STRATEGIES:
+        problems.append(f"strategy={s.strategy!r} is unknown: use one of {list(STRATEGIES)} "
+                        "('auto': the fastest of async-ps, sync and one process, measured on "
+                        "the cluster).")
+    elif s.strategy == "auto" and keras:
+        problems.append("strategy='auto' measures torch modules only: give a Keras model's "
+                        "job strategy='async-ps' or 'sync'.")
+    if s.ps == "auto" and keras:
+        problems.append("ps='auto' measures torch modules only: give a Keras model's job a "
+                        "server count, e.g. ps=1.")
+    budget = s.scorer_budget
+    if not (budget is None or isinstance(budget, str) and budget == "auto") and \
+            (isinstance(budget, bool) or _positive("scorer_budget", budget)):
+        problems.append(f"scorer_budget={budget!r} is invalid: use 'auto' (1/(workers + 1) of "
+                        "a core), a share of one core > 0 (e.g. 0.25), or None (no limit).")
     return problems
 
 
@@ -215,7 +234,7 @@ def check_array_model(model: ArrayModel, settings: Settings, X: Any, y: Any, *,
                       resume: bool) -> list[str]:
     """Problems with training an ArrayModel under these settings, found before any task runs."""
     problems = model.problems()
-    if settings.strategy != "sync":
+    if settings.strategy not in ("sync", "auto"):  # "auto" is sync: the only numpy engine
         problems.append(
             f"strategy={settings.strategy!r} cannot train a dt.ArrayModel: use strategy='sync' "
             "(its gradients are averaged by a Dask tree reduction; async-ps trains torch modules)."
@@ -388,6 +407,14 @@ def check_labels(low: int, high: int, module_output: int, loss: Any) -> list[str
             f"labels must lie in [0, {module_output - 1}]; enlarge the output layer or re-encode y."
         ]
     return []
+
+
+def check_label_range(module: Any, loss: Any, X: Any, label_range: tuple[Any, Any]) -> list[str]:
+    """Problems with the labels' range ``(low, high)`` against the classes ``module`` outputs
+    for rows shaped like ``X``'s."""
+    out = primary_output(probe_module(module, tuple(X.shape[1:]), X.dtype))
+    low, high = label_range
+    return check_labels(int(low), int(high), int(out.shape[1]), loss)
 
 
 def check_fit(s: Settings, X: Any, y: Any, validation: Any, *, resume: bool, sample_weight: Any,

@@ -135,7 +135,7 @@ class TensorBoard(Callback):
         return None
 
     def on_stats(self, stats: Mapping[str, Any]) -> None:
-        """Write one trainer's or server's figures for its last interval."""
+        """Write one trainer's, server's or the scorer's figures for its last interval."""
         if not self.per_role:
             return
         index, interval = int(stats.get("index", 0)), float(stats.get("interval_s") or 0.0)
@@ -143,6 +143,8 @@ class TensorBoard(Callback):
             return
         if stats.get("role") == "ps":
             values = {f"ps/{index}/updates_per_s": stats.get("updates", 0) / interval}
+        elif stats.get("role") == "scorer":  # the cores it took scoring
+            values = {"scorer/cpu_share": stats.get("cpu_s", 0) / interval}
         else:
             values = {f"trainer/{index}/samples_per_s": stats.get("samples", 0) / interval,
                       f"trainer/{index}/wait_data": min(1.0, stats.get("feed_wait_s", 0) / interval),

@@ -127,7 +127,7 @@ def train(config: Config, *, scheduler: str | None, out: Path | None, progress: 
     # travels as its factory (see dt.Trainer's module).
     with _connect(config, scheduler) as client:
         X, y = _train_data(config)
-        trainer = dt.Trainer(_model_factory(config), **config.trainer,
+        trainer = dt.Trainer(_model_factory(config), **config.trainer_settings(),
                              stop=config.stop_conditions(), progress=progress, client=client)
         result = trainer.fit(X, y, validation=_validation(config))
     directory = run_dir(config, "train", out)
@@ -150,7 +150,7 @@ def search(config: Config, *, scheduler: str | None, out: Path | None,
     with _connect(config, scheduler) as client:
         X, y = _train_data(config)
         probe = factory()
-        model = dt.Trainer(factory, **config.trainer, stop=config.stop_conditions(),
+        model = dt.Trainer(factory, **config.trainer_settings(), stop=config.stop_conditions(),
                            client=client) if _is_torch(probe) else probe
         result = dt.search(model, space, X, y, validation=_validation(config),
                            stop=config.stop_conditions(budget), progress=progress, client=client,

@@ -30,7 +30,7 @@ trainer:                            # any dt.Trainer argument
   loss: cross_entropy
   optimizer: adam
   lr: 0.001
-  strategy: async-ps
+  strategy: auto                    # default: the fastest of async-ps, sync, one process
   ps: 1
   workers: 2
   batch_size: 128
@@ -54,6 +54,8 @@ cluster: {scheduler: null, n_workers: 2}  # null: an embedded LocalCluster
 out: runs/digits                    # the run directory: history, trials, plots, model
 """
 
+#: The strategy of a config that names none: measured on the cluster at fit time.
+DEFAULT_STRATEGY = "auto"
 SECTIONS = ("model", "data", "trainer", "stop", "search", "predict", "cluster", "out")
 _TIME = ("seconds", "minutes", "hours")
 _SPACE_KINDS = ("loguniform", "uniform", "intuniform")
@@ -82,6 +84,12 @@ class Config:
     predict: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)
     out: str | None = None
+
+    def trainer_settings(self) -> dict[str, Any]:
+        """The ``trainer`` section as ``dt.Trainer`` arguments; the strategy is ``"auto"``
+        unless the config names one (the command line's default: a job measured on the cluster
+        runs as one process when distributing it would be slower)."""
+        return {"strategy": DEFAULT_STRATEGY, **self.trainer}
 
     def resolve(self, path: str) -> str:
         """A path of the config, from the config's directory (URLs and absolute paths as they are)."""

@@ -50,6 +50,9 @@ class JobSpec:
     devices: dict[str, str] = field(default_factory=dict)  # worker address -> torch device
     precision: str | None = None  # autocast dtype: None, "bf16" or "fp16"
     data: str = ""  # how the training data reaches the trainers (persisted, streamed), and why
+    #: The share of one core the scorer may spend scoring (resolved from the Trainer's
+    #: ``scorer_budget``), None for no limit.
+    scorer_budget: float | None = None
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -92,6 +95,8 @@ class WorkerConfig:
     validation_keys: list[str] | None = None
     #: The generation's secret for direct pushes to its servers (async-ps), b"" for none.
     push_secret: bytes = field(default=b"", repr=False)
+    #: The share of one core the scorer may spend scoring (``scoring.ScoreSchedule``), or None.
+    scorer_budget: float | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, topic: str,
@@ -104,7 +109,7 @@ class WorkerConfig:
             optimizer_options=dict(spec.optimizer_options), max_step=spec.max_step,
             seed=spec.seed, on_nan=spec.on_nan, rng=dict((restore or {}).get("rng") or {}),
             metrics=spec.metrics, device_kind=spec.device_kind, devices=dict(spec.devices),
-            precision=spec.precision,
+            precision=spec.precision, scorer_budget=spec.scorer_budget,
         )
 
     def device_for(self, address: str) -> str | None:

@@ -111,6 +111,7 @@ class JobView:
         # (time_s, samples_per_s, data_wait, server_wait, steps_per_s)
         self.trainers: dict[int, Series] = {}
         self.servers: dict[int, Series] = {}  # (time_s, updates_per_s)
+        self.scorer = Series("time_s", "cpu_share")  # cores the scorer took, at each report
         self.log: deque[tuple[float, str, str]] = deque(maxlen=MAX_LOG)
         self.log_total = 0  # lines ever added (the log keeps the last MAX_LOG)
         self.latest: dict[str, Any] = {}  # the last history row
@@ -190,6 +191,9 @@ class JobView:
         self.step = max(self.step, int(msg.get("step", 0)))
         if msg.get("worker"):
             self.workers.add(str(msg["worker"]))
+        if msg.get("role") == "scorer":  # its CPU, not a trainer's samples
+            self.scorer.append(time_s=t, cpu_share=max(0.0, _finite(msg.get("cpu_s"))) / interval)
+            return
         if msg.get("role") == "ps":
             updates = max(0.0, _finite(msg.get("updates")))
             self.updates_total[index] = self.updates_total.get(index, 0.0) + updates

@@ -2,6 +2,15 @@
 seconds and publishes the score as an event (``worker.log_event``: 5,000 events in 0.12 s here,
 never a Queue). It reads the parameters the way a trainer does: from the parameter servers
 (async-ps) or from sync rank 0, which publishes its parameters under the same index.
+
+It scores a copy: the parameters pulled are written into the scorer's own model
+(``write_params`` copies them), so an evaluation never reads memory a trainer or server is
+updating, and never holds one up. It keeps within its CPU budget (``scoring.ScoreSchedule``):
+the CPU each score takes (this thread's, plus the evaluating threads' where the validation
+blocks are spread) is measured with ``time.thread_time``, a score that would exceed the budget
+is skipped, and what it spent is published with its stats (role ``"scorer"``) and returned.
+Torch's intra-op threads, on a worker with several, and the event loop's share of a pull are
+not counted.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ from dask_train.engines._events import Score
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.shared.harness import model_for
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
-from dask_train.engines.shared.scoring import ScoreKeeper, score_event
+from dask_train.engines.shared.scoring import ScoreKeeper, ScoreSchedule, score_event
 from dask_train.engines.shared.spread_eval import SpreadValidation
+from dask_train.engines.shared.stats import StatsReporter
 from dask_train.runtime._plugin import worker_state
 
 
@@ -52,20 +62,28 @@ def run_scorer(
     scorer = _Scorer(ps, model, validation, spread, config)
     keeper = ScoreKeeper()
     # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
-    # one evaluation takes longer (a large model), never score_every plus the evaluation time.
-    due = time.monotonic() + config.score_every
-    while not state.scorer_stop.wait(max(0.0, due - time.monotonic())):
-        due = max(due + config.score_every, time.monotonic())
+    # one evaluation takes longer (a large model), never score_every plus the evaluation time;
+    # and never more CPU than the budget (a slow metric spaces the scores out).
+    clock = ScoreSchedule(every=config.score_every, budget=config.scorer_budget,
+                          start=time.monotonic())
+    stats = StatsReporter(worker, topic=config.topic, role="scorer", index=0)
+    step = 0
+    while not state.scorer_stop.wait(clock.wait_s(time.monotonic())):
+        started, cpu = time.monotonic(), time.thread_time()
         record = scorer.score()
-        if record is None or record.step in keeper:
-            continue
-        keeper.keep_snapshot(record.step, (record, model.read_params(), scorer.buffers.gather()))
-        worker.log_event(config.topic, record.message())
+        if record is not None and record.step not in keeper:
+            step = record.step
+            keeper.keep_snapshot(record.step,
+                                 (record, model.read_params(), scorer.buffers.gather()))
+            worker.log_event(config.topic, record.message())
+        clock.done(cpu_s=time.thread_time() - cpu + scorer.remote_cpu(), started=started)
+        stats.report(step=step, cpu_s=clock.cpu_s, scores=clock.scores, skipped=clock.skipped)
 
     def where() -> dict[str, Any]:
         # Read after the last score: a job shorter than score_every has only the final one.
         return {"validation_rows": dict(spread.rows_by_worker) if spread else
-                {worker.address: len(validation[0]) if validation is not None else 0}}
+                {worker.address: len(validation[0]) if validation is not None else 0},
+                "cpu": clock.record(time.monotonic())}
 
     kept = keeper.get(state.scorer_keep)
     if kept is not None:
@@ -76,10 +94,14 @@ def run_scorer(
     # be settling on their workers.
     deadline = time.monotonic() + min(10.0, float(config.timeout))
     while True:
+        cpu = time.thread_time()
         record = scorer.score()
+        clock.spent(time.thread_time() - cpu + scorer.remote_cpu())
         if record is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+    stats.report(step=record.step if record is not None else step, force=True,
+                 cpu_s=clock.cpu_s, scores=clock.scores, skipped=clock.skipped)
     return {"record": record, "params": None, "buffers": None, **where()}
 
 
@@ -91,6 +113,10 @@ class _Scorer:
         self.ps, self.model, self.validation, self.spread = ps, model, validation, spread
         self.config = config
         self.buffers = model.buffers()
+
+    def remote_cpu(self) -> float:
+        """CPU seconds the last score took where the validation blocks live (0 when local)."""
+        return self.spread.take_cpu() if self.spread is not None else 0.0
 
     def score(self) -> Score | None:
         """One score's event; None when the parameters or the data cannot be read yet."""

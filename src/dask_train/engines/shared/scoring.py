@@ -1,9 +1,15 @@
 """The score keeper the scorer role and the array engine share: a score's record, and the last few
-scored parameter snapshots.
+scored parameter snapshots; and the scorer's schedule, which keeps it within its CPU budget.
 
 Scores reach the controller within milliseconds, so the one that stops a job is among the last
 few taken: keeping :data:`SNAPSHOTS` of them lets the result hold the parameters that earned the
 stopping score, not those of a few asynchronous steps later.
+
+The scorer shares the cores with the trainers, so it must not take more than its share of them:
+:class:`ScoreSchedule` scores every ``score_every`` seconds, and skips a score that would lift
+the CPU spent scoring above ``budget`` of one core over the time it has run, scoring again at
+the first due time that keeps within it. A slow metric then spaces scores out instead of
+slowing the trainers.
 
 Examples
 --------
@@ -60,3 +66,60 @@ class ScoreKeeper:
     def get(self, step: int | None) -> Any:
         """The snapshot kept for ``step``, or None."""
         return None if step is None else self.snapshots.get(int(step))
+
+
+class ScoreSchedule:
+    """When the scorer scores: every ``every`` seconds, within ``budget`` of one core.
+
+    Before each score the CPU spent on the scores so far is at most ``budget`` times the
+    seconds since ``start`` (a score is never cut short, so the last one may lift it above
+    until the next is due). Scores are due on the grid ``start + k * every``; a slow score is
+    followed by the next at once (a fixed rate, not a fixed pause), an expensive one by the
+    first due time within the budget, and the due times passed over are counted as skipped.
+
+    Examples
+    --------
+    >>> clock = ScoreSchedule(every=0.1, budget=0.25, start=0.0)
+    >>> clock.due
+    0.1
+    >>> clock.done(cpu_s=0.05, started=0.1)  # 0.05 CPU-s allowed once 0.2 s have passed
+    >>> round(clock.due, 3), clock.skipped
+    (0.2, 0)
+    >>> clock.done(cpu_s=0.1, started=0.2)  # 0.15 CPU-s in all: not before 0.6 s
+    >>> round(clock.due, 3), clock.skipped
+    (0.6, 3)
+    """
+
+    def __init__(self, *, every: float, budget: float | None, start: float) -> None:
+        self.every, self.budget, self.start = float(every), budget, float(start)
+        self.due = self.start + self.every
+        self.cpu_s, self.scores, self.skipped = 0.0, 0, 0
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next score is due."""
+        return max(0.0, self.due - now)
+
+    def done(self, *, cpu_s: float, started: float) -> None:
+        """Count a score begun at ``started`` that took ``cpu_s`` CPU seconds; set the next due
+        time."""
+        self.cpu_s += max(0.0, cpu_s)
+        self.scores += 1
+        due = max(self.due + self.every, started)
+        if self.budget:
+            earliest = self.start + self.cpu_s / self.budget
+            if earliest > due:
+                passed = math.ceil((earliest - due) / self.every - 1e-9)
+                self.skipped += passed
+                due += passed * self.every
+        self.due = due
+
+    def spent(self, cpu_s: float) -> None:
+        """Count CPU spent scoring outside the schedule (the final score, which is not
+        skipped: the result needs it)."""
+        self.cpu_s += max(0.0, cpu_s)
+
+    def record(self, now: float) -> dict[str, Any]:
+        """What the scorer spent, for the result: CPU, wall seconds, the budget, the counts."""
+        return {"cpu_s": self.cpu_s, "wall_s": max(0.0, now - self.start),
+                "budget": self.budget, "scores": self.scores, "skipped": self.skipped,
+                "score_every": self.every}

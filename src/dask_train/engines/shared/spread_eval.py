@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class Evaluator:
         """Sums over ``pairs``: rows, loss * rows, and accuracy * rows where it applies."""
         import torch
 
+        cpu = time.thread_time()  # this executor thread's: the scorer's share of this worker
         with self.lock:
             self.model.write_slices([(0, len(params), params)])
             self.buffers.scatter(buffers)
@@ -63,7 +65,8 @@ class Evaluator:
                     with torch.no_grad():
                         outs.append(to_host(call_module(module, self.model.batch(x, y)[0])))
                     targets.append(np.asarray(y))
-        reply: dict[str, Any] = {"rows": rows, "sums": sums}
+        reply: dict[str, Any] = {"rows": rows, "sums": sums,
+                                 "cpu_s": time.thread_time() - cpu}
         if outputs and outs:
             reply["outputs"] = to_serialize(join(outs, [len(t) for t in targets]))
             reply["targets"] = to_serialize(np.concatenate(targets))
@@ -126,6 +129,7 @@ class SpreadValidation:
         self.holders: dict[str, list[str]] = {}
         self.has_module: set[str] = set()
         self.rows_by_worker: dict[str, int] = {}
+        self.cpu_s = 0.0  # CPU the holders spent evaluating, not yet taken by take_cpu
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop).result(
@@ -168,6 +172,11 @@ class SpreadValidation:
             await self._locate()
         return list(await asyncio.gather(*(one(a, k) for a, k in self.holders.items())))
 
+    def take_cpu(self) -> float:
+        """CPU seconds the holders spent evaluating since the last call."""
+        spent, self.cpu_s = self.cpu_s, 0.0
+        return spent
+
     def score(self, params: np.ndarray, buffers: Any) -> dict[str, float] | None:
         """The validation scores of ``params``; None when some block could not be found (a
         worker was lost, or a block is moving: Dask recomputes or moves the blocks, and the next
@@ -177,6 +186,7 @@ class SpreadValidation:
         metrics = {k: m for k, m in (self.config.metrics or {}).items()
                    if not isinstance(m, str)}
         replies = self._call(self._evaluate(params, buffers, bool(metrics)))
+        self.cpu_s += sum(float(r.get("cpu_s", 0.0)) for r in replies or [])
         if not replies or any(r.get("missing") or "rows" not in r for r in replies):
             self.holders = {}  # look the blocks up again next time
             return None

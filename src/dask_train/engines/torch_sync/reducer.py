@@ -50,6 +50,13 @@ class _GatherSum:
             self.data.add_(part)
 
 
+class _Alone:
+    """The collective of a group of one rank: its buffer already holds the sum."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
 class GradientReducer:
     """A flat ``[meta | gradients]`` buffer reduced across ranks in buckets during backward.
 
@@ -91,6 +98,8 @@ class GradientReducer:
                 self._bucket_of[id(self._params[i])] = b
         self._sizes = [len(idx) for idx in members]
         world = dist.get_world_size()
+        # One rank (strategy="auto"'s one process): no collective at all, not even gloo's.
+        self._alone = world == 1
         gather = dist.get_backend() == "gloo" and world > 1
         # Receive buffers for the small buckets, allocated once.
         self._parts: list[list[torch.Tensor] | None] = [
@@ -137,7 +146,9 @@ class GradientReducer:
             b = len(self._works)
             start, end = self._spans[b]
             parts = self._parts[b]
-            if parts is not None:
+            if self._alone:
+                self._works.append(_Alone())
+            elif parts is not None:
                 self._works.append(_GatherSum(self.buf[start:end], parts))
             else:
                 self._works.append(dist.all_reduce(self.buf[start:end], async_op=True))

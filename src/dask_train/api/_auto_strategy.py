@@ -1,0 +1,75 @@
+"""What a torch fit runs: its strategy, trainers and servers, with ``strategy="auto"`` resolved.
+
+``strategy="auto"`` measures the job's costs on the cluster once, as ``ps="auto"`` does (a few
+gradients of one trainer's batch, an optimizer step, an echo between two workers: 0.03-0.3 s on
+the digits MLP), and :func:`~dask_train.policy._strategy.choose_strategy` predicts one process,
+sync and async-ps from them and takes the fastest (near-ties to the simpler). The choice and
+every candidate's predicted samples per second are logged at INFO and kept in
+``FitResult.plan``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client
+
+from dask_train.api._auto_ps import AUTO, probe_model, resolve_ps
+
+logger = logging.getLogger("dask_train.api")
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """How one fit runs: the engine's strategy, its trainers (ranks) and servers, and what
+    ``FitResult.plan`` reports of the choice."""
+
+    strategy: str
+    workers: int
+    ps: int
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def host_memory_shards() -> bool:
+    """Whether async-ps keeps its shards in host memory, where the trainers of their machine
+    update them without a message (``engines.shared.host_memory``, on unless Dask's config
+    ``dask-train.host-memory`` is false). Read in the client: workers started with another
+    config decide for themselves."""
+    import importlib.util
+
+    import dask
+
+    if importlib.util.find_spec("dask_train.engines.shared.host_memory") is None:
+        return False
+    return bool(dask.config.get("dask-train.host-memory", True))
+
+
+def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
+    """The plan of ``trainer``'s fit on ``client``'s cluster: its settings as given, or with
+    ``strategy="auto"`` (and ``ps="auto"``) the measured choice. ``X`` and ``y`` are the
+    training dask arrays (the probe computes one batch of them)."""
+    if trainer.strategy != AUTO:
+        ps, noted = resolve_ps(trainer, client, X, y)
+        strategy, workers = str(trainer.strategy), int(trainer.workers)
+        ps = 0 if strategy == "sync" else ps  # sync has no servers, whatever ps says
+        return FitPlan(strategy, workers, ps, {"strategy": strategy, "workers": workers,
+                                               "ps": ps, **noted})
+    from dask_train.policy._strategy import choose_strategy
+    from dask_train.runtime._roles import worker_threads
+
+    model, probe_s = probe_model(trainer, client, X, y)
+    n_workers = len(worker_threads(client))
+    plan = choose_strategy(
+        model, workers=int(trainer.workers), sync_workers=n_workers, max_ps=max(1, n_workers),
+        ps=None if trainer.ps == AUTO else int(trainer.ps),
+        global_batch=None if trainer.global_batch_size is None else int(trainer.global_batch_size),
+        host_memory=host_memory_shards(),
+    )
+    logger.info("strategy='auto': %s; probed in %.2f s (compute %.2f ms a step of %d rows, "
+                "echo %.2f ms, %d parameters)", plan.describe(), probe_s, model.compute_s * 1e3,
+                model.batch_size, model.message_s * 1e3, model.n_params)
+    chosen = plan.chosen
+    return FitPlan(chosen.strategy, chosen.workers, chosen.ps,
+                   {**plan.record(), "probe_s": round(probe_s, 4)})
