@@ -4,6 +4,7 @@ result, and the job trained by it as well as plain torch trains the same model."
 from __future__ import annotations
 
 import logging
+import os
 
 import dask.array as da
 import numpy as np
@@ -66,6 +67,8 @@ def test_auto_chooses_logs_and_trains_to_the_reference(client: Client,
     for name in ("one-process (1 trainer): ", "sync (2 ranks): ", "async-ps (2 trainers"):
         assert name in lines[0]
     assert plan["probe_s"] > 0
+    # The cores the trainers got, measured: at least one, at most the machine's.
+    assert 1.0 <= plan["cores"] <= (os.cpu_count() or 1)
     # The roles are the choice's.
     expect = {"one-process": ("sync", 1, 0), "sync": ("sync", 2, 0)}.get(chosen)
     if expect is not None:

@@ -44,10 +44,13 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> tuple[int, dict[
                        "probe_s": round(probe_s, 4)}
 
 
-def probe_model(trainer: Any, client: Client, X: Any, y: Any) -> tuple[Any, float]:
+def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = False
+                ) -> tuple[Any, float]:
     """The job's :class:`~dask_train.policy.CostModel` measured on the cluster (a few gradients
     of one trainer's batch, an optimizer step, an echo between two workers), and the seconds
-    it took."""
+    it took. With ``cores``, when every worker is on one machine, ``shared_cores`` is the cores
+    the trainers really get there now (``engines.shared.cores_probe``), not the machine's count.
+    """
     import time
 
     from dask_train.api._model import is_factory
@@ -59,19 +62,44 @@ def probe_model(trainer: Any, client: Client, X: Any, y: Any) -> tuple[Any, floa
     n, settings = probe_arguments(trainer, n_rows=int(X.shape[0]))
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
     factory = trainer.module if is_factory(trainer.module) else None
-    # The module reaches the probe's worker as it reaches the job's roles (a class of the user's
-    # own file by value, a weight-normed module through its factory), unpacked there, on the
-    # worker probe_costs times a step on: sent as it is, Dask's serializer of a module would
-    # name its class, which a worker without the user's file cannot import.
+    payload = travelling(trainer._model(), factory=factory)
     ensure_plugin(client)
-    first = sorted(worker_threads(client))[0]
-    module = client.submit(unwrap, travelling(trainer._model(), factory=factory),
-                           workers=[first], pure=False)
+    workers = sorted(worker_threads(client))
+    # The module reaches each worker as it reaches the job's roles (a class of the user's own
+    # file by value, a weight-normed module through its factory) and is unpacked there, where
+    # the probe runs (probe_costs times a step on the first): sent as it is, Dask's serializer
+    # of a module would name its class, which a worker without the user's file cannot import.
+    modules = {w: client.submit(unwrap, payload, workers=[w], pure=False)
+               for w in (workers if cores else workers[:1])}
     try:
-        model = probe_costs(client, cast(Any, module), xb, yb, **settings)
+        model = probe_costs(client, cast(Any, modules[workers[0]]), xb, yb, **settings)
+        if cores and model.shared_cores is not None and len(workers) > 1:
+            model = model.replace(shared_cores=_cores_got(
+                client, modules, xb, yb, loss=trainer.loss, most=model.shared_cores,
+                timeout=float(trainer.timeout)))
     finally:
-        module.release()
+        for future in modules.values():
+            future.release()
     return model, time.perf_counter() - started
+
+
+def _cores_got(client: Client, modules: dict[str, Any], x: np.ndarray, y: np.ndarray, *,
+               loss: Any, most: float, timeout: float, duration_s: float = 0.06) -> float:
+    """The cores a job's trainers get on this one machine now: their steps per second on every
+    worker at once over one worker's alone (at least 1, at most the machine's ``most``)."""
+    import time
+
+    from dask_train.engines.shared.cores_probe import step_rate_task
+
+    def rates(where: list[str]) -> list[float]:
+        start = time.time() + 0.03  # every task ready before the common start
+        futures = [client.submit(step_rate_task, modules[w], x, y, loss=loss, start_at=start,
+                                 duration_s=duration_s, workers=[w], pure=False) for w in where]
+        return [float(f.result(timeout)) for f in futures]
+
+    alone = rates(sorted(modules)[:1])[0]
+    together = sum(rates(sorted(modules)))
+    return float(min(most, max(1.0, together / alone))) if alone > 0 else most
 
 
 def probe_arguments(trainer: Any, *, n_rows: int) -> tuple[int, dict[str, Any]]:

@@ -59,7 +59,7 @@ def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
     from dask_train.policy._strategy import choose_strategy
     from dask_train.runtime._roles import worker_threads
 
-    model, probe_s = probe_model(trainer, client, X, y)
+    model, probe_s = probe_model(trainer, client, X, y, cores=True)
     n_workers = len(worker_threads(client))
     plan = choose_strategy(
         model, workers=int(trainer.workers), sync_workers=n_workers, max_ps=max(1, n_workers),
@@ -67,9 +67,11 @@ def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
         global_batch=None if trainer.global_batch_size is None else int(trainer.global_batch_size),
         host_memory=host_memory_shards(),
     )
+    cores = model.shared_cores if model.shared_cores is not None else model.cores_per_host
     logger.info("strategy='auto': %s; probed in %.2f s (compute %.2f ms a step of %d rows, "
-                "echo %.2f ms, %d parameters)", plan.describe(), probe_s, model.compute_s * 1e3,
-                model.batch_size, model.message_s * 1e3, model.n_params)
+                "echo %.2f ms, %d parameters, %.1f cores for the trainers%s)", plan.describe(),
+                probe_s, model.compute_s * 1e3, model.batch_size, model.message_s * 1e3,
+                model.n_params, cores, "" if model.shared_cores is not None else " a host")
     chosen = plan.chosen
     return FitPlan(chosen.strategy, chosen.workers, chosen.ps,
-                   {**plan.record(), "probe_s": round(probe_s, 4)})
+                   {**plan.record(), "probe_s": round(probe_s, 4), "cores": round(cores, 2)})
