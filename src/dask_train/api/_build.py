@@ -20,6 +20,7 @@ from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import travelling
+from dask_train.policy._data_mode import read_ahead
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles, plan_roles
 from dask_train.report import history_frame, ledger_frame
@@ -54,7 +55,8 @@ def job_spec(trainer: Any, *, n_params: int | None = None, module: Any = None,
         epochs=trainer.epochs, shuffle=trainer.shuffle, seed=trainer.seed,
         prefetch=-1 if trainer.prefetch == "auto" else int(trainer.prefetch),
         grad_accumulation=trainer.grad_accumulation,
-        blocks_ahead=trainer.blocks_ahead, score_every=float(trainer.score_every),
+        blocks_ahead=read_ahead(trainer.blocks_ahead)[0],
+        blocks_ahead_max=read_ahead(trainer.blocks_ahead)[1], score_every=float(trainer.score_every),
         timeout=float(trainer.timeout), stop=trainer.stop, callbacks=trainer.callbacks,
         progress=trainer.progress, strategy=trainer._strategy(), ps=trainer._servers(),
         workers=trainer._trainers(), scorer=trainer.scorer, checkpoint=trainer.checkpoint,

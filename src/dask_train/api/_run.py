@@ -33,7 +33,7 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         epochs: int | None = None, batch_size: int = 64, client: Client | None = None,
         stop: Sequence[StopCondition] = (), callbacks: Sequence[Callback] = (),
         checkpoint: CheckpointConfig | None = None, failure: FailureConfig | None = None,
-        resume: bool = False, seed: int = 0, shuffle: bool = True, blocks_ahead: int = 2,
+        resume: bool = False, seed: int = 0, shuffle: bool = True, blocks_ahead: int | str = "auto",
         timeout: float = 120.0, device: str = "auto", data_mode: str = "auto") -> RunResult:
     """Run ``fn(ctx, **config)`` on one rank per Dask worker, as one job.
 
@@ -62,7 +62,7 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         Start from the newest checkpoint: ``ctx.restore()``, epochs and data position.
     seed, shuffle, blocks_ahead, data_mode
         Rows shuffled per epoch and block from ``seed`` (which seeds each rank's torch RNG too);
-        blocks queued per rank ahead of the one it reads; ``data_mode`` as ``Trainer.fit(data=)``.
+        blocks queued per rank ahead of its block ("auto" as a Trainer's); ``data_mode`` as ``fit(data=)``.
     timeout : float
         Longest wait for a rank (start, data, a report, the end), in seconds.
     device : {"auto", "cpu", "cuda"}
@@ -131,8 +131,9 @@ def check_run(s: Mapping[str, Any]) -> list[str]:
         problems.append(f"workers={w!r} is invalid: pass a number of ranks >= 1, (least, most) "
                         "with 1 <= least <= most, or None for every worker.")
     for name, low in (("batch_size", 1), ("blocks_ahead", 1), ("seed", 0)):
-        if not _int(s[name], low):
-            problems.append(f"{name}={s[name]!r} is invalid: use an integer >= {low}.")
+        if not (_int(s[name], low) or name == "blocks_ahead" and s[name] == "auto"):
+            problems.append(f"{name}={s[name]!r} is invalid: use an integer >= {low}"
+                            f"{' or auto' if name == 'blocks_ahead' else ''}.")
     if s["epochs"] is not None and not _int(s["epochs"], 1):
         problems.append(f"epochs={s['epochs']!r} is invalid: use an integer >= 1, or None to let "
                         "the function say (ctx.epochs(n)).")

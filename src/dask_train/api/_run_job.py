@@ -19,6 +19,7 @@ from dask_train.controller._controller import Controller, Outcome
 from dask_train.data._blocks import BlockSet, as_dask_array, scatter_blocks
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
+from dask_train.policy._data_mode import read_ahead
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Roles
 from dask_train.policy.callbacks import run_callbacks
@@ -49,7 +50,8 @@ def run_job(client: Client, s: Mapping[str, Any], *, fn_blob: bytes, small: dict
         module=None, n_params=0, loss=None, optimizer="", lr=0.0, optimizer_options={},
         batch_size=int(s["batch_size"]), epochs=int(s["epochs"] or _UNBOUNDED_EPOCHS),
         shuffle=bool(s["shuffle"]), seed=int(s["seed"]), prefetch=0, grad_accumulation=1,
-        blocks_ahead=int(s["blocks_ahead"]), score_every=0.0, timeout=float(s["timeout"]),
+        blocks_ahead=read_ahead(s["blocks_ahead"])[0], blocks_ahead_max=read_ahead(s["blocks_ahead"])[1],
+        score_every=0.0, timeout=float(s["timeout"]),
         stop=list(s["stop"] or ()), callbacks=list(s["callbacks"] or ()), progress=False,
         strategy="run", ps=0, workers=most, scorer=0, checkpoint=s["checkpoint"],
         failure=s["failure"] or FailureConfig(), on_nan="skip", device_kind=devices.kind,

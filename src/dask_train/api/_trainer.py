@@ -133,8 +133,11 @@ class Trainer:
         Average the gradients of this many batches into one push and one server update: k times
         fewer messages and optimizer steps, at an effective batch of ``k * batch_size``. Steps
         (``StopAtStep``, ``result.steps``) count server updates.
-    blocks_ahead : int
-        Blocks queued per trainer beyond the one being read: the bound of the feed queue.
+    blocks_ahead : int or "auto"
+        Blocks granted to each trainer ahead of the one it reads: the bound of its feed queue.
+        ``"auto"`` (the default) grants two; for streamed data, a trainer that waited for a
+        block is granted one more (up to eight) while its worker has room for it below Dask's
+        memory target, so reads hide behind training even for small blocks or slow storage.
     timeout : float
         Seconds any single wait may take (a role starting, data arriving, a reply) before the job
         fails with :class:`~dask_train.errors.TrainingTimeout` instead of hanging.
@@ -199,7 +202,7 @@ class Trainer:
         seed: int = 0,
         prefetch: int | bool | str = True,
         grad_accumulation: int = 1,
-        blocks_ahead: int = 2,
+        blocks_ahead: int | str = "auto",
         timeout: float = 60.0,
         progress: bool = True,
         checkpoint: CheckpointConfig | None = None,

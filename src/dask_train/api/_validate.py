@@ -38,6 +38,12 @@ def _int_at_least(name: str, value: object, low: int) -> list[str]:
     return []
 
 
+def _auto_or_int_at_least(name: str, value: object, low: int) -> list[str]:
+    if isinstance(value, str) and value == "auto":
+        return []
+    return [p.replace("an integer", "'auto' or an integer") for p in _int_at_least(name, value, low)]
+
+
 def _positive(name: str, value: object) -> list[str]:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         return [f"{name}={value!r} is invalid: use a finite number > 0."]
@@ -96,7 +102,7 @@ def check_settings(settings: Settings) -> list[str]:
     problems += _int_at_least("batch_size", s.batch_size, 1)
     problems += _check_global_batch(s)
     problems += _int_at_least("epochs", s.epochs, 1)
-    problems += _int_at_least("blocks_ahead", s.blocks_ahead, 1)
+    problems += _auto_or_int_at_least("blocks_ahead", s.blocks_ahead, 1)
     problems += _int_at_least("grad_accumulation", s.grad_accumulation, 1)
     prefetch = s.prefetch
     if isinstance(prefetch, bool):

@@ -16,6 +16,10 @@ import numpy as np
 
 from dask_train.errors import TrainingTimeout
 
+#: A trainer that waited longer than this for a block, after its first, was starved: a block
+#: more in its queue would have been there in time (see :meth:`FeedReader.take_starved`).
+STARVED_S = 0.002
+
 
 @dataclass
 class FeedItem:
@@ -108,14 +112,28 @@ class FeedReader:
         self.read_s: dict[int, float] = {}  # epoch -> seconds reading this trainer's blocks
         self.read_bytes = 0
         self.held_max = 0  # the most bytes of blocks held for this trainer at a block's start
+        self.held_blocks_max = 0  # and the most blocks
+        self.starved = False  # waited for a block since take_starved() was last asked
+        self.block_bytes = 0  # bytes of the last block read
+
+    def take_starved(self) -> bool:
+        """Whether the trainer waited for a block (not its first) since the last call: its
+        queue ran dry, so blocks arrive later than it trains on them."""
+        starved, self.starved = self.starved, False
+        return starved
 
     def next(self) -> FeedItem | None:
         """The next block; None when the job was stopped. Raises after ``timeout`` seconds."""
-        deadline = time.monotonic() + self.timeout
+        asked = time.monotonic()
+        deadline = asked + self.timeout
         while not self.stop.is_set():
             if self.expected in self.early:
                 self.expected += 1
-                return self._account(self.early.pop(self.expected - 1))
+                item = self._account(self.early.pop(self.expected - 1))
+                if item.x is not None and self.expected > 1 and \
+                        time.monotonic() - asked > STARVED_S:
+                    self.starved = True
+                return item
             try:
                 # Short polls so a stop signal is seen within 0.1 s even while waiting for data.
                 item = self.feed.get(timeout=0.1)
@@ -139,17 +157,20 @@ class FeedReader:
         if item.x is not None:
             self.read_s[item.epoch] = self.read_s.get(item.epoch, 0.0) + item.read_s
             self.read_bytes += item.nbytes
+            self.block_bytes = item.nbytes
             with self.feed.mutex:  # the feed tasks put from other threads
-                queued = sum(i.nbytes for i in self.feed.queue)
-            held = item.nbytes + queued + sum(i.nbytes for i in self.early.values())
+                queued = [i.nbytes for i in self.feed.queue if i.x is not None]
+            held = item.nbytes + sum(queued) + sum(i.nbytes for i in self.early.values())
             self.held_max = max(self.held_max, held)
+            self.held_blocks_max = max(self.held_blocks_max, 1 + len(queued) + len(self.early))
         return item
 
     def stats(self) -> dict[str, Any]:
         """What this trainer read: seconds per epoch (``read_s_by_epoch``, summed over its
         blocks; reads overlap training when ``blocks_ahead`` >= 2), bytes read, and the most
-        bytes of blocks held for it at once (``held_bytes_max``)."""
+        bytes and blocks held for it at once (``held_bytes_max``, ``held_blocks_max``)."""
         epochs = max(self.read_s, default=-1) + 1
         return {"read_s": round(sum(self.read_s.values()), 4),
                 "read_s_by_epoch": [round(self.read_s.get(e, 0.0), 4) for e in range(epochs)],
-                "read_bytes": int(self.read_bytes), "held_bytes_max": int(self.held_max)}
+                "read_bytes": int(self.read_bytes), "held_bytes_max": int(self.held_max),
+                "held_blocks_max": int(self.held_blocks_max)}

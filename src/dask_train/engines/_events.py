@@ -61,7 +61,9 @@ class Started(_Event):
 @dataclass(frozen=True)
 class Block(_Event):
     """``rows`` rows of ``block`` in ``epoch`` were trained on; ``done``: the block is finished.
-    ``steps``: the trainer's update count (its pushes, or the sync step) after them."""
+    ``steps``: the trainer's update count (its pushes, or the sync step) after them.
+    ``starved``: the trainer waited for a block since its last report and its worker has room
+    for one more (a streamed job's ``blocks_ahead="auto"`` then grants it one more)."""
 
     kind: ClassVar[str] = "block"
     trainer: int
@@ -70,6 +72,7 @@ class Block(_Event):
     rows: int
     done: bool
     steps: int
+    starved: bool = False
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ class JobSpec:
     devices: dict[str, str] = field(default_factory=dict)  # worker address -> torch device
     precision: str | None = None  # autocast dtype: None, "bf16" or "fp16"
     data: str = ""  # how the training data reaches the trainers (persisted, streamed), and why
+    #: The most blocks a starved trainer of streamed data may be granted ahead
+    #: (``blocks_ahead="auto"``); ``blocks_ahead`` or less: its credit never grows.
+    blocks_ahead_max: int = 0
     #: The share of one core the scorer may spend scoring (resolved from the Trainer's
     #: ``scorer_budget``), None for no limit.
     scorer_budget: float | None = None

@@ -79,3 +79,26 @@ def check_data_mode(data: object, *, in_memory: bool, full_batch: bool,
                 f"every block at every step, so its data is persisted; use {name}='auto' or "
                 "'persist'."]
     return []
+
+
+#: ``blocks_ahead="auto"``: blocks granted to each trainer before its first report, and the most
+#: a trainer starved of streamed blocks may grow to. Two hide a read behind the training of one
+#: block; more only help where a block trains faster than the next is read (small blocks, an
+#: object store's latency), so the depth grows where a trainer waited, and only while its
+#: worker has room below Dask's memory target (``engines.shared.harness.TrainerRole.block``).
+AUTO_BLOCKS_AHEAD = (2, 8)
+
+
+def read_ahead(blocks_ahead: int | str) -> tuple[int, int]:
+    """``(blocks granted ahead at the start, the most they may grow to)`` for ``blocks_ahead``.
+
+    Examples
+    --------
+    >>> read_ahead("auto")
+    (2, 8)
+    >>> read_ahead(3)
+    (3, 3)
+    """
+    if blocks_ahead == "auto":
+        return AUTO_BLOCKS_AHEAD
+    return int(blocks_ahead), int(blocks_ahead)

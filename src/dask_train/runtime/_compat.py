@@ -6,6 +6,7 @@ one of them changes shape in a new release. (One lives where it is used, below t
 
 from __future__ import annotations
 
+import math
 import pickle
 import sys
 from collections.abc import MutableMapping
@@ -22,6 +23,21 @@ def worker_data(worker: Any) -> MutableMapping[Any, Any]:
     """
     data: MutableMapping[Any, Any] = worker.data
     return data
+
+
+def room_below_target(worker: Any) -> float:
+    """Bytes this worker's process may still grow before Dask's memory target (the fraction of
+    its limit at which it starts moving data to disk; 60% by default), infinite without a limit.
+
+    Read from the worker's memory manager and monitor, as Dask's own memory checks do: the
+    process's whole memory, managed and unmanaged.
+    """
+    manager = worker.memory_manager
+    limit = manager.memory_limit
+    fraction = manager.memory_target_fraction or manager.memory_spill_fraction
+    if not limit or not fraction:
+        return math.inf
+    return float(fraction * limit - worker.monitor.get_process_memory())
 
 
 def drop_topic_handler(client: Any, topic: str) -> None:

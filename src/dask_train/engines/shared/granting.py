@@ -4,7 +4,10 @@ it) or is streamed (the task reads it there, see :mod:`dask_train.data._stream`)
 the client when in-memory input was lost with its worker; end markers once the data is handed out.
 
 The queue is bounded by credit: a trainer holds at most ``blocks_ahead`` blocks it has not yet
-reported consumed, and each report grants the next (see ``RoleEngine._on_event``).
+reported consumed, and each report grants the next (see ``RoleEngine._on_event``). Streamed with
+``blocks_ahead="auto"``, a trainer that reports it waited for a block (and has the memory for one
+more) gets one more credit, up to ``most_ahead``: reading ahead deepens only where reads, not the
+trainer, were the bottleneck.
 A :class:`Granter` owns that state (what each trainer was sent, which are idle, ended or
 retired); its engine holds one and calls it.
 """
@@ -65,7 +68,8 @@ class Granter:
 
     def __init__(self, *, client: Client, blocks: BlockSet, ledger: Ledger, job: str, seed: int,
                  shuffle: bool, trainers: Sequence[str],
-                 out_of_blocks: Callable[[Granter, int], bool]) -> None:
+                 out_of_blocks: Callable[[Granter, int], bool], ahead: int = 2,
+                 most_ahead: int = 0) -> None:
         self.client, self.blocks, self.ledger, self.job = client, blocks, ledger, job
         self.seed, self.shuffle = seed, shuffle
         self.out_of_blocks = out_of_blocks
@@ -77,6 +81,9 @@ class Granter:
         self.sequence = [0] * len(self.addresses)
         self.retired: set[int] = set()
         self.stopping = False
+        # Persisted blocks are in memory already: more credit would only move them sooner.
+        self.ahead, self.most_ahead = ahead, max(ahead, most_ahead) if blocks.streamed else ahead
+        self.credit: dict[int, int] = {}  # trainer -> credit, where it grew past ``ahead``
 
     def live(self) -> list[int]:
         """Trainers not lost (retired)."""
@@ -115,6 +122,15 @@ class Granter:
         self.idle[trainer] = True
         self.end_idle()
         return True
+
+    def granted(self, trainer: int, *, starved: bool) -> None:
+        """``trainer`` reported a block: grant the next, and one more when it was ``starved`` and
+        its credit may still grow (see ``most_ahead``)."""
+        self.grant(trainer)
+        credit = self.credit.get(trainer, self.ahead)
+        if starved and credit < self.most_ahead:
+            self.credit[trainer] = credit + 1
+            self.grant(trainer)
 
     def grant(self, trainer: int) -> None:
         """Hand ``trainer`` its next block, or the end marker once every epoch is handed out."""

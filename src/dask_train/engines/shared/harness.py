@@ -23,6 +23,7 @@ from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.shared.stats import StatsReporter
 from dask_train.models._transport import unwrap
+from dask_train.runtime._compat import room_below_target
 from dask_train.runtime._plugin import worker_state
 
 
@@ -100,10 +101,15 @@ class TrainerRole:
             self.worker.log_event(self.config.topic, Started(trainer=self.index).message())
 
     def block(self, epoch: int, block: int, *, rows: int, done: bool, steps: int) -> None:
-        """``rows`` rows of a block were trained on (``done``: the block is finished)."""
+        """``rows`` rows of a block were trained on (``done``: the block is finished); says
+        whether the trainer was starved of blocks and its worker can hold one more."""
+        reader = self.reader
+        # Two blocks' room: the one granted and the one being read into before the last is freed.
+        starved = reader is not None and reader.take_starved() and \
+            room_below_target(self.worker) > 2 * reader.block_bytes
         self.worker.log_event(self.config.topic, Block(
             trainer=self.index, epoch=int(epoch), block=int(block), rows=int(rows),
-            done=bool(done), steps=int(steps)).message())
+            done=bool(done), steps=int(steps), starved=starved).message())
 
     def exit(self, *, steps: int) -> None:
         """The last event: once the controller has it, it has every block report sent before."""

@@ -72,9 +72,9 @@ class RoleEngine(Engine):
                        if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
         self.shards = self.make_shards()
         self.emit: Emit = lambda event: None
-        self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job,
-                               seed=spec.seed, shuffle=spec.shuffle, trainers=trainers,
-                               out_of_blocks=type(self).out_of_blocks)
+        self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job, seed=spec.seed,
+                               shuffle=spec.shuffle, trainers=trainers, ahead=spec.blocks_ahead,
+                               out_of_blocks=type(self).out_of_blocks, most_ahead=spec.blocks_ahead_max)
         self.exited: set[int] = set()  # trainers whose last event has arrived
         self.trainer_steps: dict[int, int] = {}
         self.trainer_futures: list[Future] = []
@@ -199,7 +199,7 @@ class RoleEngine(Engine):
             before = self.ledger.epochs_completed
             self.ledger.consumed(epoch=event.epoch, block=event.block, trainer=event.trainer,
                                  rows=event.rows, done=event.done)
-            self.granter.grant(event.trainer)
+            self.granter.granted(event.trainer, starved=event.starved)
             self.granter.end_idle()
             if self.ledger.epochs_completed > before:
                 self.emit(Epochs(completed=self.ledger.epochs_completed))
