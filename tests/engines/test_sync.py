@@ -206,3 +206,21 @@ def test_sync_rejects_more_ranks_than_workers(client: Client) -> None:
     else:
         raise AssertionError("fit accepted 3 ranks on 2 workers")
     assert "workers=3 is more than the 2 Dask workers" in message
+
+
+def test_one_rank_is_a_plain_loop_with_no_collective(client: Client) -> None:
+    # strategy="auto"'s one process: sync with one rank, whose reducer skips every collective
+    # (its buffer already holds the sum). All blocks on one worker: the rank reads them in each
+    # epoch's order, wherever it runs, and must train exactly as a plain torch loop does.
+    chunks = (500, 300, 500)
+    x, y, _, _ = _data(chunks)
+    a = sorted(client.scheduler_info()["workers"])[0]
+    X, Y = _on_worker(client, a, da.from_array(x, chunks=(chunks, 8)), da.from_array(y, chunks=(chunks,)))
+    result = dt.Trainer(mlp(8, 16, 3), strategy="sync", optimizer="sgd", lr=0.1, workers=1,
+                        scorer=0, batch_size=64, epochs=2, seed=5, progress=False,
+                        client=client).fit(X, Y)
+    stream = _stream({0, 1, 2}, chunks, epochs=2, batch_size=64, seed=5)
+    expected, steps = _reference(mlp(8, 16, 3), x, y, [stream], lr=0.1)
+    assert result.steps == steps == len(stream) and len(result.roles["worker"]) == 1
+    got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
