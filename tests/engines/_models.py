@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+
+def _host_memory(on: bool) -> None:
+    import dask
+
+    dask.config.set({"dask-train.host-memory": on})
+
+
+@contextlib.contextmanager
+def over_the_network(client: Any) -> Iterator[None]:
+    """Trainers push to their shards over the network even on the shard's own host (the path of
+    trainers on other hosts), as with ``dask-train.host-memory: false`` in the workers' config."""
+    client.run(_host_memory, False)
+    try:
+        yield
+    finally:
+        client.run(_host_memory, True)
 
 
 def mlp(n_in: int = 64, hidden: int = 32, n_out: int = 10, seed: int = 0) -> torch.nn.Module:

@@ -9,7 +9,7 @@ import dask.array as da
 import numpy as np
 import pytest
 import torch
-from _models import Recorder, mlp
+from _models import Recorder, mlp, over_the_network
 from distributed import Client
 
 import dask_train as dt
@@ -362,9 +362,11 @@ def test_auto_prefetch_adds_pushes_in_flight_while_waits_dominate() -> None:
 
 
 def test_auto_prefetch_goes_deeper_for_a_tiny_model(client: Client) -> None:
-    # A 8-16-3 MLP's gradient on 16 rows takes far less than a round trip to the server.
+    # A 8-16-3 MLP's gradient on 16 rows takes far less than a round trip to the server (over
+    # the network: a trainer on the server's host updates it in host memory, without waiting).
     _, _, X, Y = _data(n=8000)
-    result = dt.Trainer(mlp(8, 16, 3), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=16,
-                        epochs=2, prefetch="auto", progress=False, client=client).fit(X, Y)
+    with over_the_network(client):
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=16,
+                            epochs=2, prefetch="auto", progress=False, client=client).fit(X, Y)
     assert result.samples == 16_000 and result.steps == 2 * 16 * 32
     assert max(t["prefetch"] for t in result.trainers) >= 2

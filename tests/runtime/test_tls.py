@@ -106,8 +106,8 @@ def test_both_strategies_train_on_tls_as_plain_torch_does(tls_client: Client,
     # Other shuffles than the reference's; async a step stale besides: some room.
     assert got["sync"] >= reference["sync"] - 0.05, (got, reference)
     assert got["async-ps"] >= reference["async-ps"] - 0.08, (got, reference)
-    # One trainer's shard was on the other worker; it pushed over Dask's RPC: no push port was
-    # opened outside TLS.
+    # One trainer's shard was on the other worker (of the same host: it updated the shard in host
+    # memory, never over a socket); no push port was opened outside TLS.
     assert set(roles["async-ps"]["worker"]) - set(roles["async-ps"]["ps"])
     assert tls_client.run(_push_servers) == {w: 0 for w in workers}
 
@@ -121,8 +121,10 @@ def _direct_push(on: bool) -> None:
 @pytest.mark.timeout(240)
 def test_a_tcp_clusters_switch_keeps_pushes_on_dasks_rpc(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/deploy.md's switch for a network open only to Dask's ports, set as it says: in the
-    workers' environment."""
+    workers' environment. (Host memory off too: with it the remote trainer, on the server's
+    host, would update the shard in place and push nothing to anyone.)"""
     monkeypatch.setenv("DASK_DASK_TRAIN__DIRECT_PUSH", "False")
+    monkeypatch.setenv("DASK_DASK_TRAIN__HOST_MEMORY", "False")
     X, y = dt.datasets.digits(n_samples=2_000, chunks=500, seed=0)
     Xv, yv = dt.datasets.digits_test()
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,

@@ -10,13 +10,7 @@ root namespace through that bridge.
 
 It needs root, ``ip`` and ``tc``. Names carry the creating process's id (``dtn<pid>x<n>``, both in
 base 36 so that interface names fit Linux's 15 characters), so a run that crashed is cleaned up
-by the next one (:func:`cleanup_leftovers`).
-
-Examples
---------
->>> with NetnsCluster(n_workers=4, link=Link(rate_mbit=1000)) as cluster:   # doctest: +SKIP
-...     client = dt.connect(cluster.scheduler_address)
-...     cluster.kill_host(2)            # SIGKILL every process of host 2 (nanny and worker)
+by the next one (:func:`cleanup_leftovers`). :class:`NetnsCluster` has an example.
 """
 
 from __future__ import annotations
@@ -236,7 +230,7 @@ class NetnsCluster:
     Parameters
     ----------
     n_workers : int
-        Worker hosts; each runs one ``dask worker`` (a nanny and one worker process).
+        Worker hosts; each runs one ``dask worker`` (``workers_per_host`` worker processes).
     link : Link
         Every host's link (the scheduler's too). Change one later with :meth:`set_link`.
     nthreads : int
@@ -247,6 +241,9 @@ class NetnsCluster:
         The ``dask`` program (default: the one beside this Python).
     start_timeout : float
         Seconds to wait for the scheduler and every worker.
+    workers_per_host : int
+        Dask worker processes on each host (``dask worker --nworkers``): processes of one host
+        share its memory (``/dev/shm``), hosts only the network.
 
     Examples
     --------
@@ -259,8 +256,10 @@ class NetnsCluster:
     def __init__(
         self, n_workers: int = 4, *, link: Link | None = None, nthreads: int = 1,
         memory_limit: str = "1GiB", dask: str | None = None, start_timeout: float = 90.0,
+        workers_per_host: int = 1,
     ) -> None:
         self.n_workers = n_workers
+        self.workers_per_host = workers_per_host
         self.link = link or Link()
         self.nthreads = nthreads
         self.memory_limit = memory_limit
@@ -269,6 +268,9 @@ class NetnsCluster:
         if not (isinstance(n_workers, int) and 0 <= n_workers <= MAX_HOSTS):
             raise InvalidInput([f"n_workers={n_workers!r} is invalid: use an integer from 0 to "
                                 f"{MAX_HOSTS}."])
+        if not (isinstance(workers_per_host, int) and 1 <= workers_per_host <= 8):
+            raise InvalidInput([f"workers_per_host={workers_per_host!r} is invalid: use an "
+                                "integer from 1 to 8."])
         self.tag = _new_tag()
         self.bridge = f"{self.tag}b"
         self.scheduler: Host | None = None
@@ -309,7 +311,7 @@ class NetnsCluster:
             for host in self.hosts:
                 self.start_worker(host)
             if self.n_workers:
-                self._wait_workers(self.n_workers)
+                self._wait_workers(self.n_workers * self.workers_per_host)
         except BaseException:
             self.close()
             raise
@@ -382,7 +384,8 @@ class NetnsCluster:
         host = self.hosts[host] if isinstance(host, int) else host
         self._spawn(host, [
             self.dask, "worker", self.scheduler_address, "--host", host.address,
-            "--nthreads", str(self.nthreads), "--nworkers", "1", "--memory-limit",
+            "--nthreads", str(self.nthreads), "--nworkers", str(self.workers_per_host),
+            "--memory-limit",
             self.memory_limit, "--name", host.name, "--no-dashboard", "--death-timeout", "60",
             "--local-directory", str(self._dir),
         ])

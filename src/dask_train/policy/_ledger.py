@@ -476,3 +476,19 @@ class Ledger:
             ledger._pending = ledger._split([i for i in ledger._epoch_order(ledger.epoch) if i in left])
         ledger._moved = {(int(e), int(b)): int(t) for e, b, t in state["moved"]}
         return ledger
+
+
+def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:
+    """The ledger state with the paused trainers' partial blocks counted as consumed so far.
+
+    ``positions`` maps trainer -> [epoch, block, rows] (rows applied, skip included).
+    """
+    where = {(int(p[0]), int(p[1])): int(p[2]) for p in positions.values() if p is not None}
+    fields = list(ledger_state["entry_fields"])
+    epoch, block = fields.index("epoch"), fields.index("block")
+    consumed, done = fields.index("consumed"), fields.index("done")
+    for entry in ledger_state["entries"]:
+        key = (int(entry[epoch]), int(entry[block]))
+        if key in where and not entry[done]:
+            entry[consumed] = where[key]
+    return ledger_state

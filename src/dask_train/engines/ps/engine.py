@@ -12,6 +12,7 @@ from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.shared import control as worker_side
+from dask_train.engines.shared import host_memory
 from dask_train.engines.shared.granting import Granter
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.push_socket import SECRET_BYTES
@@ -33,7 +34,10 @@ class AsyncPSEngine(RoleEngine):
         never derived from the job id, which the scheduler's /metrics shows)."""
         self.push_secret = secrets.token_bytes(SECRET_BYTES)
         servers = self.roles["ps"]
-        return [ShardRef(s.index, s.start, s.stop, servers[s.index])
+        # Each generation's segments get new names: a lost server's file is never reused.
+        token = secrets.token_hex(8)
+        return [ShardRef(s.index, s.start, s.stop, servers[s.index],
+                         segment=f"{host_memory.PREFIX}{token}-{s.index}")
                 for s in split_shards(self.spec.n_params, len(servers))]
 
     def trainer_config(self) -> WorkerConfig:

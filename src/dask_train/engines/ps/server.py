@@ -7,7 +7,8 @@ runtime's handler registry (installed lazily on every worker).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,66 +17,16 @@ from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.checkpoint import read_slice
+from dask_train.engines.shared import host_memory
 from dask_train.engines.shared.holders import holder_or_reason
-from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.engines.shared.params import BUFFER_SHARD, ShardRef
+from dask_train.engines.shared.shard import ShardServer
 from dask_train.engines.shared.stats import StatsReporter, topic_of
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import unwrap
 from dask_train.runtime._plugin import register_handler, worker_state
-
-# Blocks per trainer whose applied rows a server remembers: more than a trainer can have between
-# its last delivered event and its death (one being read plus those queued ahead).
-_POSITIONS_KEPT = 8
-
-
-class ShardServer(FlatOptimizer):
-    """One parameter-server shard: applies gradients as they arrive (see :class:`FlatOptimizer`).
-
-    It also remembers, per trainer, the rows of its last few blocks whose gradients it applied:
-    after a trainer's loss the controller re-feeds exactly the rows the parameters have not
-    seen, even when the trainer's last "block consumed" events died with it.
-    """
-
-    def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        self.positions: dict[int, dict[tuple[int, int], int]] = {}
-        self.push_secret = b""  # what a direct push connection must present
-        self.stats: StatsReporter | None = None  # reports its updates once a second
-
-    def apply(
-        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None,
-        buffers: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, int, bool]:
-        """Apply one gradient; return (parameters copy, version, stop).
-
-        ``position`` is ``(trainer, epoch, block, rows)``: the pushing trainer's place in its data
-        once this gradient is applied. ``buffers`` are the pusher's buffers (the first shard's
-        pushes only carry them): the latest received replace the ones kept.
-
-        Why the latest, not a mean: each trainer's running statistics are already an average
-        (an exponential one over its recent batches), so averaging them again would double-average
-        and lag; and the latest is what a single-process run would hold after its latest batch.
-        """
-        with self._lock:
-            if self.at_limit():
-                return self.param.detach().numpy().copy(), self.version, True
-            # Copy into a grad buffer we own: received frames may be read-only.
-            self.grad.numpy()[:] = grad
-            self._step(samples)
-            if buffers is not None:
-                # A copy: a received frame may be read-only or share memory with the message.
-                self.buffers = np.array(buffers, dtype=np.float64)
-            if position is not None:
-                seen = self.positions.setdefault(int(position[0]), {})
-                seen[(int(position[1]), int(position[2]))] = int(position[3])
-                if len(seen) > _POSITIONS_KEPT:
-                    del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
-            if self.stats is not None:  # here: pushes over RPC and local calls both apply
-                self.stats.report(step=self.version, updates=self.version, samples=self.samples)
-            return self.param.detach().numpy().copy(), self.version, self.at_limit()
 
 
 def start_shard_task(
@@ -123,10 +74,18 @@ def start_shard_task(
             # than the checkpoint's); only the buffer holder keeps them, or a stale copy would
             # linger here.
             server.buffers = None
+    if shard.segment and host_memory.enabled():
+        # Trainers of this host update it themselves (see engines.shared.host_memory).
+        server.to_host_memory(os.path.join(host_memory.SEGMENT_DIR, shard.segment),
+                              optimizer=optimizer, lr=lr, options=options)
     # Counted from here: a restored shard's earlier updates are not this generation's.
     server.stats = StatsReporter(worker, topic=topic_of(job), role="ps", index=shard.index,
                                  start={"updates": server.version, "samples": server.samples})
-    worker_state(worker).job(job).params[shard.index] = server
+    held_here = worker_state(worker).job(job).params
+    earlier = held_here.get(shard.index)
+    held_here[shard.index] = server
+    if earlier is not None:
+        earlier.close()  # an earlier generation's shard: its thread and its segment go
     return worker.address
 
 

@@ -58,11 +58,13 @@ def run_trainer(
     loop = _TrainerLoop(role, model, pusher)
     loop.run()
     pusher.drain()
+    host_shards = ps.in_host_memory()
     ps.close()
     loop.report_stats(force=True)
     role.exit(steps=pusher.pushes)
     return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed_wait,
-                       ps_wait_s=pusher.wait_s, prefetch=pusher.depth)
+                       ps_wait_s=pusher.wait_s, prefetch=pusher.depth,
+                       host_memory_shards=host_shards)
 
 
 class _TrainerLoop:

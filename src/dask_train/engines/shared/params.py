@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,9 @@ import torch
 from distributed import Worker
 from distributed.protocol import to_serialize
 
+from dask_train.engines.shared import host_memory
 from dask_train.engines.shared.push_socket import PushConnection, connection_error
+from dask_train.engines.shared.shard import ShardServer
 from dask_train.runtime._plugin import WorkerJob
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ class ShardRef:
     start: int
     stop: int
     address: str
+    #: The file name of the shard's segment in host memory (``host_memory``); "" for none.
+    segment: str = ""
 
 
 @dataclass
@@ -107,11 +112,20 @@ class PSClient:
         self.timeout = timeout
         self.loop = worker.loop.asyncio_loop  # type: ignore[attr-defined]
         self._direct: dict[int, PushConnection | None] = {}
+        self._host: dict[int, ShardServer | None] = {}  # shards mapped from host memory
 
     def _local(self, ref: ShardRef) -> Any:
+        """The shard's state when this process can update it itself: it lives here, or in a
+        segment of this host's memory (mapped on first use); else None (over the network)."""
         if ref.address == self.worker.address:
             return self.state.params.get(ref.index)
-        return None
+        if ref.index not in self._host:
+            shard = None
+            if ref.segment and host_memory.same_host(ref.address, self.worker.address) \
+                    and host_memory.enabled():
+                shard = ShardServer.attach(os.path.join(host_memory.SEGMENT_DIR, ref.segment))
+            self._host[ref.index] = shard
+        return self._host[ref.index]
 
     def _connection(self, ref: ShardRef) -> PushConnection | None:
         """The direct connection for pushes to ``ref``, opened on first use; None for a shard
@@ -208,12 +222,14 @@ class PSClient:
         direct, rest, applied = [], [], []
         for ref in self.shards:
             shard = self._local(ref)
-            if shard is not None and not shard.off_loop:
-                # A small shard here: updated in this thread, without a hop to the event loop
-                # and back (its lock serializes it with the pushes the loop serves).
+            if shard is not None and (not shard.off_loop
+                                      or getattr(shard, "in_host_memory", False)):
+                # A small shard here, or any in host memory: updated in this thread, without a
+                # hop to the event loop and back (its lock serializes it with the other pushes).
                 extra = buffers if ref.index == BUFFER_SHARD else None
                 part = grad[ref.start : ref.stop].numpy()
-                applied.append((ref, shard.apply(part, samples, position, extra)))
+                view = getattr(shard, "in_host_memory", False)  # copied into the model at once
+                applied.append((ref, shard.apply(part, samples, position, extra, view=view)))
                 continue
             conn = self._connection(ref)
             if conn is None:
@@ -255,12 +271,22 @@ class PSClient:
             stop |= rest.stop
         return Exchange(out, min(versions), 0, stop)
 
+    def in_host_memory(self) -> list[int]:
+        """The shards this role updates in host memory: in a segment mapped here, or its own
+        process's shard when that is in a segment too (a trainer reports them)."""
+        return sorted(ref.index for ref in self.shards
+                      if getattr(self._local(ref), "in_host_memory", False))
+
     def close(self) -> None:
         """Close the direct connections (their server threads end)."""
         for conn in self._direct.values():
             if conn is not None:
                 conn.close()
         self._direct.clear()
+        for shard in self._host.values():
+            if shard is not None:
+                shard.close()
+        self._host.clear()
 
 
 def write_params(model: Any, exchange: Exchange) -> None:

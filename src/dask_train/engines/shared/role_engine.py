@@ -30,12 +30,14 @@ from dask_train.engines.shared.params import ShardRef
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
 from dask_train.models._transport import ModulePayload, as_sent, travelling
 from dask_train.policy._failure import Failure
-from dask_train.policy._ledger import Ledger
+from dask_train.policy._ledger import Ledger, patch_positions
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
 
 logger = logging.getLogger(__name__)
+#: What a role gets when a peer went away (a server's connection, a sync rank's collective).
+_PEER_ERRORS = (OSError, CommClosedError, TrainingTimeout)
 
 
 class RoleEngine(Engine):
@@ -260,10 +262,7 @@ class RoleEngine(Engine):
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
         """Roles on workers that left; then roles that raised (the scorer's error is a failure,
         a trainer's is the user's and raises RoleFailed, unless a peer's death caused it)."""
-        lost = [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
-                for kind in ("ps", "worker", "scorer")
-                for i, address in enumerate(self.roles.get(kind, []))
-                if address not in alive and not (kind == "worker" and i in self.granter.retired)]
+        lost = self._lost(alive)
         if lost:
             return lost
         scorer = self.scorer_future
@@ -271,26 +270,34 @@ class RoleEngine(Engine):
             exc = await scorer.exception()
             return [Failure("scorer", 0, self.roles["scorer"][0],
                             f"the scorer raised {type(exc).__name__}: {exc}")]
-        for i in self.live():
-            fut = self.trainer_futures[i]
-            if fut.status != "error":
-                continue
-            exc = await fut.exception()
-            if isinstance(exc, (OSError, CommClosedError, TrainingTimeout)):
-                # Usually a peer's worker died (a server, a rank): wait for the scheduler to
-                # notice, so the root cause is what the policy sees.
-                for _ in range(20):
-                    await asyncio.sleep(0.1)
-                    now_alive = await alive_workers(self.client)
-                    if set(self.roles.addresses) - set(now_alive):
-                        return await self.failures(now_alive)
-            await self.raise_role_error(fut, f"trainer worker-{i} on {self.roles['worker'][i]}")
+        for attempt in range(21):
+            futs = {i: self.trainer_futures[i] for i in self.live()}
+            errors = {i: await f.exception() for i, f in futs.items() if f.status == "error"}
+            # A trainer whose own code raised is the cause; its peers' lost connections (a sync
+            # rank's gloo or host-memory sum) are its effect, whichever arrived first.
+            own = [i for i, e in errors.items() if not isinstance(e, _PEER_ERRORS)]
+            if own or (errors and attempt == 20):
+                i = (own or sorted(errors))[0]
+                await self.raise_role_error(futs[i], f"trainer worker-{i} on {self.roles['worker'][i]}")
+            if not errors:
+                break
+            # Only lost connections: usually a peer's worker died (a server, a rank): wait for
+            # the scheduler to notice, so the root cause is what the policy sees.
+            await asyncio.sleep(0.1)
+            if lost := self._lost(await alive_workers(self.client)):
+                return lost
         granter = self.granter
         for _trainer, fut in granter.feeds:
             if fut.status == "error":
                 await self.raise_role_error(fut, f"feeding block task {fut.key}")
         granter.feeds = [(t, f) for t, f in granter.feeds if f.status != "finished"]
         return []
+
+    def _lost(self, alive: Mapping[str, int]) -> list[Failure]:  # a retired trainer's is not
+        return [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
+                for kind in ("ps", "worker", "scorer")
+                for i, address in enumerate(self.roles.get(kind, []))
+                if address not in alive and not (kind == "worker" and i in self.granter.retired)]
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         """Start the scorer on the least-loaded live worker."""
@@ -483,18 +490,3 @@ async def send_module(client: Client, payload: Any, job: str) -> Future:
     future: Future = await client.scatter(payload, hash=False, asynchronous=True)
     return future
 
-
-def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:
-    """The ledger state with the paused trainers' partial blocks counted as consumed so far.
-
-    ``positions`` maps trainer -> [epoch, block, rows] (rows applied, skip included).
-    """
-    where = {(int(p[0]), int(p[1])): int(p[2]) for p in positions.values() if p is not None}
-    fields = list(ledger_state["entry_fields"])
-    epoch, block = fields.index("epoch"), fields.index("block")
-    consumed, done = fields.index("consumed"), fields.index("done")
-    for entry in ledger_state["entries"]:
-        key = (int(entry[epoch]), int(entry[block]))
-        if key in where and not entry[done]:
-            entry[consumed] = where[key]
-    return ledger_state

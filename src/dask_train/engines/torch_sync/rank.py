@@ -39,6 +39,7 @@ from dask_train.engines.shared.harness import TrainerRole
 from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.stats import StatsReporter
+from dask_train.engines.torch_sync.host_sum import HostSum
 from dask_train.engines.torch_sync.reducer import GradientReducer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
@@ -146,11 +147,22 @@ def run_rank(
     # Steps count from the restored step: the first report must not count those as its own.
     stats = role.stats(start={"steps": server.version})
     loop = _RankLoop(role, model, server, reducer, feed, buffers, stats)
-    loop.run()
+    # Ranks all on one host sum their gradients in its memory, not over loopback sockets.
+    reducer.host = HostSum.join(reducer.spans, address=role.address, timeout=config.timeout)
+    try:
+        loop.run()
+    except BaseException:
+        if reducer.host is not None:
+            reducer.host.abort()  # peers waiting on this rank's sum fail at once
+        raise
+    finally:
+        if reducer.host is not None:
+            reducer.host.close()
     feed.close_block()
     loop.report_stats(force=True)
     role.exit(steps=server.version)
-    return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s)
+    return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s,
+                       host_memory_sum=reducer.host is not None)
 
 
 class _RankLoop:

@@ -110,9 +110,16 @@ class GradientReducer:
         self._pending: list[int] = []
         self._works: list[Any] = []
         self._armed = False
+        #: Sums the buckets through host memory instead of gloo (``host_sum.HostSum``), if set.
+        self.host: Any = None
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each bucket's (start, end) in the ``[meta | gradients]`` buffer, in launch order."""
+        return list(self._spans)
 
     @property
     def n_buckets(self) -> int:
@@ -148,6 +155,8 @@ class GradientReducer:
             parts = self._parts[b]
             if self._alone:
                 self._works.append(_Alone())
+            elif self.host is not None:
+                self._works.append(self.host.start(b, self.buf[start:end]))
             elif parts is not None:
                 self._works.append(_GatherSum(self.buf[start:end], parts))
             else:

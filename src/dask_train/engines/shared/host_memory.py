@@ -1,0 +1,302 @@
+"""Parameter-server shards in host memory: one file in ``/dev/shm`` per shard, mapped by every
+Dask worker process of the host, so trainers there update the shard themselves instead of sending
+each gradient over a socket.
+
+Why: on one machine a push still went through the loopback stack (frame, copy, the server's
+thread, the reply's copy); at 128 rows of a small MLP a trainer waited for its server about a
+third of its time, and the server's updates took a core's share from the trainers. Mapped, an
+update is the optimizer's step on the shared tensors, in the trainer's own thread, as PyTorch's
+Hogwild example does with ``share_memory_()``; only trainers on other hosts use the network.
+
+What a segment holds (offsets in its layout, a JSON record after the header): a header of
+counters (magic, version, samples, the pid of a process in an update, torn updates), the last
+blocks each trainer had applied (what ``shard_positions`` reads after a trainer's loss), the
+model's buffers (the buffer shard only), the parameters and the optimizer's state tensors.
+
+Updates are serialized per shard by ``flock`` on the segment's file (each process opens its own
+descriptor; a thread lock orders threads of one process): with ``ps=k`` shards, k trainers update
+different stripes of the parameters at once. Reads for the next gradient take no lock, so a
+gradient is computed on parameters at most one update per other trainer old, possibly with one
+update half-applied (Hogwild's bound: at most ``trainers - 1`` updates of staleness). A process
+killed inside an update releases the lock with the kernel; the next holder finds its pid in the
+header, counts a torn update and goes on. Every element is a whole float (aligned 4-byte stores),
+so a reader never sees a corrupt value, only a mix of the update's before and after; the counters
+and positions are written after the step, so the torn update's rows count as not applied and are
+trained again.
+
+Lifetime: the shard's server creates the file (``O_EXCL``, mode 0600, space reserved with
+``posix_fallocate`` so a full ``/dev/shm`` is an error at creation, never a SIGBUS later) and
+unlinks it when the job drops the shard. A server killed first leaves its file; the next segment
+created on the host removes files whose owner process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Where segments live: a tmpfs on Linux. Elsewhere (no such directory) shards stay in their
+#: server's process and every trainer uses the network.
+SEGMENT_DIR = "/dev/shm"
+PREFIX = "dask-train-"
+_MAGIC = 0x64745F73686D3031  # "dt_shm01"
+_HEADER_WORDS = 16
+# Header words.
+MAGIC, LAYOUT_BYTES, VERSION, SAMPLES, WRITER, TORN, OWNER, HAS_BUFFERS, ABORTED = range(9)
+_LAYOUT_AT = _HEADER_WORDS * 8
+_LAYOUT_MAX = 4096 - _LAYOUT_AT
+#: Trainers whose recent blocks a segment remembers, and blocks per trainer (as ShardServer).
+SLOTS, BLOCKS_KEPT = 256, 8
+_SLOT_WORDS = 2 + 3 * BLOCKS_KEPT  # trainer + 1 (0: free), cursor, (epoch, block, rows) x K
+
+
+def _aligned(offset: int) -> int:
+    return (offset + 63) // 64 * 64
+
+
+def enabled() -> bool:
+    """Whether shards go to host memory here (Dask config ``dask-train.host-memory``, default
+    True, and a ``/dev/shm`` to put them in)."""
+    import dask
+
+    return bool(dask.config.get("dask-train.host-memory", True)) and os.path.isdir(SEGMENT_DIR)
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two Dask addresses are on one host (its address, as Dask sees it: the namespace
+    hosts of the multi-host harness differ, although they share a ``/dev/shm``)."""
+    def host(address: str) -> str:
+        return address.partition("://")[2].rsplit(":", 1)[0].strip("[]")
+
+    return host(a) == host(b) and a.partition("://")[0] in ("tcp", "tls", "inproc")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep() -> int:
+    """Remove segments whose owner process is gone (a server killed before it unlinked its
+    file); the number removed."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(SEGMENT_DIR) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(SEGMENT_DIR, name)
+        try:
+            with open(path, "rb") as f:
+                head = np.frombuffer(f.read(_HEADER_WORDS * 8), dtype=np.int64)
+            if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC and not _alive(int(head[OWNER])):
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue  # another process removed it first, or it is not ours to read
+    return removed
+
+
+class HostSegment:
+    """One shard's file in host memory, mapped in this process.
+
+    Use :meth:`create` (the shard's server) or :meth:`attach` (a trainer or scorer on the same
+    host); :attr:`layout` says where each tensor is, :meth:`array` maps one.
+    """
+
+    def __init__(self, path: str, fd: int, layout: dict[str, Any], owner: bool) -> None:
+        self.path, self.fd, self.layout, self.owner = path, fd, layout, owner
+        self.map = mmap.mmap(fd, int(layout["size"]))
+        self.header = np.frombuffer(self.map, dtype=np.int64, count=_HEADER_WORDS)
+        self.slots = self.array("positions").reshape(SLOTS, _SLOT_WORDS) \
+            if "positions" in layout["entries"] else np.zeros((0, _SLOT_WORDS), dtype=np.int64)
+        self.thread_lock = threading.Lock()
+        self.pid = os.getpid()
+        self._slot_of: dict[int, np.ndarray] = {}  # trainer -> its row of ``slots``
+
+    # -- creation and attachment ---------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str, *, entries: Mapping[str, tuple[str, tuple[int, ...]]],
+               extra: Mapping[str, Any]) -> HostSegment:
+        """Create the file at ``path`` holding ``entries`` (name -> (dtype, shape)), zeroed.
+        ``extra`` is kept in the layout for those who attach."""
+        sweep()
+        offset = 4096
+        laid: dict[str, Any] = {}
+        for name, (dtype, shape) in entries.items():
+            laid[name] = {"dtype": dtype, "shape": list(shape), "offset": offset}
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            offset = _aligned(offset + size)
+        layout = {"size": offset, "entries": laid, **dict(extra)}
+        text = json.dumps(layout).encode()
+        if len(text) > _LAYOUT_MAX:
+            raise ValueError(f"segment layout of {len(text)} bytes does not fit its header")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, offset)  # ENOSPC now, not a SIGBUS on a later write
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        seg = cls(path, fd, layout, owner=True)  # a new file reads as zeros
+        seg.map[_LAYOUT_AT:_LAYOUT_AT + len(text)] = text
+        seg.header[LAYOUT_BYTES] = len(text)
+        seg.header[OWNER] = os.getpid()
+        seg.header[MAGIC] = _MAGIC  # last: a segment is whole once its magic is there
+        return seg
+
+    @classmethod
+    def create_shard(cls, path: str, *, n: int, n_buffers: int | None,
+                     state: Mapping[str, tuple[str, tuple[int, ...]]], extra: Mapping[str, Any]
+                     ) -> HostSegment:
+        """A shard's segment: ``n`` float32 parameters, ``n_buffers`` float64 buffers (None:
+        none), ``state`` (name -> (dtype, shape)) optimizer tensors and the trainers' positions."""
+        entries = {"positions": ("int64", (SLOTS * _SLOT_WORDS,)),
+                   "buffers": ("float64", (max(n_buffers or 0, 0),)),
+                   "params": ("float32", (n,)),
+                   **{f"state.{k}": v for k, v in state.items()}}
+        return cls.create(path, entries=entries, extra=extra)
+
+    @classmethod
+    def attach(cls, path: str) -> HostSegment | None:
+        """Map the segment at ``path``; None when it is not here (another host's, or a
+        container with its own ``/dev/shm``) or not whole."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EACCES):
+                logger.debug("cannot open segment %s: %s", path, exc)
+            return None
+        try:
+            head = os.pread(fd, 4096, 0)
+            words = np.frombuffer(head[:_LAYOUT_AT], dtype=np.int64)
+            if len(words) < _HEADER_WORDS or words[MAGIC] != _MAGIC:
+                os.close(fd)
+                return None
+            layout = json.loads(head[_LAYOUT_AT:_LAYOUT_AT + int(words[LAYOUT_BYTES])])
+            return cls(path, fd, layout, owner=False)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            logger.debug("cannot map segment %s: %s", path, exc)
+            return None
+
+    def array(self, name: str) -> np.ndarray:
+        """The entry ``name`` of the layout as an array backed by the segment (no copy)."""
+        entry = self.layout["entries"][name]
+        dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self.map, dtype=dtype, count=count,
+                             offset=int(entry["offset"])).reshape(shape)
+
+    def state_entries(self) -> dict[str, np.ndarray]:
+        """The optimizer's state tensors, by their key in the optimizer's state."""
+        return {name[len("state."):]: self.array(name)
+                for name in self.layout["entries"] if name.startswith("state.")}
+
+    # -- the update lock --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the shard for an update or a consistent read: this process's threads, then the
+        other processes of the host. A previous holder that died inside an update is counted."""
+        with self.thread_lock:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                writer = int(self.header[WRITER])
+                if writer:
+                    self.header[TORN] += 1
+                    self.header[WRITER] = 0
+                    logger.info("process %d was lost inside an update of %s: that update is "
+                                "partly applied and its rows are trained again", writer, self.path)
+                yield
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Mark an update in progress (call while :meth:`locked`): a process lost inside it is
+        seen by the next holder."""
+        self.header[WRITER] = self.pid
+        try:
+            yield
+        finally:
+            self.header[WRITER] = 0
+
+    # -- counters and positions ----------------------------------------------------------------
+
+    def record(self, trainer: int, epoch: int, block: int, rows: int) -> None:
+        """Remember that ``trainer`` has applied ``rows`` of (epoch, block) (call while locked).
+
+        Called once per push: the trainer's slot is looked up once per process, and a push of
+        the block its previous push was in updates that entry without a search."""
+        slot = self._slot_of.get(trainer)
+        if slot is None or slot[0] != trainer + 1:
+            slot = self._claim(trainer)
+            if slot is None:
+                return  # more trainers than slots: this one's positions are not kept
+            self._slot_of[trainer] = slot
+        blocks = slot[2:].reshape(BLOCKS_KEPT, 3)
+        previous = blocks[(int(slot[1]) - 1) % BLOCKS_KEPT]
+        if previous[0] == epoch and previous[1] == block:
+            previous[2] = rows
+            return
+        same = np.flatnonzero((blocks[:, 0] == epoch) & (blocks[:, 1] == block))
+        if len(same):
+            blocks[same[0], 2] = rows
+            return
+        at = int(slot[1])
+        blocks[at] = (epoch, block, rows)
+        slot[1] = (at + 1) % BLOCKS_KEPT
+
+    def _claim(self, trainer: int) -> np.ndarray | None:
+        slots = self.slots
+        found = np.flatnonzero(slots[:, 0] == trainer + 1)
+        if len(found):
+            return slots[found[0]]  # type: ignore[no-any-return]
+        free = np.flatnonzero(slots[:, 0] == 0)
+        if not len(free):
+            return None
+        slot = slots[free[0]]
+        slot[:] = 0
+        slot[2:].reshape(BLOCKS_KEPT, 3)[:, 0] = -1
+        slot[0] = trainer + 1
+        return slot  # type: ignore[no-any-return]
+
+    def positions(self) -> dict[int, dict[tuple[int, int], int]]:
+        """Every trainer's recent blocks, oldest first: trainer -> {(epoch, block): rows}."""
+        out: dict[int, dict[tuple[int, int], int]] = {}
+        for slot in self.slots[self.slots[:, 0] > 0]:
+            blocks = slot[2:].reshape(BLOCKS_KEPT, 3)
+            at = int(slot[1])
+            order = [*range(at, BLOCKS_KEPT), *range(at)]
+            out[int(slot[0]) - 1] = {(int(blocks[i, 0]), int(blocks[i, 1])): int(blocks[i, 2])
+                                     for i in order if blocks[i, 0] >= 0}
+        return out
+
+    def close(self) -> None:
+        """Unmap what can be (arrays still in use keep the mapping), close the descriptor, and
+        remove the file if this process created it."""
+        if self.owner:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1

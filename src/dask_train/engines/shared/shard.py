@@ -1,0 +1,279 @@
+"""A parameter-server shard's state: a flat slice, its optimizer, the pushes' counters and the
+trainers' recent positions; in its server's process, or in host memory (:mod:`.host_memory`)
+where every process of the host applies its own pushes.
+
+The server (:mod:`dask_train.engines.ps.server`) creates it and serves remote pushes; a trainer
+on the same host :meth:`~ShardServer.attach`\\ es to it and calls the same :meth:`apply`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dask_train.engines.shared import host_memory
+from dask_train.engines.shared.host_memory import HostSegment
+from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.shared.stats import StatsReporter
+from dask_train.models._torch import OPTIMIZERS, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+# Blocks per trainer whose applied rows a server remembers: more than a trainer can have between
+# its last delivered event and its death (one being read plus those queued ahead).
+_POSITIONS_KEPT = host_memory.BLOCKS_KEPT
+
+
+class _NotShareable(Exception):
+    """This optimizer's state cannot live in host memory (the shard stays in its process)."""
+
+
+def _state_template(optimizer: str, lr: float, options: Mapping[str, Any]
+                    ) -> dict[str, tuple[str, str]]:
+    """The optimizer's state entries: key -> (dtype, "param" or "scalar"), learned by one step
+    of a two-element copy. Only built-ins whose fresh state is zeros (or made in ``__init__``,
+    as Adagrad's) qualify: a state the first step fills otherwise could not be laid out ahead."""
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+        raise _NotShareable(f"optimizer {optimizer!r} is not a built-in")
+    if optimizer == "sgd" and float(options.get("dampening", 0)) != 0:
+        raise _NotShareable("SGD with dampening starts its momentum from the first gradient")
+    probe = torch.nn.Parameter(torch.zeros(2))
+    probe.grad = torch.zeros(2)
+    opt = build_optimizer(optimizer, [probe], lr=lr, options=options)
+    opt.step()
+    template = {}
+    for key, value in opt.state[probe].items():
+        if not isinstance(value, torch.Tensor):
+            raise _NotShareable(f"state {key!r} is not a tensor")
+        kind = "param" if value.shape == (2,) else "scalar" if value.dim() == 0 else None
+        if kind is None:
+            raise _NotShareable(f"state {key!r} has shape {tuple(value.shape)}")
+        template[key] = (str(value.dtype).removeprefix("torch."), kind)
+    return template
+
+
+class ShardServer(FlatOptimizer):
+    """One parameter-server shard: applies gradients as they arrive (see :class:`FlatOptimizer`).
+
+    It also remembers, per trainer, the rows of its last few blocks whose gradients it applied:
+    after a trainer's loss the controller re-feeds exactly the rows the parameters have not
+    seen, even when the trainer's last "block consumed" events died with it.
+
+    In host memory (:meth:`to_host_memory`, :meth:`attach`) its parameters, optimizer state,
+    counters, buffers and positions live in the segment, and its lock is the segment's.
+    """
+
+    host: HostSegment | None = None
+
+    def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
+        self._version = self._samples = 0
+        self._buffers: np.ndarray | None = None
+        self._positions: dict[int, dict[tuple[int, int], int]] = {}
+        super().__init__(params, **kwargs)
+        self.push_secret = b""  # what a direct push connection must present
+        self.stats: StatsReporter | None = None  # reports its updates once a second
+        self.attached = False  # mapped from another process's segment
+
+    # -- counters, buffers and positions: the segment's once in host memory -------------------
+
+    @property  # type: ignore[override]
+    def version(self) -> int:
+        return self._version if self.host is None else int(self.host.header[host_memory.VERSION])
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if self.host is None:
+            self._version = int(value)
+        else:
+            self.host.header[host_memory.VERSION] = int(value)
+
+    @property  # type: ignore[override]
+    def samples(self) -> int:
+        return self._samples if self.host is None else int(self.host.header[host_memory.SAMPLES])
+
+    @samples.setter
+    def samples(self, value: int) -> None:
+        if self.host is None:
+            self._samples = int(value)
+        else:
+            self.host.header[host_memory.SAMPLES] = int(value)
+
+    @property  # type: ignore[override]
+    def buffers(self) -> np.ndarray | None:
+        host = self.host
+        if host is None:
+            return self._buffers
+        if not host.header[host_memory.HAS_BUFFERS]:
+            return None
+        return host.array("buffers").copy()  # a copy: callers keep it as is
+
+    @buffers.setter
+    def buffers(self, values: np.ndarray | None) -> None:
+        host = self.host
+        if host is None:
+            self._buffers = values
+        elif values is None:
+            host.header[host_memory.HAS_BUFFERS] = 0
+        elif host.array("buffers").size == np.size(values):
+            host.array("buffers")[:] = values
+            host.header[host_memory.HAS_BUFFERS] = 1
+
+    @property
+    def positions(self) -> dict[int, dict[tuple[int, int], int]]:
+        """Trainer -> {(epoch, block): rows applied}, each trainer's recent blocks oldest first."""
+        if self.host is None:
+            return self._positions
+        with self.host.locked():
+            return self.host.positions()
+
+    @property
+    def in_host_memory(self) -> bool:
+        return self.host is not None
+
+    def _record(self, position: Sequence[int]) -> None:
+        trainer, epoch, block, rows = (int(p) for p in position[:4])
+        if self.host is not None:
+            self.host.record(trainer, epoch, block, rows)
+            return
+        seen = self._positions.setdefault(trainer, {})
+        seen[(epoch, block)] = rows
+        if len(seen) > _POSITIONS_KEPT:
+            del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
+
+    def _step(self, samples: int) -> None:
+        if self.host is None:
+            super()._step(samples)
+            return
+        with self.host.updating():
+            super()._step(samples)
+
+    # -- pushes ---------------------------------------------------------------------------------
+
+    def apply(
+        self, grad: np.ndarray, samples: int, position: Sequence[int] | None = None,
+        buffers: np.ndarray | None = None, *, view: bool = False,
+    ) -> tuple[np.ndarray, int, bool]:
+        """Apply one gradient; return (parameters, version, stop).
+
+        The parameters are a copy taken under the lock, or with ``view`` (a trainer of this
+        host, on a shard in host memory) the shard's own memory, which the trainer copies into
+        its model at once, unlocked: see :mod:`.host_memory` for the staleness this allows.
+
+        ``position`` is ``(trainer, epoch, block, rows)``: the pushing trainer's place in its data
+        once this gradient is applied. ``buffers`` are the pusher's buffers (the first shard's
+        pushes only carry them): the latest received replace the ones kept.
+
+        Why the latest, not a mean: each trainer's running statistics are already an average
+        (an exponential one over its recent batches), so averaging them again would double-average
+        and lag; and the latest is what a single-process run would hold after its latest batch.
+        """
+        with self._lock:
+            if self.at_limit():
+                return self._params_out(), self.version, True
+            # Copy into a grad buffer we own: received frames may be read-only.
+            self.grad.numpy()[:] = grad
+            self._step(samples)
+            if buffers is not None:
+                # A copy: a received frame may be read-only or share memory with the message.
+                self.buffers = np.array(buffers, dtype=np.float64)
+            if position is not None:
+                self._record(position)
+            version, stop = self.version, self.at_limit()
+            if self.stats is not None:  # here: pushes over RPC and local calls both apply
+                self.stats.report(step=version, updates=version, samples=self.samples)
+            if not (view and self.host is not None):
+                return self._params_out(), version, stop
+        return self.param.detach().numpy(), version, stop
+
+    def _params_out(self) -> np.ndarray:
+        return self.param.detach().numpy().copy()
+
+    # -- host memory -------------------------------------------------------------------------------
+
+    def to_host_memory(self, path: str, *, optimizer: str, lr: float,
+                       options: Mapping[str, Any]) -> bool:
+        """Move this shard's state into a new segment at ``path``; False (and the shard stays
+        here) where that cannot be: an optimizer whose state cannot be laid out ahead, or no
+        room in ``/dev/shm``."""
+        try:
+            template = _state_template(optimizer, lr, options)
+        except _NotShareable as exc:
+            logger.debug("shard stays in its process: %s", exc)
+            return False
+        n = self.param.numel()
+        held = self.optimizer.state.get(self.param, {})
+        shapes = {k: (dtype, (n,) if kind == "param" else ()) for k, (dtype, kind) in
+                  template.items()}
+        buffers = self._buffers
+        try:
+            seg = HostSegment.create_shard(
+                path, n=n, n_buffers=None if buffers is None else int(buffers.size),
+                state=shapes, extra={"optimizer": optimizer, "lr": lr, "options": dict(options),
+                       "max_step": self.max_step})
+        except OSError as exc:
+            logger.info("shard %s stays in its process: no room in host memory (%s)", path, exc)
+            return False
+        with self._lock:
+            seg.array("params")[:] = self.param.detach().numpy()
+            views = _state_views(seg)
+            for key, view in views.items():
+                if key in held:
+                    view.copy_(held[key].reshape(view.shape))
+            self.param.data = torch.from_numpy(seg.array("params"))
+            self.optimizer.state[self.param] = views
+            version, samples, positions = self._version, self._samples, self._positions
+            self.host = seg
+            self.version, self.samples, self.buffers = version, samples, buffers
+            for trainer, seen in positions.items():
+                for (epoch, block), rows in seen.items():
+                    seg.record(trainer, epoch, block, rows)
+            self._lock = _SegmentLock(seg)  # type: ignore[assignment]
+        return True
+
+    @classmethod
+    def attach(cls, path: str) -> ShardServer | None:
+        """This process's handle on the segment at ``path`` (another process's shard on this
+        host); None when it is not here."""
+        seg = HostSegment.attach(path)
+        if seg is None:
+            return None
+        layout = seg.layout
+        shard = cls(torch.from_numpy(seg.array("params")), optimizer=layout["optimizer"],
+                    lr=float(layout["lr"]), options=layout["options"],
+                    max_step=layout["max_step"])
+        shard.optimizer.state[shard.param] = _state_views(seg)
+        shard.host, shard.attached = seg, True
+        shard._lock = _SegmentLock(seg)  # type: ignore[assignment]
+        return shard
+
+    def close(self) -> None:
+        """Let the update thread end and, in host memory, release the segment (its creator
+        removes the file)."""
+        super().close()
+        if self.host is not None:
+            self.host.close()
+
+
+class _SegmentLock:
+    """The lock a shard in host memory takes where a plain one takes its thread lock."""
+
+    def __init__(self, seg: HostSegment) -> None:
+        self.seg = seg
+        self._held: Any = None
+
+    def __enter__(self) -> None:
+        held = self.seg.locked()
+        held.__enter__()
+        self._held = held
+
+    def __exit__(self, *exc: Any) -> None:
+        held, self._held = self._held, None
+        held.__exit__(*exc)
+
+
+def _state_views(seg: HostSegment) -> dict[str, torch.Tensor]:
+    return {key: torch.from_numpy(array) for key, array in seg.state_entries().items()}

@@ -1,0 +1,260 @@
+"""Parameter-server shards in host memory (``engines.shared.host_memory``): trainers of the
+shard's host update it themselves, in their own processes, and a process lost inside an update
+leaves the segment's readers whole."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from _models import mlp, over_the_network
+from distributed import Client
+
+import dask_train as dt
+from dask_train.engines.shared import host_memory
+from dask_train.engines.shared.shard import ShardServer
+
+
+def _path(tmp_name: str) -> str:
+    return os.path.join(host_memory.SEGMENT_DIR, f"{host_memory.PREFIX}test-{os.getpid()}-{tmp_name}")
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir(host_memory.SEGMENT_DIR) if n.startswith(host_memory.PREFIX)}
+
+
+def _grads(n: int, count: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=n).astype(np.float32) for _ in range(count)]
+
+
+def _apply_in_child(paths: list[str], grads: list[np.ndarray], trainer: int) -> None:
+    for path in paths:
+        shard = ShardServer.attach(path)
+        assert shard is not None
+        for i, g in enumerate(grads):
+            shard.apply(g, 2, (trainer, 0, i, 2))
+        shard.close()
+
+
+_OPTIMIZERS = {"adam": ("Adam", {}), "sgd": ("SGD", {"momentum": 0.9}),
+               "adagrad": ("Adagrad", {}), "rmsprop": ("RMSprop", {"momentum": 0.5})}
+
+
+def test_updates_from_other_processes_equal_one_optimizer_in_order() -> None:
+    """The server's own pushes and those of two other processes, one after the other, give the
+    parameters, counters and positions of a single torch optimizer taking the same steps (each
+    optimizer offered whose state can live in host memory)."""
+    n, grads = 1000, _grads(1000, 9)
+    start = np.random.default_rng(1).normal(size=n).astype(np.float32)
+    servers, references = {}, {}
+    for name, (cls, options) in _OPTIMIZERS.items():
+        param = torch.nn.Parameter(torch.from_numpy(start.copy()))
+        reference = getattr(torch.optim, cls)([param], lr=1e-2, **options)
+        for g in grads:
+            param.grad = torch.from_numpy(g)
+            reference.step()
+        references[name] = param.detach().numpy()
+        server = ShardServer(start.copy(), optimizer=name, lr=1e-2, options=options)
+        server.apply(grads[0], 2, (0, 0, 0, 2))  # state made in this process, then moved
+        assert server.to_host_memory(_path(name), optimizer=name, lr=1e-2, options=options)
+        servers[name] = server
+    ctx = multiprocessing.get_context("spawn")
+    paths = [_path(name) for name in servers]
+    for trainer, part in ((1, grads[1:5]), (2, grads[5:8])):
+        child = ctx.Process(target=_apply_in_child, args=(paths, part, trainer))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+    for name, server in servers.items():
+        server.apply(grads[8], 2, (0, 0, 1, 2))
+        params, version, samples, _ = server.pull()
+        np.testing.assert_allclose(params, references[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+        assert (version, samples) == (9, 18)
+        assert server.positions == {0: {(0, 0): 2, (0, 1): 2}, 1: {(0, i): 2 for i in range(4)},
+                                    2: {(0, i): 2 for i in range(3)}}
+        server.close()
+        assert not os.path.exists(_path(name))  # its creator removes the file
+
+
+def _update_forever(path: str) -> None:
+    shard = ShardServer.attach(path)
+    assert shard is not None
+    grad = np.full(shard.param.numel(), 1e-3, dtype=np.float32)
+    while True:
+        shard.apply(grad, 1, (1, 0, 0, 1))
+
+
+def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
+    """SIGKILL a process that does nothing but update a large shard, several times: each time
+    the lock is free again at once, a torn update is counted when it died inside one, and every
+    reader sees finite values, counters that never go back, and can update further."""
+    n = 4_000_000  # an Adam step of ~10 ms or more: a random kill lands inside most updates
+    path = _path("killed")
+    server = ShardServer(np.zeros(n, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
+    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    ctx = multiprocessing.get_context("spawn")
+    seg = server.host
+    assert seg is not None
+    last_version, torn = 0, 0
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        child = ctx.Process(target=_update_forever, args=(path,))
+        child.start()
+        deadline = time.monotonic() + 60
+        while server.version < last_version + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(float(rng.uniform(0, 0.05)))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        died_inside = bool(seg.header[host_memory.WRITER])
+        t0 = time.monotonic()
+        with seg.locked():  # released by the kernel with the process: no wait
+            waited = time.monotonic() - t0
+        assert waited < 5
+        torn += died_inside
+        assert int(seg.header[host_memory.TORN]) == torn
+        params, version, samples, _ = server.pull()
+        assert np.isfinite(params).all() and version >= last_version + 3
+        assert samples == version  # counters move together, after a whole step only
+        last_version = version
+        _, after, _ = server.apply(np.zeros(n, dtype=np.float32), 1)
+        assert after == version + 1
+        last_version = after
+    assert torn >= 1, "no kill landed inside an update: the test did not test it"
+    server.close()
+
+
+def test_a_shard_stays_in_its_process_when_its_optimizer_state_cannot_be_laid_out() -> None:
+    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="sgd", lr=0.1,
+                         options={"momentum": 0.9, "dampening": 0.5})
+    assert not server.to_host_memory(_path("dampening"), optimizer="sgd", lr=0.1,
+                                     options={"momentum": 0.9, "dampening": 0.5})
+    assert not server.in_host_memory
+
+
+def test_stale_segments_of_dead_servers_are_removed() -> None:
+    path = _path("stale")
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_create_and_die, args=(path,))
+    child.start()
+    child.join(60)
+    assert os.path.exists(path)  # killed before it could remove its file
+    host_memory.sweep()
+    assert not os.path.exists(path)
+
+
+def _create_and_die(path: str) -> None:
+    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="adam", lr=0.1, options={})
+    assert server.to_host_memory(path, optimizer="adam", lr=0.1, options={})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _digits(n: int) -> tuple[da.Array, da.Array]:
+    X, y = dt.datasets.digits(n_samples=n)
+    return X.rechunk((n // 8, 64)), y.rechunk(n // 8)
+
+
+def test_trainers_of_one_host_train_in_host_memory_as_well_as_over_the_network(
+        client: Client, tmp_path: Path) -> None:
+    """Both trainers update the shard in host memory (the one beside the server too), the job
+    trains as well as the same job over the network, every sample once, and it checkpoints and
+    resumes from host memory."""
+    X, y = _digits(40_000)
+    Xv, yv = dt.datasets.digits(n_samples=4000, seed=5)
+    before = _segments()
+
+    def fit(resume: bool = False, **kw):  # noqa: ANN202
+        return dt.Trainer(mlp(64, 64, 10), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=64,
+                          progress=False, client=client, **kw).fit(X, y, resume=resume)
+
+    with over_the_network(client):
+        network = fit(epochs=2)
+    shared = fit(epochs=2, checkpoint=dt.CheckpointConfig(str(tmp_path), every_steps=200))
+    assert all(t["host_memory_shards"] == [0] for t in shared.trainers), shared.trainers
+    assert all(t["host_memory_shards"] == [] for t in network.trainers)
+    assert shared.samples == network.samples == 80_000
+
+    def accuracy(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            out = model(torch.from_numpy(np.asarray(Xv)))
+        return float((out.argmax(1).numpy() == np.asarray(yv)).mean())
+
+    assert accuracy(shared.model) >= accuracy(network.model) - 0.03
+    resumed = fit(epochs=3, checkpoint=dt.CheckpointConfig(str(tmp_path)),
+                  resume=True)
+    assert resumed.samples == 120_000  # two epochs restored, the third trained
+    assert accuracy(resumed.model) >= accuracy(shared.model) - 0.03
+    assert _segments() - before == set()  # every segment removed with its job
+
+
+def test_sync_ranks_of_one_host_sum_in_its_memory_exactly_as_over_gloo(client: Client) -> None:
+    """Two sync ranks on one host sum their gradients through host memory; the sum is the one
+    gloo's path makes (the ranks' parts added in rank order), so the models are equal bitwise."""
+    X, y = _digits(16_000)  # 8 blocks
+    X, y = client.persist([X, y])  # one placement for both runs
+
+    def fit():  # noqa: ANN202
+        # blocks_ahead=4: all 8 blocks are granted at the start, each to the rank beside it.
+        return dt.Trainer(mlp(64, 32, 10), strategy="sync", lr=1e-3, workers=2, scorer=0,
+                          batch_size=64, epochs=2, seed=3, blocks_ahead=4, progress=False,
+                          client=client).fit(X, y)
+
+    with over_the_network(client):
+        network = fit()
+    shared = fit()
+    assert [t["host_memory_sum"] for t in shared.trainers] == [True, True]
+    assert [t["host_memory_sum"] for t in network.trainers] == [False, False]
+    assert shared.steps == network.steps and shared.samples == network.samples == 32_000
+    # Same blocks on the same ranks: the same batches, step for step.
+    def assigned(result):  # noqa: ANN001, ANN202
+        return sorted(map(tuple, result.ledger[["epoch", "block", "trainer"]].to_numpy().tolist()))
+
+    assert assigned(shared) == assigned(network)
+    for a, b in zip(shared.model.parameters(), network.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _FailsOnRankOne(torch.nn.Module):
+    """Raises in forward after a few batches, on the rank whose worker holds the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker, self.calls = marker, 0
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and self.calls > 20 and os.environ.get("DT_TEST_FAIL") == self.marker:
+            raise ValueError("a shape error of the user's own")
+        return self.linear(x)
+
+
+def _mark(marker: str) -> None:
+    os.environ["DT_TEST_FAIL"] = marker
+
+
+def test_a_rank_whose_code_raises_releases_its_peer_waiting_in_host_memory(
+        client: Client, tmp_path: Path) -> None:
+    """The peer waits in the host-memory sum for a rank that will never come: the raising rank
+    aborts the sum, the job ends with the user's own exception, not a lost worker or a hang."""
+    X, y = _digits(16_000)
+    workers = sorted(client.scheduler_info()["workers"])
+    marker = str(tmp_path)
+    client.run(_mark, marker, workers=[workers[1]])
+    try:
+        with pytest.raises(dt.RoleFailed) as raised:
+            dt.Trainer(_FailsOnRankOne(marker), strategy="sync", lr=1e-3, workers=2, scorer=0,
+                       batch_size=64, epochs=50, progress=False, client=client,
+                       timeout=120).fit(X, y)
+    finally:
+        client.run(_mark, "")
+    assert "a shape error of the user's own" in str(raised.value) + str(raised.value.__cause__)
