@@ -4,6 +4,7 @@ leaves the segment's readers whole."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -261,5 +262,12 @@ def test_a_rank_whose_code_raises_releases_its_peer_waiting_in_host_memory(
     finally:
         client.run(_mark, "")
     message = str(raised.value) + str(raised.value.__cause__)
-    del raised  # its traceback holds the job's futures, which later tests expect released
+    del raised  # its traceback holds the job's futures
     assert "a shape error of the user's own" in message
+    # The failed job lets go of everything it held on the cluster (its teardown ends just after
+    # the exception reaches the caller).
+    deadline = time.monotonic() + 30
+    while client.futures and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    assert not client.futures
