@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 from dask_train._lazy import attach
 from dask_train.errors import (
+    BlockReadError,
     ClusterMismatch,
     ClusterUnreachable,
     DaskTrainError,
+    DataUnreadable,
     InvalidInput,
     ParameterServerLost,
     RoleFailed,
@@ -82,11 +84,13 @@ __getattr__, __dir__, _ = attach(__name__, _LAZY)
 
 __all__ = [
     "ArrayModel",
+    "BlockReadError",
     "Callback",
     "CheckpointConfig",
     "ClusterMismatch",
     "ClusterUnreachable",
     "DaskTrainError",
+    "DataUnreadable",
     "EarlyStopping",
     "FailureConfig",
     "FitResult",

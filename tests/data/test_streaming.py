@@ -20,7 +20,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
-from dask_train.errors import BlockReadError, DataUnreadable, RoleFailed
+from dask_train.errors import RoleFailed
 
 #: Each worker of the limited cluster holds about 350 MiB before any data (Python, Dask, torch,
 #: the roles' code; dask.array imports xarray and pandas when they are installed) and Dask starts
@@ -231,7 +231,7 @@ def test_a_path_the_workers_cannot_read_is_named_before_training(
     X = dt.from_npy(paths, block_rows=500)  # reads the headers here
     for p in paths:  # gone before the workers read: as a path only the client's machine has
         os.remove(p)
-    with pytest.raises(DataUnreadable) as info:
+    with pytest.raises(dt.DataUnreadable) as info:  # exported at the top, as every error
         dt.Trainer(torch.nn.Linear(8, CLASSES), workers=2, progress=False, client=client).fit(
             X, da.from_array(y, chunks=500), data="stream")
     message = str(info.value)
@@ -254,7 +254,7 @@ def test_a_block_that_fails_mid_epoch_is_retried_then_named(
     assert "BlockReadError" in message and "from-npy-" in message  # the block's key
     assert "after 3 tries" in message and "FileNotFoundError" in message
     assert "part-1.npy" in message
-    assert isinstance(info.value.__cause__, BlockReadError)
+    assert isinstance(info.value.__cause__, dt.BlockReadError)
 
 
 def _fails_once(path: str, marker: str, start: int, stop: int) -> np.ndarray:
