@@ -108,6 +108,17 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "nbytes": x.nbytes + y.nbytes, "reference": reference}
 
 
+class _Stats(dt.Callback):
+    """The trainers' once-a-second reports, as the Training page receives them."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+
+    def on_stats(self, stats: Any) -> None:
+        if stats.get("role") == "trainer":
+            self.reports.append(dict(stats))
+
+
 def _once_per_epoch(result: Any, rows: int, epochs: int) -> None:
     ledger = result.ledger
     assert not ledger.duplicated(["epoch", "block"]).any()
@@ -129,9 +140,10 @@ def test_data_over_three_times_the_free_memory_streams_without_spilling(
     room = sum(0.7 * MEMORY_LIMIT - rss for rss in limited.run(_rss).values())
     assert large["nbytes"] > 3 * room
 
+    stats = _Stats()
     result = dt.Trainer(torch.nn.Linear(FEATURES, CLASSES), lr=2e-3, workers=2, epochs=2,
                         batch_size=512, progress=False, score_every=0.5, client=limited,
-                        ).fit(X, y, validation=large["val"], data="stream")
+                        callbacks=[stats]).fit(X, y, validation=large["val"], data="stream")
 
     # Async staleness (two trainers, one push in flight each) costs a little against one loop.
     assert _accuracy(result) >= large["reference"] - 0.05
@@ -148,6 +160,12 @@ def test_data_over_three_times_the_free_memory_streams_without_spilling(
         assert block_bytes <= t["held_bytes_max"] <= 3 * block_bytes  # blocks_ahead=2, +1 read
         assert len(t["read_s_by_epoch"]) == 2 and min(t["read_s_by_epoch"]) > 0
     assert sum(t["read_s"] for t in result.trainers) > 0
+    # The same figures reach the Training page while the job runs, in the trainers' reports.
+    last = {r["index"]: r for r in stats.reports}
+    assert sorted(last) == [0, 1]
+    for r in last.values():
+        assert r["memory_limit"] == MEMORY_LIMIT and len(r["read_s_by_epoch"]) == 2
+        assert block_bytes <= r["held_bytes_max"] <= 3 * block_bytes
 
 
 def test_auto_streams_what_exceeds_half_the_memory_and_logs_the_numbers(

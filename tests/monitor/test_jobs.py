@@ -259,3 +259,28 @@ def test_the_scorers_report_is_its_cpu_not_a_trainers_samples() -> None:
                                     "scores": 3, "skipped": 4}, now=T0 + 7.8)
     assert view.scorer.columns()["cpu_share"] == [0.25]  # 0.5 CPU-s in 2 s: a quarter core
     assert view.samples_total == samples and view.trainer_rate == rates  # trainer 0 untouched
+
+
+def test_the_page_states_each_trainers_memory() -> None:
+    from bokeh.document import Document
+
+    from dask_train.monitor._page import TrainingPage
+
+    plugin = TrainingDashboard(keep=2)
+    page = TrainingPage(plugin)
+    Document().add_root(page.root)
+    _a_job(plugin.jobs)  # reports without memory figures (a role of an older version): no rows
+    page.update()
+    assert page.memory.data["trainer"] == []
+    memory = {"worker": "tcp://w1:1", "memory_limit": 600 * 2**20, "held_bytes": 8 * 2**20,
+              "held_bytes_max": 24 * 2**20, "read_s_by_epoch": [0.5, 0.25]}
+    plugin.jobs.event("dask-train-j1-g1", {**_stats(1, samples=10, feed=0, server=0, step=42),
+                                           **memory}, now=T0 + 9)
+    plugin.jobs.event("dask-train-j1-g1", {**_stats(0, samples=10, feed=0, server=0, step=42),
+                                           **memory, "worker": "tcp://w2:1", "memory_limit": 0,
+                                           "read_s_by_epoch": []}, now=T0 + 9)
+    page.update()
+    assert page.memory.data == {
+        "trainer": ["0", "1"], "worker": ["tcp://w2:1", "tcp://w1:1"],
+        "limit": ["no limit", "600.0 MiB"], "held": ["8.0 MiB", "8.0 MiB"],
+        "held_max": ["24.0 MiB", "24.0 MiB"], "read": ["", "0.50, 0.25"]}

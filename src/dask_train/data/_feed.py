@@ -111,6 +111,7 @@ class FeedReader:
         self.early: dict[int, FeedItem] = {}
         self.read_s: dict[int, float] = {}  # epoch -> seconds reading this trainer's blocks
         self.read_bytes = 0
+        self.held = 0  # bytes of blocks held for this trainer at the last block's start
         self.held_max = 0  # the most bytes of blocks held for this trainer at a block's start
         self.held_blocks_max = 0  # and the most blocks
         self.starved = False  # waited for a block since take_starved() was last asked
@@ -161,7 +162,7 @@ class FeedReader:
             with self.feed.mutex:  # the feed tasks put from other threads
                 queued = [i.nbytes for i in self.feed.queue if i.x is not None]
             held = item.nbytes + sum(queued) + sum(i.nbytes for i in self.early.values())
-            self.held_max = max(self.held_max, held)
+            self.held, self.held_max = held, max(self.held_max, held)
             self.held_blocks_max = max(self.held_blocks_max, 1 + len(queued) + len(self.early))
         return item
 

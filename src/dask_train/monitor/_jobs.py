@@ -120,6 +120,10 @@ class JobView:
         self.trainer_rate: dict[int, tuple[float, float]] = {}  # (samples/s, when reported)
         self.updates_total: dict[int, float] = {}
         self.failures: dict[str, int] = {}  # action -> count
+        # trainer -> its worker, the worker's memory limit, bytes of blocks held now and at most,
+        # read seconds per epoch: as its last report said (see engines.shared.stats)
+        self.memory: dict[int, dict[str, Any]] = {}
+        self.memory_seen = 0  # reports taken into ``memory``: the page redraws when it moves
         self.nonfinite = 0
         self.step = 0
         self.workers: set[str] = set()
@@ -200,6 +204,9 @@ class JobView:
             self.servers.setdefault(index, Series("time_s", "updates_per_s")).append(
                 time_s=t, updates_per_s=updates / interval)
             return
+        if "memory_limit" in msg:
+            self.memory[index] = {k: msg.get(k) for k in _MEMORY}
+            self.memory_seen += 1
         samples = max(0.0, _finite(msg.get("samples")))
         data, servers = _finite(msg.get("feed_wait_s")), _finite(msg.get("server_wait_s"))
         self.samples_total += samples
@@ -250,6 +257,9 @@ class JobView:
                 "samples_per_s": self.samples_per_s(now),
                 "trainers": len(self.trainers), "servers": len(self.servers)}
 
+
+# A trainer's memory figures, as its stats reports carry them.
+_MEMORY = ("worker", "memory_limit", "held_bytes", "held_bytes_max", "read_s_by_epoch")
 
 # History columns that are not validation scores.
 _NOT_SCORES = {"time_s", "step", "epoch", "samples", "samples_per_s", "kind"}

@@ -129,10 +129,14 @@ class TrainingPage:
             columns=[TableColumn(field="time_s", title="s", width=60),
                      TableColumn(field="kind", title="event", width=90),
                      TableColumn(field="text", title="what happened", width=600)])
+        self.memory = ColumnDataSource({c: [] for c in _MEMORY_COLUMNS}, name="src-memory")
+        self.memory_table = DataTable(
+            source=self.memory, height=120, sizing_mode="stretch_width", index_position=None,
+            columns=[TableColumn(field=c, title=title) for c, title in _MEMORY_COLUMNS.items()])
         self.root = column(row(self.select, self.header, sizing_mode="stretch_width"),
                            sizing_mode="stretch_width")
         self.lines: dict[str, _Line] = {}
-        self.log_seen = -1
+        self.log_seen = self.memory_seen = -1
 
     def _picked(self, attr: str, old: Any, new: Any) -> None:
         self.follow = not new
@@ -142,7 +146,7 @@ class TrainingPage:
         """New figures for the job shown (its lines appear as its series do)."""
         self.job_id = view.job_id if view is not None else None
         self.built = True
-        self.lines, self.log_seen = {}, -1
+        self.lines, self.log_seen, self.memory_seen = {}, -1, -1
         x = DataRange1d()  # one time axis: zooming a plot zooms them all
         self.figures = {
             "loss": _figure("Validation loss", "loss", x),
@@ -160,6 +164,7 @@ class TrainingPage:
             row(f["loss"], f["scores"], sizing_mode="stretch_width"),
             row(f["samples"], f["wait"], sizing_mode="stretch_width"),
             row(f["updates"], self.table, sizing_mode="stretch_width"),
+            row(self.memory_table, sizing_mode="stretch_width"),
         ]
 
     def _line(self, name: str, fig: str, label: str, series: Series, y: str, *,
@@ -216,6 +221,9 @@ class TrainingPage:
             self.log.data = {"time_s": [r[0] for r in rows], "kind": [r[1] for r in rows],
                              "text": [r[2] for r in rows]}
             self.log_seen = view.log_total
+        if view.memory_seen != self.memory_seen:
+            self.memory.data = memory_rows(view)
+            self.memory_seen = view.memory_seen
 
     def _update_select(self, jobs: Any) -> None:
         options: list[str | tuple[Any, str]] = [_LATEST]
@@ -223,6 +231,31 @@ class TrainingPage:
                     for v in reversed(jobs.views.values())]
         if options != self.select.options:
             self.select.options = options
+
+
+#: The memory table's columns (each trainer's last report): field -> title.
+_MEMORY_COLUMNS = {"trainer": "trainer", "worker": "worker", "limit": "worker memory limit",
+                   "held": "its blocks held now", "held_max": "its blocks held at most",
+                   "read": "its read time per epoch (s)"}
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return ""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_rows(view: JobView) -> dict[str, list[str]]:
+    """The memory table: each trainer's worker and its memory limit, the bytes of blocks the
+    trainer holds now and held at most, and its read time per epoch (streamed data)."""
+    rows = sorted(view.memory.items())
+    return {"trainer": [str(i) for i, _ in rows],
+            "worker": [str(m.get("worker") or "") for _, m in rows],
+            "limit": [_size(m.get("memory_limit")) if m.get("memory_limit") else "no limit"
+                      for _, m in rows],
+            "held": [_size(m.get("held_bytes")) for _, m in rows],
+            "held_max": [_size(m.get("held_bytes_max")) for _, m in rows],
+            "read": [", ".join(f"{s:.2f}" for s in m.get("read_s_by_epoch") or []) for _, m in rows]}
 
 
 def _headline(view: JobView | None, *, now: float) -> str:

@@ -87,7 +87,15 @@ class TrainerRole:
     def stats(self, start: dict[str, float] | None = None) -> StatsReporter:
         """A reporter of this trainer's last second (``start``: totals already counted)."""
         return StatsReporter(self.worker, topic=self.config.topic, role="trainer",
-                             index=self.index, start=start)
+                             index=self.index, start=start, extra=self.memory)
+
+    def memory(self) -> dict[str, Any]:
+        """This trainer's memory as its stats reports carry it: the worker's memory limit, and
+        the blocks it holds and its read time (:meth:`~dask_train.data.FeedReader.stats`)."""
+        figures: dict[str, Any] = {"memory_limit": int(self.worker.memory_manager.memory_limit or 0)}
+        if self.reader is not None:
+            figures.update(self.reader.stats(), held_bytes=self.reader.held)
+        return figures
 
     def stopped(self) -> bool:
         """True once the controller asked the job to stop."""
@@ -122,8 +130,7 @@ class TrainerRole:
         return {"trainer": self.index, "steps": int(steps), "samples": int(samples),
                 "worker": self.address, "busy_s": time.perf_counter() - self.started_at,
                 **timings, "nonfinite": self.nans.count, "rng": rng_state(),
-                "memory_limit": int(self.worker.memory_manager.memory_limit or 0),
-                **(self.reader.stats() if self.reader is not None else {})}
+                **self.memory()}
 
 
 def model_for(module: Any, address: str, config: WorkerConfig, device: str | None = None) -> Any:

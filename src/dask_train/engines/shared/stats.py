@@ -12,7 +12,12 @@ A report (``role`` is ``"trainer"`` or ``"ps"``; ``worker`` is added by the sche
     {"kind": "stats", "role": "trainer", "index": 0, "step": 1234, "wall": 1.7e9,
      "interval_s": 1.0, "samples": 51200, "samples_total": 409600, "steps": 400,
      "steps_total": 3200, "feed_wait_s": 0.01, "feed_wait_s_total": 0.3,
-     "server_wait_s": 0.05, "server_wait_s_total": 0.4}
+     "server_wait_s": 0.05, "server_wait_s_total": 0.4, "memory_limit": 2**30,
+     "held_bytes": 26400000, "held_bytes_max": 39600000, "read_s_by_epoch": [0.6, 0.2], ...}
+
+A trainer's report carries its memory too (not totals: each as it is now): its worker's memory
+limit, the bytes of blocks it holds now and at most, and its read time per epoch
+(:meth:`dask_train.data.FeedReader.stats`).
 
 ``step`` is the job's step as this role last saw it (the servers' update count), so every
 report can be placed on the same axis as the scores.
@@ -21,6 +26,7 @@ report can be placed on the same axis as the scores.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: Seconds between two reports of one role.
@@ -48,6 +54,9 @@ class StatsReporter:
     start : mapping, optional
         Totals already reached before this role started (a resumed job's step count): the
         first report counts only what grew after them.
+    extra : callable, optional
+        Figures that are not totals, read at each report and sent as they are (a trainer's
+        memory: its worker's limit, the bytes of blocks it holds, its read time per epoch).
 
     Examples
     --------
@@ -61,8 +70,10 @@ class StatsReporter:
     """
 
     def __init__(self, worker: Any, *, topic: str, role: str, index: int,
-                 every_s: float = STATS_EVERY_S, start: dict[str, float] | None = None) -> None:
+                 every_s: float = STATS_EVERY_S, start: dict[str, float] | None = None,
+                 extra: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.worker, self.topic, self.role, self.index = worker, topic, role, index
+        self.extra = extra
         self.every_s = every_s
         self.last_time = time.perf_counter()
         self.last: dict[str, float] = dict(start or {})
@@ -78,6 +89,8 @@ class StatsReporter:
         for name, total in totals.items():
             msg[name] = total - self.last.get(name, 0)
             msg[f"{name}_total"] = total
+        if self.extra is not None:
+            msg.update(self.extra())
         self.last, self.last_time = dict(totals), now
         self.worker.log_event(self.topic, msg)
 
