@@ -65,6 +65,7 @@ _LAZY = {
     "tree_reduce": ".runtime",
     "datasets": ".datasets",
     "from_npy": ".data",
+    "patches": ".data",
     "callbacks": ".callbacks",
     # PyTorch Lightning inside dt.run (Lightning loads only when used)
     "lightning": ".lightning",
@@ -121,6 +122,7 @@ __all__ = [
     "intuniform",
     "lightning",
     "loguniform",
+    "patches",
     "predict",
     "run",
     "search",

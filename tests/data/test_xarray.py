@@ -67,3 +67,77 @@ def test_a_variable_without_the_sample_dimension_is_named(tmp_path: Path) -> Non
     with pytest.raises(dt.InvalidInput) as info:
         from_xarray(bad, y)
     assert "'elevation' ('station',)" in str(info.value) and "'time'" in str(info.value)
+
+
+def _xbatcher_patches(a: np.ndarray, size: int, overlap: int) -> np.ndarray:
+    """Patches of ``a`` (time, lat, lon) as xbatcher's BatchGenerator cuts them with
+    ``input_dims={"lat": size, "lon": size}, input_overlap={"lat": overlap, "lon": overlap}``:
+    starts every ``size - overlap``, a patch that would run past the end left out; one sample a
+    (time, lat start, lon start), in that order."""
+    starts = [s for s in range(0, a.shape[1], size - overlap) if s + size <= a.shape[1]]
+    return np.stack([a[t, i : i + size, j : j + size]
+                     for t in range(a.shape[0]) for i in starts for j in starts])
+
+
+def _field_store(root: Path) -> xr.Dataset:
+    rng = np.random.default_rng(1)
+    field = rng.normal(size=(200, 16, 16)).astype(np.float32)
+    ds = xr.Dataset({"field": (("time", "lat", "lon"), field),
+                     "wind": (("time", "lat", "lon"), -field)})
+    ds.chunk({"time": 50}).to_zarr(root / "fields.zarr")
+    return xr.open_zarr(root / "fields.zarr")
+
+
+def test_patches_are_cut_as_xbatcher_cuts_them(tmp_path: Path) -> None:
+    ds = _field_store(tmp_path)
+    patched = dt.patches(ds["field"], {"lat": 8, "lon": 8}, {"lat": 4, "lon": 4})
+    assert patched.dims == ("sample", "lat_patch", "lon_patch")
+    assert hasattr(patched.data, "dask")  # nothing read yet
+    assert patched.data.chunks[0] == (450,) * 4  # a block: the 9 patches of 50 times
+    expected = _xbatcher_patches(ds["field"].values, 8, 4)
+    np.testing.assert_array_equal(patched.values, expected)
+    # A Dataset's variables are cut alike and become features side by side.
+    rows, _ = from_xarray(dt.patches(ds, {"lat": 8, "lon": 8}, {"lat": 4, "lon": 4}), None)
+    np.testing.assert_array_equal(rows.compute(), np.concatenate(
+        [expected.reshape(len(expected), -1), -expected.reshape(len(expected), -1)], axis=1))
+    # Without overlap, as xbatcher's default.
+    np.testing.assert_array_equal(dt.patches(ds["field"], {"lat": 8, "lon": 8}).values,
+                                  _xbatcher_patches(ds["field"].values, 8, 0))
+
+
+def test_patches_of_a_store_train_streamed_as_the_same_patches_in_memory(
+        client: Client, tmp_path: Path) -> None:
+    ds = _field_store(tmp_path)
+    X = dt.patches(ds["field"], {"lat": 8, "lon": 8}, {"lat": 4, "lon": 4})
+    y = (X.mean(["lat_patch", "lon_patch"]) > 0).astype(np.int64)  # lazy, one label a patch
+    x = _xbatcher_patches(ds["field"].values, 8, 4).reshape(-1, 64)
+    label = (x.mean(axis=1) > 0).astype(np.int64)
+
+    def exact() -> dt.Trainer:
+        torch.manual_seed(0)
+        return dt.Trainer(torch.nn.Linear(64, 2), lr=1e-2, ps=1, workers=1, scorer=0,
+                          batch_size=32, epochs=2, prefetch=0, seed=3, progress=False,
+                          client=client)
+
+    streamed = exact().fit(X, y, data="stream")
+    plain = exact().fit(da.from_array(x, chunks=(450, 64)), da.from_array(label, chunks=450),
+                        data="persist")
+    torch.testing.assert_close(_flat(streamed.model), _flat(plain.model), rtol=0, atol=1e-6)
+    assert streamed.ledger.groupby("epoch")["consumed"].sum().tolist() == [1_800, 1_800]
+    assert streamed.trainers[0]["read_s"] > 0  # cut where its blocks were read, on the worker
+
+
+def test_bad_patches_are_all_named_at_once(tmp_path: Path) -> None:
+    ds = _field_store(tmp_path)
+    with pytest.raises(dt.InvalidInput) as info:
+        dt.patches(ds.assign(mask=(("lat", "lon"), np.ones((16, 16)))),
+                   {"lat": 32, "height": 2}, {"lat": 40, "lon": 1}, sample_dim="time")
+    text = str(info.value)
+    assert "input_dims: 'height' is not a dimension of the data" in text
+    assert "input_dims['lat']=32 is invalid: use an integer from 1 to the dimension's size, 16" \
+        in text
+    assert "input_overlap: 'lon' is not in input_dims" in text
+    assert "the data already has a dimension 'time': pass another sample_dim=" in text
+    assert "the variable 'mask' ('lat', 'lon') lacks ['time']" in text
+    with pytest.raises(dt.InvalidInput, match="input_dims={} is empty"):
+        dt.patches(ds["field"], {})

@@ -6,6 +6,7 @@ from dask_train.data._blocks import BlockSet, as_dask_array, persist_blocks
 from dask_train.data._feed import FeedItem, FeedReader, batches, block_order
 from dask_train.data._persist import persist_data
 from dask_train.data._readers import from_npy
+from dask_train.data._xarray import patches
 
 __all__ = [
     "BlockSet",
@@ -15,6 +16,7 @@ __all__ = [
     "batches",
     "block_order",
     "from_npy",
+    "patches",
     "persist_blocks",
     "persist_data",
 ]
