@@ -262,7 +262,7 @@ class RoleEngine(Engine):
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
         """Roles on workers that left; then roles that raised (the scorer's error is a failure,
         a trainer's is the user's and raises RoleFailed, unless a peer's death caused it)."""
-        lost = self._lost(alive)
+        lost = self._lost_roles(alive)
         if lost:
             return lost
         scorer = self.scorer_future
@@ -284,7 +284,7 @@ class RoleEngine(Engine):
             # Only lost connections: usually a peer's worker died (a server, a rank): wait for
             # the scheduler to notice, so the root cause is what the policy sees.
             await asyncio.sleep(0.1)
-            if lost := self._lost(await alive_workers(self.client)):
+            if lost := self._lost_roles(await alive_workers(self.client)):
                 return lost
         granter = self.granter
         for _trainer, fut in granter.feeds:
@@ -293,7 +293,8 @@ class RoleEngine(Engine):
         granter.feeds = [(t, f) for t, f in granter.feeds if f.status != "finished"]
         return []
 
-    def _lost(self, alive: Mapping[str, int]) -> list[Failure]:  # a retired trainer's is not
+    def _lost_roles(self, alive: Mapping[str, int]) -> list[Failure]:
+        """Roles on workers not in ``alive`` (a retired trainer's worker is no role's)."""
         return [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
                 for kind in ("ps", "worker", "scorer")
                 for i, address in enumerate(self.roles.get(kind, []))

@@ -81,7 +81,7 @@ class HostSum:
         dist.all_gather_object(addresses, (address, ok))
         if not all(good and host_memory.same_host(a, addresses[0][0]) for a, good in addresses):
             return None
-        name = [None]
+        name: list[str | None] = [None]
         seg = None
         if rank == 0:
             path = os.path.join(host_memory.SEGMENT_DIR,
