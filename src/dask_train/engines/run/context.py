@@ -1,11 +1,16 @@
 """``ctx``: what a user's training function gets on each rank of a ``dt.run`` job.
 
-The function owns the loop; the context gives it the rest: the rank's device and process group
-(:meth:`RunContext.prepare`), its share of the data from the ledger the Trainer reads
-(:meth:`RunContext.batches`), the epochs left, scores and checkpoints (:meth:`RunContext.report`),
-the state to start from after a restart and the job's stop decision. Every rank must call
-``report`` the same number of times, as with Ray Train's ``train.report``: each call is a point
-where the ranks and the controller meet, so every rank sees the same ``should_stop``.
+The function owns the loop; the context gives it the job's parts that are not the loop: the
+rank's device and process group (:meth:`RunContext.prepare`), this rank's share of the data, block
+by block from the same ledger the Trainer reads (:meth:`RunContext.batches`), the epochs left
+(:meth:`RunContext.epochs`), scores and checkpoints (:meth:`RunContext.report`), the state to
+start from after a restart (:meth:`RunContext.restore`) and the job's stop decision
+(:meth:`RunContext.should_stop`).
+
+Every rank must call :meth:`~RunContext.report` the same number of times, as with Ray Train's
+``train.report``: each call is a point where the ranks and the controller meet (the scores are
+recorded and the stop conditions looked at, the checkpoint written with every rank's data position),
+which is what lets every rank see the same :meth:`~RunContext.should_stop`.
 """
 
 from __future__ import annotations
@@ -137,7 +142,6 @@ class RunContext:
         self._stats = role.stats(start={"steps": restored_steps}) if run.train is not None \
             else None
         self._joinables: list[Any] = []
-        self.host_sums: list[Any] = []  # ctx.prepare's HostSums (None: that model kept gloo)
         self._last_batch: Any = None  # what ctx.batches(even=True) repeats once a share ran out
         self._reports = 0
         self._stop = False
@@ -169,14 +173,9 @@ class RunContext:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        from dask_train.engines.run.host_hook import use_host_memory
-
         ids = [self.device] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, **ddp_options)
         self._joinables.append(wrapped)
-        if self.device.type == "cpu":  # ranks of one host average in its memory, not over gloo
-            self.host_sums.append(use_host_memory(wrapped, address=self._role.address,
-                                                  timeout=self._role.config.timeout))
         return wrapped
 
     # -- data --------------------------------------------------------------------------------------
@@ -443,8 +442,6 @@ class RunContext:
         if self._cursor is not None:
             self._cursor.close_block()
             self._report_stats(self._cursor, force=True)
-        for host in filter(None, self.host_sums):
-            host.close()
 
 
 class StateHolder:

@@ -52,8 +52,6 @@ def run_user_rank(
         from dask_train.runtime._torch_group import _collateral
 
         if not _collateral(exc):
-            for host in filter(None, ctx.host_sums):
-                host.abort()  # peers waiting in a host-memory sum for this rank fail at once
             raise
         ctx.close()
         # The user's objects (a DDP model and, through it, the process group) go with the

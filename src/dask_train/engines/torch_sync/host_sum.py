@@ -109,17 +109,12 @@ class HostSum:
         dist.barrier()  # every pid is written before anyone checks them
         return group
 
-    def capacity(self, bucket: int) -> int:
-        """The most elements ``bucket`` sums at a time."""
-        return int(self.data[bucket].shape[-1])
-
     def start(self, bucket: int, data: torch.Tensor) -> _HostWork:
-        """Publish this rank's ``data`` (at most :meth:`capacity` elements) for ``bucket``'s
-        round; ``wait()`` leaves the sum in it."""
+        """Publish this rank's ``data`` for ``bucket``'s round; ``wait()`` leaves the sum in it."""
         self.rounds[bucket] += 1
         r = self.rounds[bucket]
         parity = r % 2
-        self.data[bucket][parity, self.rank, : data.numel()].copy_(data.reshape(-1))
+        self.data[bucket][parity, self.rank].copy_(data)
         self.flags[bucket, parity, self.rank] = r  # after the data: see the module's docstring
         return _HostWork(self, bucket, parity, r, data)
 
@@ -171,8 +166,7 @@ class _HostWork:
                 if now - started > group.timeout:
                     raise TimeoutError(f"the ranks' host-memory sum waited {group.timeout:g} s")
             time.sleep(0 if spins < 2048 else 1e-4)
-        parts = group.data[self.bucket][self.parity, :, : self.out.numel()]
-        out = self.out.view(-1)
-        torch.add(parts[0], parts[1], out=out)
+        parts = group.data[self.bucket][self.parity]
+        torch.add(parts[0], parts[1], out=self.out)
         for part in parts[2:]:
-            out.add_(part)
+            self.out.add_(part)
