@@ -83,7 +83,8 @@ def same_host(a: str, b: str) -> bool:
     return host(a) == host(b) and a.partition("://")[0] in ("tcp", "tls", "inproc")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +107,7 @@ def sweep() -> int:
         try:
             with open(path, "rb") as f:
                 head = np.frombuffer(f.read(_HEADER_WORDS * 8), dtype=np.int64)
-            if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC and not _alive(int(head[OWNER])):
+            if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC and not pid_alive(int(head[OWNER])):
                 os.unlink(path)
                 removed += 1
         except OSError:

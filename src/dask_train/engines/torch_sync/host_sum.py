@@ -42,16 +42,6 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 30
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class HostSum:
     """Sums the ranks' buckets through one segment of their host's memory.
 
@@ -130,7 +120,7 @@ class HostSum:
                 f"Connection closed by peer: rank {aborted - 1} left the group's host-memory sum")
         for peer in waiting_for:
             pid = int(self.pids[peer])
-            if pid and not _alive(pid):
+            if pid and not host_memory.pid_alive(pid):
                 raise ConnectionResetError(
                     f"Connection reset: rank {peer}'s process ({pid}) is gone")
         if not dist.is_initialized():
