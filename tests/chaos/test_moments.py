@@ -20,12 +20,14 @@ from pathlib import Path
 import dask.array as da
 import numpy as np
 import pytest
+import torch
 from distributed import Client
 
 import dask_train as dt
 from dask_train.errors import WorkerLost
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 from _faults import (  # noqa: E402
     JobWatch,
     kill,
@@ -35,6 +37,7 @@ from _faults import (  # noqa: E402
     pid_of,
     summary,
 )
+from _models import DiesAt  # noqa: E402
 
 STRATEGIES = ["async-ps", "sync"]
 
@@ -64,7 +67,8 @@ def _fit(client: Client, strategy: str, **kw) -> dt.FitResult:
     import torch
 
     X, Y, validation = _data()
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    net = kw.pop("net", None) or torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     options = dict(strategy=strategy, lr=1e-2, ps=0 if strategy == "sync" else 1, workers=2,
                    batch_size=32, epochs=2, score_every=0.2, timeout=30, progress=False,
                    client=client)
@@ -136,27 +140,17 @@ def test_a_trainer_killed_as_the_trainers_pause_for_a_checkpoint(
     assert result.history["accuracy"].iloc[-1] > 0.85
 
 
-class _KillAtSamples(dt.Callback):
-    """SIGKILLs a worker at the first score after ``samples`` samples (its pid read now: the
-    callback runs on the client's event loop, where a blocking client call cannot)."""
-
-    def __init__(self, client: Client, victim: str, samples: int) -> None:
-        self.pid, self.samples, self.done = pid_of(client, victim), samples, False
-
-    def on_score(self, record):
-        if not self.done and record["samples"] >= self.samples:
-            self.done = True
-            os.kill(self.pid, signal.SIGKILL)
-        return None
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_second_worker_lost_while_the_job_restarts(own_client: Client, tmp_path: Path,
                                                      strategy: str) -> None:
     # The holder dies mid-epoch; the moment the controller announces the new generation (its
     # roles placed, about to start), the new holder dies too. The job starts a third one.
     roles = _roles(own_client, strategy)
-    first = _KillAtSamples(own_client, _holder(roles, strategy), samples=4000)
+    # Killed at its 62nd training step (mid-epoch 0, after the first checkpoint), however fast
+    # the job trains: a kill at a score could land after this two-epoch job ended.
+    first = _holder(roles, strategy)
+    net = DiesAt(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                     torch.nn.Linear(16, 3)), pid_of(own_client, first), 62)
     watch = JobWatch(own_client)
     second: list[str] = []
 
@@ -170,12 +164,12 @@ def test_a_second_worker_lost_while_the_job_restarts(own_client: Client, tmp_pat
     thread.start()
     config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None, every_steps=40,
                                  keep=3)
-    result = _fit(own_client, strategy, checkpoint=config, callbacks=[first],
+    result = _fit(own_client, strategy, checkpoint=config, net=net,
                   failure=dt.FailureConfig(max_failures=3))
     thread.join(timeout=5)
-    assert first.done and second, summary(result)
+    assert second, summary(result)
     restarts = [f for f in result.failures if f["action"] == "restart"]
-    assert [f["worker"] for f in restarts] == [_holder(roles, strategy), second[0]], summary(result)
+    assert [f["worker"] for f in restarts] == [first, second[0]], summary(result)
     assert result.generations == 3, summary(result)
     _assert_every_sample_once(result)
     assert result.history["accuracy"].iloc[-1] > 0.85

@@ -52,3 +52,27 @@ class Recorder(torch.nn.Module):
             with path.open("a") as f:
                 np.savetxt(f, x[:, 0].detach().numpy().astype(np.int64), fmt="%d")
         return self.linear(x)
+
+
+class DiesAt(torch.nn.Module):
+    """Wraps a module; the worker process ``pid`` SIGKILLs itself at its ``batches``-th training
+    forward, i.e. mid-epoch however fast the job trains.
+
+    A kill from a callback at a score can land after a fast job has already ended (its first score
+    is its last); this one lands while that process trains. Other processes (their own copies, a
+    restarted worker's new pid) train normally, and scoring (eval mode) counts nothing.
+    """
+
+    def __init__(self, module: torch.nn.Module, pid: int, batches: int) -> None:
+        super().__init__()
+        self.module = module
+        self.pid, self.batches, self.seen = pid, batches, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and os.getpid() == self.pid:
+            self.seen += 1
+            if self.seen >= self.batches:
+                import signal
+
+                os.kill(self.pid, signal.SIGKILL)
+        return self.module(x)

@@ -75,6 +75,9 @@ class Granter:
         self.out_of_blocks = out_of_blocks
         self.addresses = list(trainers)
         self.feeds: list[tuple[int, Future]] = []  # (trainer, feed task) not yet released
+        # A block's feed task -> (its assignment, its arguments), to send it again if Dask
+        # cancels it (see refeed_cancelled).
+        self.assigned: dict[str, tuple[Any, dict[str, Any]]] = {}
         self.direct_feeds: set[asyncio.Task[None]] = set()
         self.ended = [False] * len(self.addresses)
         self.idle = [False] * len(self.addresses)  # out of blocks, waiting for the job's end
@@ -172,18 +175,51 @@ class Granter:
         return common
 
     def _feed_task(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> Future:
-        return self.pinned(
+        # The sequence number is in the key: a block fed again after a cancel gets a new one.
+        fut = self.pinned(
             feed_block, self.blocks.block_input(a.block), address=address,
-            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}", retries=self.blocks.retries,
-            epoch=a.epoch, block=a.block, skip=a.skip, **common)
+            key=f"dt-feed-{a.epoch}-{a.block}-{trainer}-{common['seq']}",
+            retries=self.blocks.retries, epoch=a.epoch, block=a.block, skip=a.skip, **common)
+        self.assigned[str(fut.key)] = (a, common)
+        return fut
+
+    def refeed_cancelled(self) -> int:
+        """Send again the feed tasks Dask cancelled while their trainer lives; how many.
+
+        A feed task of in-memory input depends on a scattered block; when the worker holding it
+        dies before the block was copied, the scheduler cancels the task ("lost dependencies")
+        and the trainer would wait for it until its timeout. The block is scattered again from
+        the client and fed under the same sequence number, so the trainer reads it in order.
+        """
+        again, keep = 0, []
+        for trainer, fut in self.feeds:
+            key = str(fut.key)
+            if fut.status == "cancelled" and key in self.assigned and not self.stopping \
+                    and trainer not in self.retired:
+                a, common = self.assigned.pop(key)
+                self._rescatter_then_feed(trainer, self.addresses[trainer], a, common,
+                                          again=True)
+                again += 1
+            else:
+                keep.append((trainer, fut))
+        self.feeds = keep
+        return again
+
+    def forget_done(self) -> None:
+        """Drop the finished feed tasks (cancelled ones stay until :meth:`refeed_cancelled`)."""
+        self.feeds = [(t, f) for t, f in self.feeds if f.status != "finished"]
+        live = {str(f.key) for _, f in self.feeds}
+        self.assigned = {k: v for k, v in self.assigned.items() if k in live}
 
     def _rescatter_then_feed(self, trainer: int, address: str, a: Any,
-                             common: dict[str, Any]) -> None:
+                             common: dict[str, Any], *, again: bool = False) -> None:
         """In-memory input whose worker was lost (Dask cannot recompute scattered data): send the
-        block from the client again, then feed it by task."""
+        block from the client again, then feed it by task (``again``: its feed task was
+        cancelled; the block is sent only if it is still lost)."""
 
         async def send() -> None:
-            await self.blocks.rescatter(self.client, a.block)
+            if not again or self.blocks.lost(a.block):
+                await self.blocks.rescatter(self.client, a.block)
             if not self.stopping:
                 self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
 

@@ -290,7 +290,8 @@ class RoleEngine(Engine):
         for _trainer, fut in granter.feeds:
             if fut.status == "error":
                 await self.raise_role_error(fut, f"feeding block task {fut.key}")
-        granter.feeds = [(t, f) for t, f in granter.feeds if f.status != "finished"]
+        granter.refeed_cancelled()
+        granter.forget_done()
         return []
 
     def _lost_roles(self, alive: Mapping[str, int]) -> list[Failure]:
