@@ -59,6 +59,11 @@ class DataUnreadable(InvalidInput):
     """
 
 
+class DataDoesNotFit(DaskTrainError, MemoryError):
+    """Persisting the data stalled because the workers that must hold it are paused at their
+    memory limit; the message names them, their limits, and ``data="stream"``."""
+
+
 class BlockReadError(DaskTrainError, RuntimeError):
     """A block of streamed training data could not be read on a worker, after its retries;
     the message names the block, its Dask key, the worker and the cause (chained)."""

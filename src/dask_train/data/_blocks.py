@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 from dask.base import tokenize
 from distributed import Client, Future
 
+from dask_train.data._stall import wait_futures, wait_persisted
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
 from dask_train.policy._scope import current_scope, in_scope
@@ -271,40 +271,14 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
     """
     futures = client.compute(pair_parts(X, y, dtype=dtype, weights=weights))
     # Inside the client's event loop distributed.wait returns a coroutine; it waits without
-    # bringing any block to the client.
-    await wait_futures(futures)
+    # bringing any block to the client. A worker paused at its memory limit would make it
+    # wait for ever: that ends in DataDoesNotFit, naming the worker.
+    await wait_persisted(client, futures, what="X and y" if y is not None else "X")
     failed = [f for f in futures if f.status == "error"]
     if failed:
         await failed[0]  # re-raises the remote exception with its traceback
     rows = [int(r) for r in X.chunks[0]]
     return await spread_blocks(client, list(futures), rows)
-
-
-async def wait_futures(futures: list[Future], timeout: float | None = None) -> None:
-    """Wait, on the running event loop, until every future is finished, erred or cancelled.
-
-    Not ``distributed.wait``: it waits through the *current default* client, which in a thread
-    holding another client (``with Client(...)``, a search trial) is not the futures' own, and
-    the wait never ends. A future's own done-callback reports to this loop instead. Raises
-    ``TimeoutError`` after ``timeout`` seconds.
-    """
-    pending = [f for f in futures if f.status == "pending"]
-    if not pending:
-        return
-    loop = asyncio.get_running_loop()
-    left, done = [len(pending)], asyncio.Event()
-
-    def one_done() -> None:
-        left[0] -= 1
-        if left[0] <= 0:
-            done.set()
-
-    for future in pending:
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(one_done))
-    try:
-        await asyncio.wait_for(done.wait(), timeout)
-    except asyncio.TimeoutError:  # a distinct class before Python 3.11
-        raise TimeoutError(f"futures not done within {timeout} s") from None
 
 
 def _rows_like(a: da.Array, X: da.Array) -> da.Array:
