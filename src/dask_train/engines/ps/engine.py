@@ -92,6 +92,7 @@ class AsyncPSEngine(RoleEngine):
             return
         # Workers without a live trainer (a replaced scorer may already run on a new worker).
         used = {self.roles["worker"][i] for i in live}
+        await self.module_again()
         for address in [a for a in sorted(alive) if a not in used][: self.spec.workers - len(live)]:
             index = self.ledger.add_trainer(address)
             self.roles = self.roles.replace("worker", [*self.roles["worker"], address])

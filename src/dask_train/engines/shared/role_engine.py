@@ -27,8 +27,9 @@ from dask_train.engines.shared import scorer as _scorer
 from dask_train.engines.shared.granting import Granter, pin
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.shared.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
-from dask_train.models._transport import ModulePayload, as_sent, travelling
+from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
 from dask_train.policy._placement import Roles
@@ -128,6 +129,14 @@ class RoleEngine(Engine):
             for i in range(len(self.roles["worker"])):
                 self.granter.grant(i)
 
+    async def module_again(self) -> None:
+        """Send the model again if its scattered copy was lost with its worker (a replaced
+        scorer or a joining trainer takes it as an argument; see :func:`send_module`)."""
+        if self.module_f is not None and is_lost(self.module_f):
+            self.module_f = await send_module(self.client, travelling(self.spec.module), self.job)
+            logger.info("job %s: the model was sent again: the worker holding it was lost",
+                        self.job)
+
     def _trainer_task(self, index: int, address: str) -> Future:
         return self.pinned(type(self).run_trainer, self.module_f, address=address,
                            key=f"dt-worker-{index}", job=self.job, index=index,
@@ -149,6 +158,7 @@ class RoleEngine(Engine):
             [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
                                                 asynchronous=True)
         suffix = f"-r{self.scorer_restarts}" if self.scorer_restarts else ""
+        await self.module_again()
         self.scorer_future = self.pinned(
             _scorer.run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
             job=self.job, shards=self.shards, config=config)
@@ -471,24 +481,3 @@ class RoleEngine(Engine):
             holders = [a for where in who_has.values() for a in where]
         await run_on_live(self.client, worker_side.drop_job, self.job,
                           workers=sorted(set(self.roles.addresses) | set(holders)))
-
-
-#: Models (and validation pairs) up to this many bytes travel inside a task (see send_module).
-EMBED_MODULE_BYTES = 32 << 20
-
-
-async def send_module(client: Client, payload: Any, job: str) -> Future:
-    """The model on the cluster, for the roles' tasks to take as an argument.
-
-    A model pickled to at most :data:`EMBED_MODULE_BYTES` goes inside a task (one copy in the
-    scheduler while the job runs): its result is an ordinary graph key, which Dask recomputes
-    when the worker holding it dies, so a restarted or joining role still gets it and nothing
-    is logged as lost. A larger model is scattered to one worker (never through the
-    scheduler), as are models that are no :class:`~dask_train.models._transport.ModulePayload`.
-    """
-    size = payload.nbytes if isinstance(payload, ModulePayload) else None
-    if size is not None and size <= EMBED_MODULE_BYTES:
-        return client.submit(as_sent, payload, pure=False, key=f"dt-module-{job}")
-    future: Future = await client.scatter(payload, hash=False, asynchronous=True)
-    return future
-
