@@ -28,7 +28,8 @@ from dask_train.engines.shared.granting import Granter, pin
 from dask_train.engines.shared.holders import pull_params_task
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.sending import EMBED_MODULE_BYTES, is_lost, send_module
-from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
+from dask_train.engines.shared.waiting import gather_watching, raise_if_gone
+from dask_train.errors import RoleFailed, TrainingTimeout
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
@@ -369,8 +370,7 @@ class RoleEngine(Engine):
                         metadata={**metadata, "start": str(ref.start), "stop": str(ref.stop)})
             for ref in self.shards
         ]
-        await self.wait_for_holders(futures, what=f"writing checkpoint {directory}")
-        results = await self.client.gather(futures, asynchronous=True)
+        results = await self.gather_from_holders(futures, what=f"writing checkpoint {directory}")
         return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref, r in zip(self.shards, results)]
 
@@ -390,15 +390,17 @@ class RoleEngine(Engine):
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     break  # wait_for below raises TrainingTimeout
-                alive = await alive_workers(self.client)
-                gone = [(addr, role) for addr, role in holders.items() if addr not in alive]
-                if gone:
-                    for fut in futures if release else []:
-                        fut.release()
-                    addr, role = gone[0]
-                    raise WorkerLost(f"{what}: {role}'s worker {addr} left the cluster",
-                                     worker=addr, role=role) from None
+                await raise_if_gone(self.client, holders, futures if release else [], what)
         await self.wait_for(futures, what=what)
+
+    async def gather_from_holders(self, futures: list[Future], *, what: str,
+                                  holders: Mapping[str, str] | None = None) -> list[Any]:
+        """:meth:`wait_for_holders`, then the results (see :func:`.waiting.gather_watching`)."""
+        await self.wait_for_holders(futures, what=what, holders=holders)
+        release = holders is None
+        holders = holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
+        return await gather_watching(self.client, futures, what=what, holders=holders,
+                                     release=release, timeout=self.spec.timeout)
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
@@ -417,22 +419,20 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.signal_stop, self.job,
                           workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
-        await self.wait_for_holders(live, what="stopping the trainers", holders={
+        trainers = await self.gather_from_holders(live, what="stopping the trainers", holders={
             self.roles["worker"][i]: f"worker-{i}" for i in self.live()})
-        trainers = [await f for f in live]
         await self._drain_events()
         final = None
         if self.scorer_future is not None:
             if keep_step is None:  # the final parameters' score, once the trainers stopped
                 await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
                                   keep_step=None, workers=self.roles["scorer"])
-            await self.wait_for_holders([self.scorer_future], what="the final score",
-                                        holders={self.roles["scorer"][0]: "scorer-0"})
-            final = await self.scorer_future
+            [final] = await self.gather_from_holders(
+                [self.scorer_future], what="the final score",
+                holders={self.roles["scorer"][0]: "scorer-0"})
         pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",
                              job=self.job, index=ref.index) for ref in self.shards]
-        await self.wait_for_holders(pulls, what="pulling the final parameters")
-        parts = await self.client.gather(pulls, asynchronous=True)
+        parts = await self.gather_from_holders(pulls, what="pulling the final parameters")
         import numpy as np
 
         return Ending(params=np.concatenate([p[0] for p in parts]),
