@@ -218,18 +218,42 @@ def test_a_crashed_runs_namespaces_and_processes_are_cleaned_up() -> None:
 
 
 class _KillHost(dt.Callback):
-    """Kills every process of a host (nanny and worker) once the job has applied ``samples``."""
+    """Kills every process of a host (nanny and worker) once the job has applied ``samples``,
+    and ``gap_s`` after the kill ``after`` (so that the controller has seen that loss first)."""
 
-    def __init__(self, cluster: NetnsCluster, address: str, samples: int) -> None:
+    def __init__(self, cluster: NetnsCluster, address: str, samples: int, *,
+                 after: _KillHost | None = None, gap_s: float = 2.0) -> None:
         self.cluster, self.host, self.samples = cluster, cluster.host_of(address), samples
+        self.after, self.gap_s = after, gap_s
         self.killed_at: float | None = None
 
     def on_score(self, record):
-        if self.killed_at is None and record["samples"] >= self.samples:
-            self.killed_at = time.monotonic()
-            # Off the controller's event loop: killing waits for the processes to be reaped.
-            threading.Thread(target=self.cluster.kill_host, args=(self.host,), daemon=True).start()
+        if self.killed_at is not None or record["samples"] < self.samples:
+            return None
+        if self.after is not None and (self.after.killed_at is None
+                                       or time.monotonic() - self.after.killed_at < self.gap_s):
+            return None
+        self.killed_at = time.monotonic()
+        # Off the controller's event loop: killing waits for the processes to be reaped.
+        threading.Thread(target=self.cluster.kill_host, args=(self.host,), daemon=True).start()
         return None
+
+
+def _paced_net(pause_s: float) -> torch.nn.Module:
+    """:func:`_net` pausing ``pause_s`` at each training step: parameters in host memory train
+    this job in a second, before the kills' scores; paced, it trains for about ten."""
+
+    class Paced(torch.nn.Module):  # defined here, so that it travels by value to the hosts
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                time.sleep(pause_s)
+            return self.net(x)
+
+    return Paced()
 
 
 def test_killed_hosts_are_survived_and_the_new_server_reads_the_shared_checkpoint(
@@ -239,9 +263,11 @@ def test_killed_hosts_are_survived_and_the_new_server_reads_the_shared_checkpoin
     roles = dt.start_roles(mh_client, ps=1, worker=2, scorer=1)
     trainer_host, server_host = roles["worker"][1], roles["ps"][0]
     assert _host_ip(trainer_host) != _host_ip(server_host)
-    kills = [_KillHost(hosts, trainer_host, 15_000), _KillHost(hosts, server_host, 40_000)]
+    first = _KillHost(hosts, trainer_host, 15_000)
+    kills = [first, _KillHost(hosts, server_host, 40_000, after=first)]
     result = dt.Trainer(
-        _net(), lr=3e-3, ps=1, workers=2, scorer=1, batch_size=64, epochs=2, score_every=0.2,
+        _paced_net(0.004), lr=3e-3, ps=1, workers=2, scorer=1, batch_size=64, epochs=2,
+        score_every=0.2,
         progress=False, callbacks=kills, client=mh_client, timeout=60,
         checkpoint=dt.CheckpointConfig(str(tmp_path), every_seconds=None, every_steps=100, keep=3),
     ).fit(X, y, validation=validation)

@@ -82,6 +82,29 @@ def test_a_lost_worker_counts_once_whatever_roles_it_held() -> None:
     assert "failure 2 is more than max_failures=1" in str(run.error)
 
 
+def test_a_server_and_a_trainer_lost_in_one_pass_are_both_recorded() -> None:
+    # Two hosts died together (the server's first in the pass): the server's loss restarts
+    # the job, and the trainer's is still a failure of its own, counted against max_failures.
+    faults = [Fault(Failure("ps", 0, "tcp://10.0.0.3:4000", "removed from the scheduler")),
+              Fault(Failure("worker", 1, "tcp://10.0.0.6:4000", "removed from the scheduler"))]
+    first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
+                       faults=faults)
+    second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))], ends_at=0.1,
+                        strategy="async-ps")
+    roles = {"ps": 1, "worker": 2}
+    outcome = _ok(_run([first, second], _spec(strategy="async-ps"), roles=roles))
+    assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
+        [("ps-0", "restart", 1), ("worker-1", "continue", 2)]
+    assert outcome.log.generations == 2
+
+    first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
+                       faults=faults)
+    run = _run([first], _spec(strategy="async-ps", failure=FailureConfig(max_failures=1)),
+               roles=roles)
+    assert isinstance(run.error, WorkerLost) and run.error.role == "worker-1"
+    assert "failure 2 is more than max_failures=1" in str(run.error)
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_a_restart_says_how_many_samples_are_trained_again(tmp_path: Path,
                                                             checkpoint: bool) -> None:

@@ -70,19 +70,24 @@ class Losses:
                   *, has_checkpoint: bool) -> Failure | None:
         """Decide on each failure in turn and act: the scorer replaced, an async trainer
         retired. Returns the first failure that needs a new generation (None: the survivors
-        go on)."""
+        go on). Every failure of the pass is decided and recorded, also those after one that
+        restarts: two hosts lost together are two records in ``result.failures``, and two
+        losses against ``max_failures``."""
+        restart: Failure | None = None
         for i, failure in enumerate(failures):
             # A worker that held several roles (a trainer and the scorer) is one loss.
             again = any(f.worker == failure.worker for f in failures[:i])
             action = self.decide(engine, failure, alive, has_checkpoint=has_checkpoint,
                                  same_loss=again)
+            if restart is not None:
+                continue  # the new generation starts on the live workers only
             if action is Action.RESTART:
-                return failure
-            if action is Action.REPLACE:
+                restart = failure
+            elif action is Action.REPLACE:
                 await engine.replace_scorer(alive)
             else:
                 await engine.retire_trainer(failure.index)
-        return None
+        return restart
 
     async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
         """The roles whose worker has left the cluster, and the live workers."""
