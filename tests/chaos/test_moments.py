@@ -216,8 +216,12 @@ def test_a_worker_killed_as_a_score_stops_the_job(own_client: Client, tmp_path: 
     else:
         # The parameters were lost with their holder: the stop is withdrawn, a new generation
         # trains from the checkpoint to the job's end.
-        [failure] = result.failures
+        # One record per role the holder had (the server or rank 0 first: it restarts), one
+        # loss.
+        failure = result.failures[0]
         assert failure["action"] == "restart" and failure["worker"] == victim
+        assert {(f["worker"], f["loss"]) for f in result.failures} == {(victim, 1)}, \
+            summary(result)
         assert result.generations == 2 and result.stopped_by == "epochs=2", summary(result)
         _assert_every_sample_once(result)
     assert result.history["accuracy"].iloc[-1] > 0.85

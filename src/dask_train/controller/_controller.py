@@ -411,7 +411,9 @@ class Controller:
         # generation's ledger starts from the checkpoint's, or from nothing).
         kept = int(self.restore.manifest.get("samples", 0)) if self.restore else 0
         redone = max(0, applied - kept)
-        self.log.failures[-1]["redone"] = redone
+        # The restarting loss's record: others of its pass may come after it.
+        record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
+        record["redone"] = redone
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
