@@ -382,7 +382,7 @@ class RoleEngine(Engine):
         would wait until the timeout, and the loss is the controller's to act on."""
         deadline = time.monotonic() + self.spec.timeout
         release = holders is None
-        holders = holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
+        holders = self._holders(holders)
         while True:
             try:
                 await wait_futures(futures, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -397,10 +397,13 @@ class RoleEngine(Engine):
                                   holders: Mapping[str, str] | None = None) -> list[Any]:
         """:meth:`wait_for_holders`, then the results (see :func:`.waiting.gather_watching`)."""
         await self.wait_for_holders(futures, what=what, holders=holders)
-        release = holders is None
-        holders = holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
-        return await gather_watching(self.client, futures, what=what, holders=holders,
-                                     release=release, timeout=self.spec.timeout)
+        return await gather_watching(self.client, futures, what=what,
+                                     holders=self._holders(holders), release=holders is None,
+                                     timeout=self.spec.timeout)
+
+    def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
+        """``holders``, by default the parameter holders' addresses -> roles."""
+        return holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
