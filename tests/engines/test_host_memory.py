@@ -4,6 +4,7 @@ leaves the segment's readers whole."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import multiprocessing
 import os
@@ -134,6 +135,65 @@ def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
         assert after == version + 1
         last_version = after
     assert torn >= 1, "no kill landed inside an update: the test did not test it"
+    server.close()
+
+
+def _push_blocks_forever(path: str) -> None:
+    # One row per push, each in a new block numbered by the shard's count before it: a shard
+    # whose counters and positions agree holds samples == its newest block + 1.
+    shard = ShardServer.attach(path)
+    assert shard is not None
+    grad = np.full(shard.param.numel(), 1e-3, dtype=np.float32)
+    block = shard.samples
+    while True:
+        shard.apply(grad, 1, (1, 0, block, 1))
+        block += 1
+
+
+def _kill_pushers(path: str, kills: int, seed: int) -> tuple[list[str], int]:
+    """In a process of its own (no threads, so it may fork): fork a pusher, SIGKILL it at a
+    random moment, check the shard, ``kills`` times. Returns (disagreements, kills inside)."""
+    shard = ShardServer.attach(path)
+    assert shard is not None and shard.host is not None
+    rng, wrong, inside = np.random.default_rng(seed), [], 0
+    for _ in range(kills):
+        before = shard.samples
+        pid = os.fork()
+        if pid == 0:  # the pusher
+            try:
+                _push_blocks_forever(path)
+            finally:
+                os._exit(1)
+        while shard.samples < before + 20:
+            time.sleep(0.001)
+        time.sleep(float(rng.uniform(0, 0.005)))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        inside += bool(shard.host.header[host_memory.WRITER])
+        blocks = shard.positions[1]  # under the lock: a dead writer's push is settled first
+        if shard.samples != max(b for _, b in blocks) + 1 or set(blocks.values()) != {1}:
+            wrong.append(f"samples {shard.samples}, recorded {blocks}")
+    shard.close()
+    return wrong, inside
+
+
+def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded() -> None:
+    """SIGKILL processes pushing small updates, at random moments: after each kill the shard's
+    sample count and the trainer's recorded position agree, so the rows the controller re-feeds
+    after the loss are exactly those the count left out.
+
+    The chaos search once counted one batch twice: the count was written before the position,
+    and the kill fell between them (about one kill in 30 here did, before the fix)."""
+    path = _path("positions")
+    server = ShardServer(np.zeros(1000, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
+    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        wrong, inside = pool.submit(_kill_pushers, path, 300, 1).result(timeout=240)
+    assert not wrong, wrong[:5]
+    assert inside >= 100, "few kills landed inside a push: the test did not test it"
+    params, version, samples, _ = server.pull()
+    assert np.isfinite(params).all() and samples == version
     server.close()
 
 

@@ -19,10 +19,13 @@ different stripes of the parameters at once. Reads for the next gradient take no
 gradient is computed on parameters at most one update per other trainer old, possibly with one
 update half-applied (Hogwild's bound: at most ``trainers - 1`` updates of staleness). A process
 killed inside an update releases the lock with the kernel; the next holder finds its pid in the
-header, counts a torn update and goes on. Every element is a whole float (aligned 4-byte stores),
-so a reader never sees a corrupt value, only a mix of the update's before and after; the counters
-and positions are written after the step, so the torn update's rows count as not applied and are
-trained again.
+header, counts a torn update, completes its bookkeeping and goes on. Every element is a whole
+float (aligned 4-byte stores), so a reader never sees a corrupt value, only a mix of the update's
+before and after. Before an update starts, its writer puts its intent in the header (the counters
+before it, its rows, the position it records); the next holder after a loss inside it sets the
+counters and the position from that intent. So a torn update's rows count as applied, once, with
+whatever part of its gradient was written: had the count moved and the position not (a kill between
+the two), the controller would re-feed rows the count already held, and apply them twice.
 
 Lifetime: the shard's server creates the file (``O_EXCL``, mode 0600, space reserved with
 ``posix_fallocate`` so a full ``/dev/shm`` is an error at creation, never a SIGBUS later) and
@@ -40,7 +43,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,9 @@ _MAGIC = 0x64745F73686D3031  # "dt_shm01"
 _HEADER_WORDS = 16
 # Header words.
 MAGIC, LAYOUT_BYTES, VERSION, SAMPLES, WRITER, TORN, OWNER, HAS_BUFFERS, ABORTED = range(9)
+#: An update's intent (see ``updating``): version and samples before it, its rows, and the position
+#: it records as trainer, epoch, block, rows (trainer -1: none).
+INTENT = slice(9, 16)
 _LAYOUT_AT = _HEADER_WORDS * 8
 _LAYOUT_MAX = 4096 - _LAYOUT_AT
 #: Trainers whose recent blocks a segment remembers, and blocks per trainer (as ShardServer).
@@ -224,22 +230,38 @@ class HostSegment:
                 writer = int(self.header[WRITER])
                 if writer:
                     self.header[TORN] += 1
+                    self._complete()
                     self.header[WRITER] = 0
-                    logger.info("process %d was lost inside an update of %s: that update is "
-                                "partly applied and its rows are trained again", writer, self.path)
+                    logger.info("process %d was lost inside an update of %s: its rows count as "
+                                "applied, with what part of its step was written", writer,
+                                self.path)
                 yield
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
-    def updating(self) -> Iterator[None]:
-        """Mark an update in progress (call while :meth:`locked`): a process lost inside it is
-        seen by the next holder."""
-        self.header[WRITER] = self.pid
+    def updating(self, samples: int, position: Sequence[int] | None = None) -> Iterator[None]:
+        """Mark an update of ``samples`` rows in progress (call while :meth:`locked`); inside it
+        the caller steps, adds one to the version and ``samples`` to the count, and records
+        ``position`` (trainer, epoch, block, rows). A process lost inside it is seen by the next
+        holder, who completes those counters and that position."""
+        header = self.header
+        trainer, epoch, block, rows = (-1, 0, 0, 0) if position is None else \
+            (int(p) for p in position[:4])
+        header[INTENT] = (header[VERSION], header[SAMPLES], samples, trainer, epoch, block, rows)
+        header[WRITER] = self.pid  # last: from here on the intent is whole
         try:
             yield
         finally:
-            self.header[WRITER] = 0
+            header[WRITER] = 0
+
+    def _complete(self) -> None:
+        # Absolute values, and record() sets a block's rows: completing twice changes nothing.
+        version, samples, rows_in, trainer, epoch, block, rows = (int(v) for v in
+                                                                   self.header[INTENT])
+        self.header[VERSION], self.header[SAMPLES] = version + 1, samples + rows_in
+        if trainer >= 0:
+            self.record(trainer, epoch, block, rows)
 
     # -- counters and positions ----------------------------------------------------------------
 

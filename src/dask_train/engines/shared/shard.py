@@ -8,6 +8,7 @@ on the same host :meth:`~ShardServer.attach`\\ es to it and calls the same :meth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -144,11 +145,15 @@ class ShardServer(FlatOptimizer):
         if len(seen) > _POSITIONS_KEPT:
             del seen[next(iter(seen))]  # the oldest: dicts keep insertion order
 
-    def _step(self, samples: int) -> None:
+    def _updating(self, samples: int, position: Sequence[int] | None = None
+                  ) -> contextlib.AbstractContextManager[None]:
+        # In host memory, a process lost inside the update leaves it to be completed.
         if self.host is None:
-            super()._step(samples)
-            return
-        with self.host.updating():
+            return contextlib.nullcontext()
+        return self.host.updating(samples, position)
+
+    def _step(self, samples: int) -> None:
+        with self._updating(samples):
             super()._step(samples)
 
     # -- pushes ---------------------------------------------------------------------------------
@@ -176,12 +181,15 @@ class ShardServer(FlatOptimizer):
                 return self._params_out(), self.version, True
             # Copy into a grad buffer we own: received frames may be read-only.
             self.grad.numpy()[:] = grad
-            self._step(samples)
-            if buffers is not None:
-                # A copy: a received frame may be read-only or share memory with the message.
-                self.buffers = np.array(buffers, dtype=np.float64)
-            if position is not None:
-                self._record(position)
+            # The count and the position in one update: a loss between them would count rows
+            # that the controller then re-feeds.
+            with self._updating(samples, position):
+                super()._step(samples)
+                if buffers is not None:
+                    # A copy: a received frame may be read-only or share memory with the message.
+                    self.buffers = np.array(buffers, dtype=np.float64)
+                if position is not None:
+                    self._record(position)
             version, stop = self.version, self.at_limit()
             if self.stats is not None:  # here: pushes over RPC and local calls both apply
                 self.stats.report(step=version, updates=version, samples=self.samples)
