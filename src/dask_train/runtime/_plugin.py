@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -224,6 +225,40 @@ def _lazy_handler(worker: Worker, name: str, target: str) -> Any:
     return handler
 
 
+_HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+
+
+class _ClosingHeartbeat(logging.Filter):
+    """Leaves out distributed's heartbeat error of a worker that is closing.
+
+    A heartbeat in flight when its worker closes fails as the worker closes its own connections,
+    and distributed logs it as an ERROR with a traceback, though nothing went wrong: seen at the
+    end of a script on the embedded cluster under load. A heartbeat that fails while its worker
+    runs is still logged. The workers of one process are one set: an in-process cluster's
+    closing worker quiets the others' heartbeat errors while it closes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not str(record.msg).startswith(_HEARTBEAT_FAILED):
+            return True
+        return not any(w.status.name in _CLOSING for w in list(self.workers))
+
+
+_CLOSING = frozenset({"closing", "closed", "closing_gracefully", "failed"})
+_closing_heartbeat = _ClosingHeartbeat()
+
+
+def _quiet_closing_heartbeat(worker: Worker) -> None:
+    log = logging.getLogger("distributed.worker")
+    if _closing_heartbeat not in log.filters:
+        log.addFilter(_closing_heartbeat)
+    _closing_heartbeat.workers.add(worker)
+
+
 class DaskTrainPlugin(WorkerPlugin):
     """Installs dask-train's RPC handlers and thread settings on every worker.
 
@@ -260,13 +295,14 @@ class DaskTrainPlugin(WorkerPlugin):
         objects alive now moves them out of the collector's reach; the process ends right after.
         Only when the worker is closing: a plugin is also torn down when it is registered again.
         """
-        if worker.status.name in ("closing", "closed", "closing_gracefully", "failed"):
+        if worker.status.name in _CLOSING:
             gc.freeze()
 
     def setup(self, worker: Worker) -> None:
         if self.preload:
             threading.Thread(target=_preload, args=(self.preload,), daemon=True,
                              name="dask-train-preload").start()
+        _quiet_closing_heartbeat(worker)
         state = worker_state(worker)
         state.torch_threads = self.torch_threads or state.torch_threads
         configure_tensorflow(int(state.torch_threads or worker.state.nthreads))
