@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import dask.array as da
@@ -260,17 +261,40 @@ def test_trainers_of_one_host_train_in_host_memory_as_well_as_over_the_network(
     assert _segments() - before == set()  # every segment removed with its job
 
 
+def _pinned(client: Client, X: np.ndarray, y: np.ndarray, *, blocks: int
+            ) -> tuple[da.Array, da.Array]:
+    """``X`` and ``y`` as dask arrays of ``blocks`` blocks under new keys, block i on the i-th
+    worker (round robin) and on no other: persisted arrays, their graphs the blocks' futures
+    as ``client.persist`` returns them."""
+    workers = sorted(client.scheduler_info()["workers"])
+    n, token = len(X) // blocks, uuid.uuid4().hex
+    parts = []
+    for name, array in (("X", X), ("y", y)):
+        key = f"pinned-{name}-{token}"
+        futures = {}
+        for i in range(blocks):
+            index = (key, i) + (0,) * (array.ndim - 1)
+            futures.update(client.scatter({index: array[i * n:(i + 1) * n]}, hash=False,
+                                          workers=[workers[i % len(workers)]]))
+        chunks = ((n,) * blocks, *((d,) for d in array.shape[1:]))
+        parts.append(da.Array(dict(futures), key, chunks, dtype=array.dtype))
+    return parts[0], parts[1]
+
+
 def test_sync_ranks_of_one_host_sum_in_its_memory_exactly_as_over_gloo(client: Client) -> None:
     """Two sync ranks on one host sum their gradients through host memory; the sum is the one
     gloo's path makes (the ranks' parts added in rank order), so the models are equal bitwise."""
-    X, y = _digits(16_000)  # 8 blocks
-    X, y = client.persist([X, y])  # one placement for both runs
+    X, y = (a.compute() for a in _digits(16_000))
 
     def fit():  # noqa: ANN202
-        # blocks_ahead=4: all 8 blocks are granted at the start, each to the rank beside it.
+        # Each run on fresh blocks, four on each worker and nowhere else: blocks_ahead=4 grants
+        # all 8 at the start, each to the rank beside it. (Placed by persist, the blocks were
+        # once 5 and 3, or a block the first run had copied was on both workers: the second
+        # run's ranks then drew other blocks and other batches.)
+        Xp, yp = _pinned(client, X, y, blocks=8)
         return dt.Trainer(mlp(64, 32, 10), strategy="sync", lr=1e-3, workers=2, scorer=0,
                           batch_size=64, epochs=2, seed=3, blocks_ahead=4, progress=False,
-                          client=client).fit(X, y)
+                          client=client).fit(Xp, yp)
 
     with over_the_network(client):
         network = fit()
@@ -283,6 +307,9 @@ def test_sync_ranks_of_one_host_sum_in_its_memory_exactly_as_over_gloo(client: C
         return sorted(map(tuple, result.ledger[["epoch", "block", "trainer"]].to_numpy().tolist()))
 
     assert assigned(shared) == assigned(network)
+    # Each block went to the rank beside it: the even blocks to one rank, the odd to the other.
+    ranks = {(b % 2, t) for _, b, t in assigned(shared)}
+    assert len(ranks) == 2 and {t for _, t in ranks} == {0, 1}, assigned(shared)
     for a, b in zip(shared.model.parameters(), network.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
