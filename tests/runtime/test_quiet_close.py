@@ -1,6 +1,6 @@
 """A worker that closes with a heartbeat in flight logs no error once dask-train's plugin is on
-it (CI saw "Failed to communicate with scheduler during heartbeat." and its traceback at the end
-of the README quickstart, on a loaded machine).
+it (a fresh-clone `.ci/run` saw "Failed to communicate with scheduler during heartbeat." and its
+traceback at the end of the README quickstart, on a loaded machine).
 
 Each case runs in a process of its own, a real scheduler and worker in it, the scheduler's
 heartbeat handler slowed so that the worker closes while its heartbeat waits; without the plugin
