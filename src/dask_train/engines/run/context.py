@@ -28,14 +28,12 @@ from dask_train.checkpoint._io import options_of
 from dask_train.checkpoint._sharded import load_sharded, save_sharded
 from dask_train.data._feed import FeedItem, block_order
 from dask_train.engines._events import Reported, ShareDone
+from dask_train.engines.run.metrics import REDUCTIONS, numbers
 from dask_train.engines.shared.harness import TrainerRole, rng_state
 from dask_train.errors import InvalidInput
 
 logger = logging.getLogger(__name__)
 
-REDUCTIONS = (None, "mean", "sum", "min", "max")
-#: Columns every history record has from the job itself (see controller._record).
-_HISTORY_COLUMNS = frozenset({"time_s", "step", "epoch", "samples", "samples_per_s", "worker"})
 
 
 @dataclass(frozen=True)
@@ -142,6 +140,7 @@ class RunContext:
         self._stats = role.stats(start={"steps": restored_steps}) if run.train is not None \
             else None
         self._joinables: list[Any] = []
+        self._host: Any = None  # the models averaged through host memory (host_parallel.HostGroup)
         self._last_batch: Any = None  # what ctx.batches(even=True) repeats once a share ran out
         self._reports = 0
         self._stop = False
@@ -157,11 +156,14 @@ class RunContext:
     def prepare(self, model: Any, **ddp_options: Any) -> Any:
         """``model`` on this rank's device, wrapped for data-parallel training over the ranks.
 
-        With more than one rank the model is wrapped in
-        ``torch.nn.parallel.DistributedDataParallel`` (``ddp_options`` go to it), which starts
-        every rank from rank 0's parameters and averages the gradients in ``backward``, and
-        :meth:`batches` lets a rank whose share of an epoch ran out early shadow the others'
-        all-reduces (``torch.distributed.algorithms.Join``), so uneven shares never hang.
+        With more than one rank every rank starts from rank 0's parameters and ``backward``
+        averages the gradients over the ranks. When the ranks share one host and compute on its
+        CPU, the model is wrapped in a ``HostDataParallel`` that sums through the host's memory
+        (``.module`` and ``no_sync()`` as with DDP, see ``engines/run/host_parallel.py``);
+        otherwise, or with ``ddp_options``, in ``torch.nn.parallel.DistributedDataParallel``
+        (``ddp_options`` go to it). Either way :meth:`batches` lets a rank whose share of an
+        epoch ran out early take part in the others' sums with zeros, so uneven shares never
+        hang (DDP under ``torch.distributed.algorithms.Join``).
         """
         import torch
 
@@ -173,6 +175,15 @@ class RunContext:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
+        from dask_train.engines.run import host_parallel
+
+        if host_parallel.eligible(model, self.device, ddp_options):
+            if self._host is None:
+                self._host = host_parallel.HostGroup(
+                    rank=self.rank, world=self.world_size, address=self._role.address,
+                    timeout=self._role.config.timeout)
+            if self._host.join(model):
+                return host_parallel.HostDataParallel(model, self._host)
         ids = [self.device] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, **ddp_options)
         self._joinables.append(wrapped)
@@ -228,6 +239,8 @@ class RunContext:
             # Reports the others make inside their batch loops stop waiting for this rank.
             self._role.worker.log_event(self._role.config.topic, ShareDone(
                 trainer=self.rank, epoch=self._data_epoch, reports=self._reports).message())
+            if self._host is not None and self._host.host is not None and not even:
+                self._host.shadow()
         self._data_epoch += 1
         self._epoch_end()
 
@@ -337,7 +350,7 @@ class RunContext:
         """
         if reduce not in REDUCTIONS:
             raise InvalidInput([f"ctx.report(reduce={reduce!r}): use one of {REDUCTIONS}."])
-        values = _numbers(metrics)
+        values = numbers(metrics)
         self._reports += 1
         state = self._role.state
         written = self._write_sharded(checkpoint) if sharded else ""
@@ -442,6 +455,14 @@ class RunContext:
         if self._cursor is not None:
             self._cursor.close_block()
             self._report_stats(self._cursor, force=True)
+        if self._host is not None:
+            self._host.close()
+
+    def abort(self) -> None:
+        """This rank's own code raised: release the peers waiting for it in a host-memory sum
+        (they fail at once, as over gloo when its process goes)."""
+        if self._host is not None:
+            self._host.abort()
 
 
 class StateHolder:
@@ -472,26 +493,3 @@ def _tensor(a: np.ndarray, device: Any) -> Any:
     import torch
 
     return torch.from_numpy(a).to(device)
-
-
-def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """The metrics as floats; a clear error for anything else."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise InvalidInput([f"ctx.report(metrics={type(metrics).__name__}): pass a dict of "
-                            "name -> number."])
-    taken = sorted(set(map(str, metrics)) & _HISTORY_COLUMNS)
-    if taken:
-        raise InvalidInput([f"ctx.report(metrics) names {taken}, which the job's history sets "
-                            "itself (the step, epoch and samples the job counted): report them "
-                            "under another name, e.g. 'my_epoch'."])
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        item = getattr(value, "item", None)
-        try:
-            out[str(name)] = float(item() if callable(item) else value)
-        except (TypeError, ValueError):
-            raise InvalidInput([f"ctx.report(metrics[{name!r}]={value!r}): a metric is a number "
-                                "(or a one-element tensor)."]) from None
-    return out

@@ -52,6 +52,7 @@ def run_user_rank(
         from dask_train.runtime._torch_group import _collateral
 
         if not _collateral(exc):
+            ctx.abort()
             raise
         ctx.close()
         # The user's objects (a DDP model and, through it, the process group) go with the
