@@ -43,7 +43,8 @@ def _apply_in_child(paths: list[str], grads: list[np.ndarray], trainer: int) -> 
         shard = ShardServer.attach(path)
         assert shard is not None
         for i, g in enumerate(grads):
-            shard.apply(g, 2, (trainer, 0, i, 2))
+            # Trainer 1 as a trainer of this host pushes (its arithmetic outside the lock).
+            shard.apply(g, 2, (trainer, 0, i, 2), view=trainer == 1)
         shard.close()
 
 
@@ -139,7 +140,7 @@ def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
     server.close()
 
 
-def _push_blocks_forever(path: str) -> None:
+def _push_blocks_forever(path: str, view: bool = False) -> None:
     # One row per push, each in a new block numbered by the shard's count before it: a shard
     # whose counters and positions agree holds samples == its newest block + 1.
     shard = ShardServer.attach(path)
@@ -147,11 +148,12 @@ def _push_blocks_forever(path: str) -> None:
     grad = np.full(shard.param.numel(), 1e-3, dtype=np.float32)
     block = shard.samples
     while True:
-        shard.apply(grad, 1, (1, 0, block, 1))
+        shard.apply(grad, 1, (1, 0, block, 1), view=view)
         block += 1
 
 
-def _kill_pushers(path: str, kills: int, seed: int) -> tuple[list[str], int]:
+def _kill_pushers(path: str, kills: int, seed: int, view: bool = False
+                  ) -> tuple[list[str], int]:
     """In a process of its own (no threads, so it may fork): fork a pusher, SIGKILL it at a
     random moment, check the shard, ``kills`` times. Returns (disagreements, kills inside)."""
     shard = ShardServer.attach(path)
@@ -162,7 +164,7 @@ def _kill_pushers(path: str, kills: int, seed: int) -> tuple[list[str], int]:
         pid = os.fork()
         if pid == 0:  # the pusher
             try:
-                _push_blocks_forever(path)
+                _push_blocks_forever(path, view)
             finally:
                 os._exit(1)
         while shard.samples < before + 20:
@@ -174,6 +176,8 @@ def _kill_pushers(path: str, kills: int, seed: int) -> tuple[list[str], int]:
         blocks = shard.positions[1]  # under the lock: a dead writer's push is settled first
         if shard.samples != max(b for _, b in blocks) + 1 or set(blocks.values()) != {1}:
             wrong.append(f"samples {shard.samples}, recorded {blocks}")
+        if shard.samples != shard.version or not np.isfinite(shard.param.detach().numpy()).all():
+            wrong.append(f"samples {shard.samples}, version {shard.version}, or a value not finite")
     shard.close()
     return wrong, inside
 
@@ -358,3 +362,22 @@ def test_a_rank_whose_code_raises_releases_its_peer_waiting_in_host_memory(
         gc.collect()
         time.sleep(0.1)
     assert not client.futures
+
+
+def test_a_trainer_killed_in_its_own_unlocked_step_leaves_counts_and_values_whole() -> None:
+    """The same kills, pushing as a trainer of the shard's host does (``view``: the optimizer's
+    arithmetic outside the lock, Hogwild's way): a kill in the arithmetic leaves its rows
+    counted once with part of the step written, every value finite, the counters together."""
+    path = _path("own")
+    server = ShardServer(np.zeros(100_000, dtype=np.float32), optimizer="adam", lr=1e-3,
+                         options={})
+    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        wrong, _ = pool.submit(_kill_pushers, path, 150, 2, True).result(timeout=240)
+    assert not wrong, wrong[:5]
+    params, version, samples, _ = server.pull()
+    assert np.isfinite(params).all() and samples == version and version > 150 * 20
+    _, after, _ = server.apply(np.zeros(100_000, dtype=np.float32), 1, view=True)
+    assert after == version + 1
+    server.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,6 +79,9 @@ class ShardServer(FlatOptimizer):
         self.push_secret = b""  # what a direct push connection must present
         self.stats: StatsReporter | None = None  # reports its updates once a second
         self.attached = False  # mapped from another process's segment
+        # Held while this object's gradient buffer is filled and stepped: in host memory a
+        # trainer's own push steps outside the segment's lock (see _apply_own).
+        self._grad_lock = threading.Lock()
 
     # -- counters, buffers and positions: the segment's once in host memory -------------------
 
@@ -176,7 +180,9 @@ class ShardServer(FlatOptimizer):
         (an exponential one over its recent batches), so averaging them again would double-average
         and lag; and the latest is what a single-process run would hold after its latest batch.
         """
-        with self._lock:
+        if view and self.host is not None:
+            return self._apply_own(grad, samples, position, buffers)
+        with self._grad_lock, self._lock:
             if self.at_limit():
                 return self._params_out(), self.version, True
             # Copy into a grad buffer we own: received frames may be read-only.
@@ -193,8 +199,31 @@ class ShardServer(FlatOptimizer):
             version, stop = self.version, self.at_limit()
             if self.stats is not None:  # here: pushes over RPC and local calls both apply
                 self.stats.report(step=version, updates=version, samples=self.samples)
-            if not (view and self.host is not None):
-                return self._params_out(), version, stop
+            return self._params_out(), version, stop
+
+    def _apply_own(self, grad: np.ndarray, samples: int, position: Sequence[int] | None,
+                   buffers: np.ndarray | None) -> tuple[np.ndarray, int, bool]:
+        """A trainer of this host applies its own push to the shard in host memory: the
+        bookkeeping under the segment's lock, the optimizer's arithmetic after it, unlocked, as
+        Hogwild does (see :mod:`.host_memory`). Returns the shard's own memory."""
+        with self._grad_lock:  # this object's threads share its gradient buffer
+            with self._lock:
+                if self.at_limit():
+                    return self.param.detach().numpy(), self.version, True
+                # Counted before the arithmetic: a process lost in it has its rows applied once,
+                # in part, never re-fed (as a torn update under the lock).
+                with self._updating(samples, position):
+                    self.version += 1
+                    self.samples += int(samples)
+                    if buffers is not None:
+                        self.buffers = np.array(buffers, dtype=np.float64)
+                    if position is not None:
+                        self._record(position)
+                version, stop = self.version, self.at_limit()
+                if self.stats is not None:
+                    self.stats.report(step=version, updates=version, samples=self.samples)
+            self.grad.numpy()[:] = grad
+            self.optimizer.step()
         return self.param.detach().numpy(), version, stop
 
     def _params_out(self) -> np.ndarray:
