@@ -94,7 +94,8 @@ def test_a_step_applies_the_mean_of_the_ranks_own_gradients(client):
 
 
 def test_buffers_no_sync_and_two_models_over_uneven_shares(client):
-    """BatchNorm's statistics follow rank 0 as DDP's broadcast makes them; no_sync leaves the
+    """BatchNorm's statistics follow rank 0 as DDP's broadcast makes them, and a frozen layer
+    starts as rank 0's; no_sync leaves the
     ranks' gradients their own until the next step; two models (a generator and a critic) on
     shares of different lengths end every epoch together, holding the same parameters."""
     rng = np.random.default_rng(0)
@@ -107,7 +108,9 @@ def test_buffers_no_sync_and_two_models_over_uneven_shares(client):
         torch.manual_seed(ctx.rank)  # different starts: prepare must make them rank 0's
         critic = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
                                                  torch.nn.ReLU(), torch.nn.Linear(16, 2)))
-        gen = ctx.prepare(torch.nn.Linear(4, 8))
+        gen = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+        gen[0].requires_grad_(False)  # a frozen layer: it too starts as rank 0's
+        gen = ctx.prepare(gen)
         started = _flat(critic.module)
         c_opt = torch.optim.SGD(critic.parameters(), lr=0.05)
         g_opt = torch.optim.SGD(gen.parameters(), lr=0.01)

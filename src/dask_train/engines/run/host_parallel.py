@@ -10,7 +10,7 @@ else happens per step: the model's forward is the module's own.
 
 What DDP does, this does too:
 
-* every rank starts from rank 0's parameters and buffers;
+* every rank starts from rank 0's parameters and buffers (frozen ones too);
 * at the end of every ``backward`` the gradients are averaged over the ranks (divided by the
   number of ranks; every rank adds the slots in rank order, so all get bitwise the same mean);
   a parameter without a gradient on a rank counts as zeros there, and one without a gradient
@@ -28,8 +28,8 @@ a gradient that is already equal on every rank leaves it as it is, so a model a 
 did not reach is not changed by it beyond a rounding.
 
 Where this does not apply (a GPU, ranks on several hosts, parameters that are not float32 on
-the CPU, ``ddp_options`` given, ``dask-train.host-memory`` off) ``ctx.prepare`` returns torch's
-``DistributedDataParallel`` over the job's process group.
+the CPU, sparse gradients, ``ddp_options`` given, ``dask-train.host-memory`` off)
+``ctx.prepare`` returns torch's ``DistributedDataParallel`` over the job's process group.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def eligible(model: torch.nn.Module, device: torch.device, ddp_options: dict[str
     :meth:`HostGroup.join`'s: every rank on one host, the segment mapped)."""
     if ddp_options or device.type != "cpu":
         return False
+    if any(getattr(m, "sparse", False) is True for m in model.modules()):
+        return False  # sparse gradients (an Embedding's sparse=True): DDP reduces them
     return all(p.dtype == torch.float32 for p in model.parameters()) and any(
         p.requires_grad for p in model.parameters())
 
@@ -98,7 +100,11 @@ class HostGroup:
         self.buffers += buffers
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
-        self._broadcast(0)
+        # Rank 0's whole state, frozen parameters and integer buffers too, as DDP's constructor
+        # broadcasts it: once, so over the process group.
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)
         return True
 
     # -- a step ---------------------------------------------------------------------------------------
