@@ -154,7 +154,11 @@ class _HostWork:
                 checked = now
                 group.check([p for p in range(group.world) if flags[p] < self.round])
                 if now - started > group.timeout:
-                    raise TimeoutError(f"the ranks' host-memory sum waited {group.timeout:g} s")
+                    raise TimeoutError(
+                        f"the ranks' host-memory sum waited {group.timeout:g} s for ranks "
+                        f"{[p for p in range(group.world) if flags[p] < self.round]}: a rank "
+                        "spends longer than that between two steps; raise timeout= (of dt.run "
+                        "or the Trainer)")
             time.sleep(0 if spins < 2048 else 1e-4)
         parts = group.data[self.bucket][self.parity]
         torch.add(parts[0], parts[1], out=self.out)
