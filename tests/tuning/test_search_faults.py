@@ -118,19 +118,25 @@ def test_in_memory_data_beyond_the_embedding_limit_is_sent_again(
     assert X.nbytes + y.nbytes > EMBED_SEARCH_BYTES  # the scattered path, at its real size
     Xv, yv = X[:2_000].copy(), y[:2_000].copy()
     killer = KillAtFirstScore(client3.run(os.getpid))
+    # Steps enough that the first score (0.3 s) comes well inside the first trial.
     trainer = dt.Trainer(mlp, workers=1, ps=1, batch_size=64, score_every=0.3, timeout=60,
-                         stop=[dt.StopAtStep(400)], callbacks=[killer])
+                         stop=[dt.StopAtStep(2_000)], callbacks=[killer])
     sampler = FixedSampler([{"lr": 1e-2}, {"lr": 3e-3}, {"lr": 1e-3}])
     result = dt.search(trainer, {"lr": dt.loguniform(1e-3, 1e-2)}, X, y, validation=(Xv, yv),
                        n_trials=3, max_concurrent=1, sampler=sampler, pruner=None, retries=1,
                        progress=False, client=client3)
     assert killer.killed
     trials = result.trials
-    # The first trial survives in its own job (a new generation) or runs again (retries=1).
+    # The trial hit survives in its own job (a new generation) or runs again (retries=1).
     assert list(trials["state"]) == ["complete"] * 3, trials[["state", "error"]]
     assert "sent it again from the client" in caplog.text
-    assert list(trials["attempts"])[1:] == [1, 1]
-    assert all(r.result.steps >= 400 for r in result.records)
+    # One trial at most runs twice: the one the kill hit. That is the first, or, on a loaded
+    # machine where callbacks (run on their own thread) read its first score only once it had
+    # ended, the next one, started on the same worker (seen once under a CPU burner). Every
+    # other trial trains on the resent data at its first attempt.
+    attempts = list(trials["attempts"])
+    assert sorted(attempts) in ([1, 1, 1], [1, 1, 2]), attempts
+    assert all(r.result.steps >= 2_000 for r in result.records)
     assert result.records[0].score > 0.3  # trained on every share: ten classes, chance is 0.1
 
 
