@@ -35,7 +35,6 @@ from dask_train.errors import InvalidInput
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class RunSettings:
     """What every rank of a ``dt.run`` generation receives besides the function.
