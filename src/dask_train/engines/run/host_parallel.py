@@ -76,6 +76,7 @@ class HostGroup:
         self.sync = True  # False inside no_sync()
         self._queued = False
         self.last_active: list[int] = []  # the ranks active in the newest round with any
+        self.grad_size = self.buffer_size = 0
 
     # -- setting up (collective: every rank prepares the same models in the same order) -------------
     def join(self, module: torch.nn.Module) -> bool:
@@ -98,6 +99,9 @@ class HostGroup:
         self.modules.append(module)
         self.params += params
         self.buffers += buffers
+        # Sizes read every step: counted once here.
+        self.grad_size = sum(p.numel() for p in self.params)
+        self.buffer_size = sum(b.numel() for b in self.buffers)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         # Rank 0's whole state, frozen parameters and integer buffers too, as DDP's constructor
@@ -140,7 +144,7 @@ class HostGroup:
         if not who:
             return False
         self.last_active = who
-        flat[world + k:world + k + self._grad_elements()].div_(world)
+        flat[world + k:world + k + self.grad_size].div_(world)
         offset = world + k
         for i, p in enumerate(self.params):
             n = p.numel()
@@ -154,19 +158,14 @@ class HostGroup:
         self._take_buffers(offset, src=who[0])
         return True
 
-    def _grad_elements(self) -> int:
-        return sum(p.numel() for p in self.params)
-
     def _put_buffers(self, start: int) -> None:
-        size = sum(b.numel() for b in self.buffers)
-        offset = start + self.rank * size
+        offset = start + self.rank * self.buffer_size
         for b in self.buffers:
             self.flat[offset:offset + b.numel()].copy_(b.detach().reshape(-1))
             offset += b.numel()
 
     def _take_buffers(self, start: int, *, src: int) -> None:
-        size = sum(b.numel() for b in self.buffers)
-        offset = start + src * size
+        offset = start + src * self.buffer_size
         with torch.no_grad():
             for b in self.buffers:
                 b.copy_(self.flat[offset:offset + b.numel()].view_as(b))
@@ -182,7 +181,7 @@ class HostGroup:
             for p in self.params:
                 flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
-            self._put_buffers(start + self._grad_elements())
+            self._put_buffers(start + self.grad_size)
         assert self.host is not None
         self.host.start(0, flat).wait()
         offset = start

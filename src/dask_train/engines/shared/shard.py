@@ -187,18 +187,7 @@ class ShardServer(FlatOptimizer):
                 return self._params_out(), self.version, True
             # Copy into a grad buffer we own: received frames may be read-only.
             self.grad.numpy()[:] = grad
-            # The count and the position in one update: a loss between them would count rows
-            # that the controller then re-feeds.
-            with self._updating(samples, position):
-                super()._step(samples)
-                if buffers is not None:
-                    # A copy: a received frame may be read-only or share memory with the message.
-                    self.buffers = np.array(buffers, dtype=np.float64)
-                if position is not None:
-                    self._record(position)
-            version, stop = self.version, self.at_limit()
-            if self.stats is not None:  # here: pushes over RPC and local calls both apply
-                self.stats.report(step=version, updates=version, samples=self.samples)
+            version, stop = self._account(samples, position, buffers, step=True)
             return self._params_out(), version, stop
 
     def _apply_own(self, grad: np.ndarray, samples: int, position: Sequence[int] | None,
@@ -212,19 +201,32 @@ class ShardServer(FlatOptimizer):
                     return self.param.detach().numpy(), self.version, True
                 # Counted before the arithmetic: a process lost in it has its rows applied once,
                 # in part, never re-fed (as a torn update under the lock).
-                with self._updating(samples, position):
-                    self.version += 1
-                    self.samples += int(samples)
-                    if buffers is not None:
-                        self.buffers = np.array(buffers, dtype=np.float64)
-                    if position is not None:
-                        self._record(position)
-                version, stop = self.version, self.at_limit()
-                if self.stats is not None:
-                    self.stats.report(step=version, updates=version, samples=self.samples)
+                version, stop = self._account(samples, position, buffers, step=False)
             self.grad.numpy()[:] = grad
             self.optimizer.step()
         return self.param.detach().numpy(), version, stop
+
+    def _account(self, samples: int, position: Sequence[int] | None,
+                 buffers: np.ndarray | None, *, step: bool) -> tuple[int, bool]:
+        """Count a push (under the lock), stepping the optimizer too with ``step``; return the
+        version and whether the step limit is reached."""
+        # The count and the position in one update: a loss between them would count rows
+        # that the controller then re-feeds.
+        with self._updating(samples, position):
+            if step:
+                super()._step(samples)
+            else:
+                self.version += 1
+                self.samples += int(samples)
+            if buffers is not None:
+                # A copy: a received frame may be read-only or share memory with the message.
+                self.buffers = np.array(buffers, dtype=np.float64)
+            if position is not None:
+                self._record(position)
+        version, stop = self.version, self.at_limit()
+        if self.stats is not None:  # here: pushes over RPC and local calls both apply
+            self.stats.report(step=version, updates=version, samples=self.samples)
+        return version, stop
 
     def _params_out(self) -> np.ndarray:
         return self.param.detach().numpy().copy()
