@@ -45,6 +45,7 @@ from distributed import Client, get_worker
 
 import dask_train as dt
 from dask_train.data._blocks import persist_pairs
+from dask_train.data._cluster import live_workers
 
 LR, BATCH = 1e-2, 128
 
@@ -211,7 +212,7 @@ def _mwms_rank(tf_config: dict, parts: list, x_val: np.ndarray, y_val: np.ndarra
 def run_mwms(client: Client, data: Any, args: argparse.Namespace) -> dict:
     X, y, x_val, y_val = data
     futures = client.sync(persist_pairs, client, X, y)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(live_workers(client))
     holders = client.who_has(futures)
     mine = {w: [f for f in futures if w in holders[f.key]] for w in workers}
     sizes = dict(zip([f.key for f in futures], X.chunks[0]))

@@ -60,6 +60,7 @@ import numpy as np
 from _common import build_mlp, cpu_load, environment, markdown_table, write_results
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 S3_BUCKET = "bench"
 
@@ -211,7 +212,7 @@ def watched_fit(client: Any, X: Any, y: Any, mode: str, epochs: int) -> dict[str
         paused_since: dict[str, float] = {}
         while not job.done():
             time.sleep(1.0)
-            for address, w in client.scheduler_info()["workers"].items():
+            for address, w in live_workers(client).items():
                 if w["status"] != "paused":
                     paused_since.pop(address, None)
                 else:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput, RoleFailed
 
 
@@ -321,7 +322,7 @@ def test_elastic_workers_and_max_failures_name_the_rank_and_worker(client, digit
     # (least, most): as many ranks as the cluster has, up to most.
     result = dt.run(train, workers=(1, 3), epochs=1, client=client,
                     data={"train": (X, y), "val": (Xv, yv)})
-    assert len(result.returns) == len(client.scheduler_info()["workers"]) == 2
+    assert len(result.returns) == len(live_workers(client)) == 2
     pids = client.run(os.getpid)
     victim_address = sorted(pids)[1]
 

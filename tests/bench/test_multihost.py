@@ -37,6 +37,7 @@ from dask_train.bench import (
 )
 from dask_train.bench._grid import n_params
 from dask_train.bench._netns import _netns_pids
+from dask_train.data._cluster import live_workers
 from dask_train.runtime._torch_rank import gloo_interface
 
 TARGET = 0.9
@@ -106,7 +107,7 @@ def _move_seconds(client: Client, src: str, dst: str, nbytes: int) -> float:
 def test_each_host_has_its_own_address_interface_and_shaped_link(
     hosts: NetnsCluster, mh_client: Client,
 ) -> None:
-    workers = sorted(mh_client.scheduler_info()["workers"])
+    workers = sorted(live_workers(mh_client))
     assert sorted(_host_ip(w) for w in workers) == sorted(h.address for h in hosts.hosts)
     assert not any(w.startswith("tcp://127.") for w in workers)
     # gloo's interface on every host: the one holding the worker's own address, distinct per host.

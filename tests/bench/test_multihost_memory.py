@@ -18,6 +18,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.bench import HarnessUnavailable, Link, NetnsCluster, unavailable_reason
+from dask_train.data._cluster import live_workers
 
 
 def _cannot_run(reason: str) -> None:
@@ -54,7 +55,7 @@ def _host(address: str) -> str:
 def test_host_memory_within_a_host_and_the_network_between_hosts(
         two_by_two: tuple[NetnsCluster, Client]) -> None:
     cluster, client = two_by_two
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(live_workers(client))
     assert len(workers) == 4 and len({_host(w) for w in workers}) == 2
     X, y = dt.datasets.digits(n_samples=40_000, seed=0, chunks=5000)
     Xt, yt = dt.datasets.digits_test()

@@ -22,6 +22,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 from _models import DiesAt, mlp  # noqa: E402
@@ -237,7 +238,7 @@ class _StopAfterRejoin(dt.Callback):
 
     def __init__(self, client: Client, victim: str) -> None:
         self.kill = _KillAt(client, victim, samples=1000)
-        self.before = set(client.scheduler_info()["workers"])
+        self.before = set(live_workers(client))
         self.joined_at: float | None = None
         self.client = client
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -247,7 +248,7 @@ class _StopAfterRejoin(dt.Callback):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and self.joined_at is None:
             time.sleep(0.2)
-            new = set(self.client.scheduler_info()["workers"]) - self.before
+            new = set(live_workers(self.client)) - self.before
             if self.kill.killed_at is None or not new:
                 continue
             busy = self.client.run(_trainer_running, workers=sorted(new))

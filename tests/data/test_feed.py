@@ -9,6 +9,7 @@ import torch
 from distributed import Client, get_task_stream
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.runtime import worker_state
 from dask_train.runtime._roles import ensure_plugin
 
@@ -20,7 +21,7 @@ def mlp() -> torch.nn.Module:
 
 def test_the_feed_handler_queues_held_blocks_and_declines_the_rest(client: Client) -> None:
     ensure_plugin(client)
-    address = sorted(client.scheduler_info()["workers"])[0]
+    address = sorted(live_workers(client))[0]
     block = client.scatter([(np.ones((3, 2), np.float32), np.zeros(3))], workers=[address],
                            direct=True)[0]
     client.run(lambda dask_worker: worker_state(dask_worker).job("feed-test").feed(0).qsize(),

@@ -15,6 +15,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 MEMORY_LIMIT = 600 * 2**20
 
@@ -45,7 +46,7 @@ def test_a_persist_that_pauses_its_worker_fails_naming_it_and_frees_the_memory(
     y = da.random.RandomState(1).randint(0, 3, size=75_000, chunks=2_500)
     trainer = dt.Trainer(torch.nn.Linear(2_000, 3), ps=1, workers=1, epochs=1, progress=False,
                          client=tight)
-    [address] = tight.scheduler_info()["workers"]
+    [address] = live_workers(tight)
     started = time.monotonic()
     with dask.config.set({"dask-train.persist-stall": 3}), \
             pytest.raises(dt.DataDoesNotFit) as info:

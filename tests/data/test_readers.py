@@ -16,6 +16,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.data._blocks import persist_blocks, scatter_blocks
+from dask_train.data._cluster import live_workers
 
 
 def test_from_npy_reads_several_files_by_block_on_the_workers(client: Client,
@@ -52,7 +53,7 @@ def _spread(client: Client, futures: list) -> Counter:
 
 def test_blocks_are_spread_evenly_however_dask_placed_them(client: Client) -> None:
     # All blocks computed on one worker first (a restriction), as an unlucky placement would.
-    first = sorted(client.scheduler_info()["workers"])[0]
+    first = sorted(live_workers(client))[0]
     X, y = dt.datasets.digits(8_000, seed=0, chunks=1_000)
     X, y = client.persist([X, y], workers=[first])
     blocks = client.sync(persist_blocks, client, X, y)

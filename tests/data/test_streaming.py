@@ -20,6 +20,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.errors import RoleFailed
 
 #: Each worker of the limited cluster holds about 350 MiB before any data (Python, Dask, torch,
@@ -133,7 +134,7 @@ def _accuracy(result: Any) -> float:
 def test_data_over_three_times_the_free_memory_streams_without_spilling(
         limited: Client, large: dict[str, Any]) -> None:
     X, y = da.from_zarr(large["x"]), da.from_zarr(large["y"])
-    workers = set(limited.scheduler_info()["workers"])
+    workers = set(live_workers(limited))
     limited.run(_import_roles)
     # The claim holds on this machine: the room below Dask's spill threshold is under a third of
     # the data (what the workers hold before any data is measured, not assumed).
@@ -149,7 +150,7 @@ def test_data_over_three_times_the_free_memory_streams_without_spilling(
     assert _accuracy(result) >= large["reference"] - 0.05
     _once_per_epoch(result, ROWS, 2)
     # No worker paused, restarted or spilled a byte.
-    assert set(limited.scheduler_info()["workers"]) == workers
+    assert set(live_workers(limited)) == workers
     logs = [msg for lines in limited.get_worker_logs().values() for _, msg in lines]
     assert not [m for m in logs if "Pausing worker" in m]
     assert limited.run(_spilled) == {w: 0 for w in workers}
@@ -253,7 +254,7 @@ def test_a_path_the_workers_cannot_read_is_named_before_training(
         dt.Trainer(torch.nn.Linear(8, CLASSES), workers=2, progress=False, client=client).fit(
             X, da.from_array(y, chunks=500), data="stream")
     message = str(info.value)
-    for worker in client.scheduler_info()["workers"]:
+    for worker in live_workers(client):
         assert f"worker {worker} cannot read" in message
     assert "FileNotFoundError" in message and "shared file system" in message
     assert "part-0.npy" in message

@@ -14,6 +14,7 @@ from distributed import Client
 import dask_train as dt
 from dask_train.controller._controller import Controller
 from dask_train.data import BlockSet
+from dask_train.data._cluster import live_workers
 from dask_train.engines._spec import JobSpec
 from dask_train.engines.array.engine import ArrayEngine
 from dask_train.policy import FailureConfig, Roles
@@ -68,7 +69,7 @@ def _placed(client: Client, blocks: list[tuple[np.ndarray, np.ndarray]], where: 
 
     ``threads`` per worker sets the groups: one task per thread's share of a worker's blocks.
     """
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(live_workers(client))
     # hash=False: tests that scatter the same blocks must not share (and release) one key.
     futures = [client.scatter([b], workers=[workers[w]], direct=True, hash=False)[0]
                for b, w in zip(blocks, where)]
@@ -260,7 +261,7 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path) -> None:
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as own:
         X, y = dt.datasets.digits(6_000, seed=0, chunks=1_500)
-        victim = sorted(own.scheduler_info()["workers"])[0]
+        victim = sorted(live_workers(own))[0]
         pid = own.run(os.getpid, workers=[victim])[victim]
 
         class KillOnce(dt.Callback):

@@ -21,6 +21,7 @@ from _models import mlp, over_the_network
 from distributed import Client
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.engines.shared import host_memory
 from dask_train.engines.shared.shard import ShardServer
 
@@ -270,7 +271,7 @@ def _pinned(client: Client, X: np.ndarray, y: np.ndarray, *, blocks: int
     """``X`` and ``y`` as dask arrays of ``blocks`` blocks under new keys, block i on the i-th
     worker (round robin) and on no other: persisted arrays, their graphs the blocks' futures
     as ``client.persist`` returns them."""
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(live_workers(client))
     n, token = len(X) // blocks, uuid.uuid4().hex
     parts = []
     for name, array in (("X", X), ("y", y)):
@@ -342,7 +343,7 @@ def test_a_rank_whose_code_raises_releases_its_peer_waiting_in_host_memory(
     """The peer waits in the host-memory sum for a rank that will never come: the raising rank
     aborts the sum, the job ends with the user's own exception, not a lost worker or a hang."""
     X, y = _digits(16_000)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(live_workers(client))
     marker = str(tmp_path)
     client.run(_mark, marker, workers=[workers[1]])
     try:

@@ -21,6 +21,7 @@ import torch
 from distributed import Client, Event, get_worker
 
 import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull handlers)
+from dask_train.data._cluster import live_workers
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.shared.control import drop_job
 from dask_train.engines.shared.optim import OFF_LOOP_MIN_ELEMENTS
@@ -117,7 +118,7 @@ def _round_trip(client: Client, address: str) -> float:
 def test_event_loop_stays_responsive_during_large_updates(client: Client, path: str) -> None:
     assert N_PARAMS >= OFF_LOOP_MIN_ELEMENTS
     ensure_plugin(client)
-    server_addr, other_addr = sorted(client.scheduler_info()["workers"])
+    server_addr, other_addr = sorted(live_workers(client))
     pusher_addr = server_addr if path == "local" else other_addr
     job = f"offloop-{uuid.uuid4().hex[:8]}"
     shard = ShardRef(index=0, start=0, stop=N_PARAMS, address=server_addr)

@@ -21,6 +21,7 @@ from distributed import Client, Event, get_worker
 from distributed.comm.core import CommClosedError
 
 import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull/endpoint handlers)
+from dask_train.data._cluster import live_workers
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.shared.control import drop_job
 from dask_train.engines.shared.optim import FlatOptimizer
@@ -100,7 +101,7 @@ def job(client: Client):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_a_remote_push_goes_direct_and_updates_exactly(client: Client, job: str,
                                                        depth: int) -> None:
-    server, other = sorted(client.scheduler_info()["workers"])
+    server, other = sorted(live_workers(client))
     shard = ShardRef(0, 0, N_PARAMS, server)
     client.submit(_start, job, shard, workers=[server], pure=False).result()
     got = client.submit(_push, job, [shard], N_PARAMS, 12, depth, workers=[other],
@@ -115,7 +116,7 @@ def test_a_remote_push_goes_direct_and_updates_exactly(client: Client, job: str,
 
 
 def test_two_shards_one_here_one_there(client: Client, job: str) -> None:
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(live_workers(client))
     half = N_PARAMS // 2
     shards = [ShardRef(0, 0, half, a), ShardRef(1, half, N_PARAMS, b)]
     for ref in shards:
@@ -130,7 +131,7 @@ def _start_slice(job: str, shard: ShardRef) -> str:
 
 
 def test_a_large_shard_keeps_dasks_rpc(client: Client, job: str) -> None:
-    server, other = sorted(client.scheduler_info()["workers"])
+    server, other = sorted(live_workers(client))
     n_in = DIRECT_MAX_ELEMENTS // 8 + 1
     n = n_in * 8 + 8
     shard = ShardRef(0, 0, n, server)
@@ -141,7 +142,7 @@ def test_a_large_shard_keeps_dasks_rpc(client: Client, job: str) -> None:
 
 
 def test_a_shard_that_is_not_there_is_a_key_error(client: Client, job: str) -> None:
-    server, other = sorted(client.scheduler_info()["workers"])
+    server, other = sorted(live_workers(client))
     shard = ShardRef(0, 0, N_PARAMS, server)  # never started
     with pytest.raises(KeyError, match="not on worker"):
         client.submit(_push, job, [shard], N_PARAMS, 1, 1, workers=[other], pure=False).result()
@@ -165,7 +166,7 @@ def _push_until_error(job: str, shard: ShardRef) -> str:
 @pytest.mark.timeout(180)
 def test_losing_the_shards_worker_fails_the_push_at_once(client: Client, job: str) -> None:
     """Not after the 60 s timeout: the closed connection says it."""
-    server, other = sorted(client.scheduler_info()["workers"])
+    server, other = sorted(live_workers(client))
     shard = ShardRef(0, 0, N_PARAMS, server)
     client.submit(_start, job, shard, workers=[server], pure=False).result()
     pushing = client.submit(_push_until_error, job, shard, workers=[other], pure=False)
@@ -186,7 +187,7 @@ def test_only_plain_tcp_workers_open_an_endpoint() -> None:
         assert list(c.run(endpoint).values()) == [None]
     with Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 protocol="tcp", set_as_default=False) as c:
-        (address,) = c.scheduler_info()["workers"]
+        (address,) = live_workers(c)
         host = address.split("://")[1].rsplit(":", 1)[0]
         with dask.config.set({"dask-train.direct-push": False}):
             assert list(c.run(endpoint).values()) == [None]
@@ -224,7 +225,7 @@ def _endpoint(dask_worker: Any) -> str | None:
 
 @pytest.mark.parametrize("case", ["no secret", "wrong secret", "oversized gradient"])
 def test_a_stranger_on_the_push_port_changes_nothing(client: Client, job: str, case: str) -> None:
-    server, other = sorted(client.scheduler_info()["workers"])
+    server, other = sorted(live_workers(client))
     shard = ShardRef(0, 0, N_PARAMS, server)
     client.submit(_start, job, shard, workers=[server], pure=False).result()
     endpoint = client.run(_endpoint, workers=[server])[server]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from distributed import Client, LocalCluster
 
+from dask_train.data._cluster import live_workers
 from dask_train.engines.shared.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.models._transport import travelling
 
@@ -28,7 +29,7 @@ def _kill_holder(client: Client, key: str) -> str:
     [holder] = client.who_has()[key]
     os.kill(client.run(os.getpid, workers=[holder])[holder], signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while holder in client.scheduler_info()["workers"] and time.monotonic() < deadline:
+    while holder in live_workers(client) and time.monotonic() < deadline:
         time.sleep(0.1)
     return holder
 

@@ -9,6 +9,7 @@ from _models import mlp
 from distributed import Client
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 
 def _data(chunks, n_in: int = 8, n_out: int = 3, seed: int = 0):
@@ -75,7 +76,7 @@ def test_two_ranks_equal_single_process_training_on_concatenated_batches(client:
     # first and contributes nothing to those steps.
     chunks = (500, 500, 300, 500)
     x, y, _, _ = _data(chunks)
-    a, b = sorted(client.scheduler_info()["workers"])
+    a, b = sorted(live_workers(client))
     left = _on_worker(client, a, da.from_array(x[:1000], chunks=(500, 8)),
                       da.from_array(y[:1000], chunks=500))
     right = _on_worker(client, b, da.from_array(x[1000:], chunks=((300, 500), 8)),
@@ -118,7 +119,7 @@ def test_uneven_blocks_on_one_worker_finish_the_epoch(client: Client) -> None:
     # other rank must fetch what it reads, and runs out of data long before the first.
     chunks = (3000, 200, 200, 100)
     x, y, X, Y = _data(chunks)
-    first = sorted(client.scheduler_info()["workers"])[0]
+    first = sorted(live_workers(client))[0]
     X, Y = client.persist([X, Y], workers=[first])
     trainer = dt.Trainer(
         mlp(8, 16, 3),
@@ -214,7 +215,7 @@ def test_one_rank_is_a_plain_loop_with_no_collective(client: Client) -> None:
     # epoch's order, wherever it runs, and must train exactly as a plain torch loop does.
     chunks = (500, 300, 500)
     x, y, _, _ = _data(chunks)
-    a = sorted(client.scheduler_info()["workers"])[0]
+    a = sorted(live_workers(client))[0]
     X, Y = _on_worker(client, a, da.from_array(x, chunks=(chunks, 8)), da.from_array(y, chunks=(chunks,)))
     result = dt.Trainer(mlp(8, 16, 3), strategy="sync", optimizer="sgd", lr=0.1, workers=1,
                         scorer=0, batch_size=64, epochs=2, seed=5, progress=False,

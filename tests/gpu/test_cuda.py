@@ -14,6 +14,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device on this machine (torch.cuda.is_available() "
@@ -40,7 +41,7 @@ def _mlp() -> torch.nn.Module:
 def test_cuda_training_reaches_the_target(gpu_client: Client, strategy: str,
                                           precision: bool) -> None:
     X, y = dt.datasets.digits(40_000, seed=0, chunks=5_000)
-    workers = len(gpu_client.scheduler_info()["workers"])
+    workers = len(live_workers(gpu_client))
     result = dt.Trainer(_mlp(), strategy=strategy, workers=workers, lr=3e-3, batch_size=128,
                         epochs=3, device="cuda", mixed_precision=precision, score_every=0.5,
                         stop=[dt.StopAtScore("accuracy", 0.95)], progress=False,
@@ -86,7 +87,7 @@ class _Tied(torch.nn.Module):
 @pytest.mark.parametrize("make", [_LSTMNet, _Tied], ids=["lstm", "tied"])
 def test_cuda_trains_an_lstm_and_a_tied_net(gpu_client: Client, strategy: str, make: type) -> None:
     X, y = dt.datasets.digits(40_000, seed=0, chunks=5_000)
-    workers = len(gpu_client.scheduler_info()["workers"])
+    workers = len(live_workers(gpu_client))
     torch.manual_seed(0)
     result = dt.Trainer(make(), strategy=strategy, workers=workers, lr=3e-3, batch_size=128,
                         epochs=3, device="cuda", score_every=0.5,
@@ -119,7 +120,7 @@ def _run_on_gpu(ctx):
 
 def test_dt_run_on_gpus_uses_nccl(gpu_client: Client, tmp_path) -> None:
     X, y = dt.datasets.digits(40_000, seed=0, chunks=5_000)
-    workers = len(gpu_client.scheduler_info()["workers"])
+    workers = len(live_workers(gpu_client))
     result = dt.run(_run_on_gpu, workers=workers, client=gpu_client,
                     data={"train": (X, y), "val": dt.datasets.digits_test()},
                     stop=[dt.StopAtScore("accuracy", 0.9)],

@@ -15,6 +15,7 @@ import torch
 from distributed import Client, get_task_stream
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 
 def _net() -> torch.nn.Module:
@@ -46,7 +47,7 @@ def test_predictions_of_a_zarr_store_on_s3_are_written_back_to_s3(
         probabilities.to_zarr("s3://train/predict/p.zarr", storage_options=s3)
     # The chunks were written by tasks on the workers, with the options the graph carries.
     writers = {t["worker"] for t in tasks.data if "store" in str(t["key"])}
-    assert writers and writers <= set(client.scheduler_info()["workers"])
+    assert writers and writers <= set(live_workers(client))
     back = zarr.open_array("s3://train/predict/p.zarr", mode="r", storage_options=s3)
     assert back.shape == (2_000, 3) and back.chunks == (250, 3)
     torch.testing.assert_close(torch.from_numpy(back[:]), _reference(net, x))

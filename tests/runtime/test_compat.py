@@ -21,6 +21,7 @@ import distributed
 import torch
 from distributed import Client, Worker, wait
 
+from dask_train.data._cluster import live_workers
 from dask_train.runtime._compat import drop_topic_handler, reset_torch_group_count, worker_data
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -53,7 +54,7 @@ def _worker_holds(key: str, dask_worker: Worker) -> dict[str, Any]:
 
 
 def test_worker_data_holds_task_results(client: Client) -> None:
-    address = sorted(client.scheduler_info()["workers"])[0]
+    address = sorted(live_workers(client))[0]
     future = client.submit(sum, [20, 22], workers=[address], pure=False)
     wait(future)
     try:

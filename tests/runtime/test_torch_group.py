@@ -15,6 +15,7 @@ from distributed import Client, Event, LocalCluster, Nanny, Scheduler, SpecClust
 from distributed.comm import get_address_host
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.runtime import worker_state
 from dask_train.runtime._torch_rank import gloo_interface
 
@@ -65,7 +66,7 @@ def _groups(client: Client) -> dict[str, list[str]]:
 
 
 def _workers(client: Client) -> list[str]:
-    return sorted(client.scheduler_info()["workers"])
+    return sorted(live_workers(client))
 
 
 def test_all_reduce_through_run(client: Client) -> None:
