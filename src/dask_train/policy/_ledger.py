@@ -120,6 +120,7 @@ class Ledger:
     _finished: set[int] = field(default_factory=set, init=False, repr=False)
     # Pending blocks of the current epoch that came from a lost trainer's list, by (epoch, block).
     _moved: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    _complete: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.trainers = list(self.trainers)
@@ -247,8 +248,8 @@ class Ledger:
 
     def epoch_complete(self, epoch: int) -> bool:
         """True when every block of ``epoch`` has been consumed in full."""
-        done = [e for (ep, _), e in self.entries.items() if ep == epoch and e.done]
-        return len(done) == len(self.blocks) and all(e.consumed == e.rows for e in done)
+        return all((e := self.entries.get((epoch, b.index))) is not None and e.done
+                   and e.consumed == e.rows for b in self.blocks)
 
     def all_reported(self) -> bool:
         """True when every block handed out has been reported back (consumed or not)."""
@@ -257,9 +258,12 @@ class Ledger:
     @property
     def epochs_completed(self) -> int:
         """Number of leading epochs consumed in full."""
-        n = 0
+        # Asked at every block's report: start from the epochs known complete (a done entry is
+        # never undone), not rescan every epoch before the current one each time.
+        n = self._complete
         while n < self.epochs and self.epoch_complete(n):
             n += 1
+        self._complete = n
         return n
 
     def records(self) -> list[dict[str, object]]:
