@@ -85,6 +85,8 @@ class FlatModel:
         self.precision = precision
         self.scaler = LossScale() if precision == "fp16" else None
         self._host: torch.Tensor | None = None  # pinned staging for host <-> device copies
+        # Per gradient buffer: its slices as each parameter's .grad (see gradient).
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     @property
     def n_params(self) -> int:
@@ -166,19 +168,25 @@ class FlatModel:
         With float16 loss scaling, a batch whose scaled gradient overflows is computed again at
         half the scale (an overflow is rare and the batch is not lost).
         """
+        views = self._grad_views(out)
         for _ in range(64):
-            for p in self.params:
-                p.grad = None
+            if views is not None:
+                # Autograd adds into an existing .grad in place: backward writes the flat
+                # gradient straight into ``out``, with no gather of the pieces afterwards.
+                out.zero_()
+                for p, view in zip(self.params, views):
+                    p.grad = view
+            else:
+                for p in self.params:
+                    p.grad = None
             loss = self.forward_loss(x, y, loss_fn, w)
             value = float(loss.detach())
             scale = self.scaler.scale if self.scaler is not None else 1.0
             (loss * scale if scale != 1.0 else loss).backward()
-            grads = [p.grad.reshape(-1) if p.grad is not None else
-                     torch.zeros(p.numel(), device=self.device) for p in self.params]
-            if out.device == self.device:
-                torch.cat(grads, out=out)
-            else:
-                out.copy_(torch.cat(grads))
+            if views is None:
+                out.copy_(torch.cat([p.grad.reshape(-1) if p.grad is not None else
+                                     torch.zeros(p.numel(), device=self.device)
+                                     for p in self.params]))
             if self.scaler is None:
                 return value
             out.div_(scale)
@@ -187,6 +195,24 @@ class FlatModel:
             if finite:
                 return value
         return math.nan  # the scale reached 1 and still overflows: a non-finite batch
+
+    def _grad_views(self, out: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each parameter's slice of ``out``, shaped as the parameter (cached per buffer: the
+        engines reuse a few); None where ``out`` is not on the model's device."""
+        if out.device != self.device or out.dtype != self.flat.dtype \
+                or out.numel() != self.n_params:
+            return None
+        key = (out.data_ptr(), out.numel())
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 8:  # a caller with a new buffer each time: keep a few
+                self._views.clear()
+            views, offset = [], 0
+            for p in self.params:
+                views.append(out[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self._views[key] = views
+        return views
 
     def loss_fn(self, loss: Any) -> Any:
         """The engines' loss for a Trainer's ``loss=`` (see :func:`~._torch.make_loss`)."""
