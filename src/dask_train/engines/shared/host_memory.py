@@ -231,20 +231,38 @@ class HostSegment:
     def locked(self) -> Iterator[None]:
         """Hold the shard for an update or a consistent read: this process's threads, then the
         other processes of the host. A previous holder that died inside an update is counted."""
-        with self.thread_lock:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self) -> None:
+        """Take the lock :meth:`locked` holds (a push takes it without a generator's cost)."""
+        self.thread_lock.acquire()
+        try:
             fcntl.flock(self.fd, fcntl.LOCK_EX)
-            try:
-                writer = int(self.header[WRITER])
-                if writer:
-                    self.header[TORN] += 1
-                    self._complete()
-                    self.header[WRITER] = 0
-                    logger.info("process %d was lost inside an update of %s: its rows count as "
-                                "applied, with what part of its step was written", writer,
-                                self.path)
-                yield
-            finally:
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
+        except BaseException:
+            self.thread_lock.release()
+            raise
+        try:
+            writer = int(self.header[WRITER])
+            if writer:
+                self.header[TORN] += 1
+                self._complete()
+                self.header[WRITER] = 0
+                logger.info("process %d was lost inside an update of %s: its rows count as "
+                            "applied, with what part of its step was written", writer, self.path)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Let go of the lock :meth:`acquire` took."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            self.thread_lock.release()
 
     @contextlib.contextmanager
     def updating(self, samples: int, position: Sequence[int] | None = None) -> Iterator[None]:

@@ -58,6 +58,16 @@ def _state_template(optimizer: str, lr: float, options: Mapping[str, Any]
     return template
 
 
+def shareable(optimizer: Any, lr: float, options: Mapping[str, Any]) -> bool:
+    """Whether this optimizer's state can live in host memory (else a shard stays in its
+    server's process and trainers push to it)."""
+    try:
+        _state_template(optimizer, lr, options)
+    except _NotShareable:
+        return False
+    return True
+
+
 class ShardServer(FlatOptimizer):
     """One parameter-server shard: applies gradients as they arrive (see :class:`FlatOptimizer`).
 
@@ -302,16 +312,12 @@ class _SegmentLock:
 
     def __init__(self, seg: HostSegment) -> None:
         self.seg = seg
-        self._held: Any = None
 
     def __enter__(self) -> None:
-        held = self.seg.locked()
-        held.__enter__()
-        self._held = held
+        self.seg.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        held, self._held = self._held, None
-        held.__exit__(*exc)
+        self.seg.release()
 
 
 def _state_views(seg: HostSegment) -> dict[str, torch.Tensor]:
