@@ -69,6 +69,10 @@ def test_auto_chooses_logs_and_trains_to_the_reference(client: Client,
     assert plan["probe_s"] > 0
     # The cores the trainers got, measured: at least one, at most the machine's.
     assert 1.0 <= plan["cores"] <= (os.cpu_count() or 1)
+    # One machine: every candidate's whole step was measured there, not predicted; the
+    # measurement's segments are gone.
+    assert set(plan["bottlenecks"].values()) == {"its whole step, measured on this machine"}
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("dask-train-probe-")]
     # The roles are the choice's.
     expect = {"one-process": ("sync", 1, 0), "sync": ("sync", 2, 0)}.get(chosen)
     if expect is not None:

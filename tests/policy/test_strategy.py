@@ -124,3 +124,23 @@ def test_bad_arguments_are_named() -> None:
         choose_strategy(DIGITS_ON_TWO_CORES, workers=0, sync_workers=2, max_ps=2, tolerance=1.5)
     text = str(info.value)
     assert "workers=0 is invalid" in text and "tolerance=1.5 is invalid" in text
+
+
+def test_measured_rates_replace_the_predictions_they_cover() -> None:
+    # The digits job as measured on one 2-core machine: one process and async-ps nearly tied,
+    # sync behind. Measured rates win over the model's; near-ties still go to the simpler.
+    measured = {"one-process": 490_000.0, "sync": 330_000.0, "async-ps": 480_000.0}
+    plan = choose_strategy(DIGITS_ON_TWO_CORES, workers=2, sync_workers=2, max_ps=2,
+                           host_memory=True, measured=measured)
+    assert _rates(plan) == measured
+    assert plan.chosen.name == "one-process"
+    assert set(plan.record()["bottlenecks"].values()) == {
+        "its whole step, measured on this machine"}
+    # A clear winner is taken; a candidate not measured keeps its prediction.
+    plan = choose_strategy(DIGITS_ON_TWO_CORES, workers=2, sync_workers=2, max_ps=2,
+                           host_memory=True, measured={"async-ps": 2e6})
+    assert plan.chosen.name == "async-ps" and _rates(plan)["async-ps"] == 2e6
+    assert plan.record()["bottlenecks"]["one-process"] == "compute"
+    with pytest.raises(InvalidInput, match=r"measured\['sync'\]=nan is invalid"):
+        choose_strategy(DIGITS_ON_TWO_CORES, workers=2, sync_workers=2, max_ps=2,
+                        measured={"sync": math.nan})

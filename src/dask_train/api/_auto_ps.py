@@ -53,24 +53,15 @@ def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = F
     """
     import time
 
-    from dask_train.api._model import is_factory
     from dask_train.engines.ps.probe import probe_costs
-    from dask_train.models._transport import travelling, unwrap
     from dask_train.runtime._roles import ensure_plugin, worker_threads
 
     started = time.perf_counter()
     n, settings = probe_arguments(trainer, n_rows=int(X.shape[0]))
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
-    factory = trainer.module if is_factory(trainer.module) else None
-    payload = travelling(trainer._model(), factory=factory)
     ensure_plugin(client)
     workers = sorted(worker_threads(client))
-    # The module reaches each worker as it reaches the job's roles (a class of the user's own
-    # file by value, a weight-normed module through its factory) and is unpacked there, where
-    # the probe runs (probe_costs times a step on the first): sent as it is, Dask's serializer
-    # of a module would name its class, which a worker without the user's file cannot import.
-    modules = {w: client.submit(unwrap, payload, workers=[w], pure=False)
-               for w in (workers if cores else workers[:1])}
+    modules = shipped_modules(trainer, client, workers if cores else workers[:1])
     try:
         model = probe_costs(client, cast(Any, modules[workers[0]]), xb, yb, **settings)
         if cores and model.shared_cores is not None and len(workers) > 1:
@@ -81,6 +72,20 @@ def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = F
         for future in modules.values():
             future.release()
     return model, time.perf_counter() - started
+
+
+def shipped_modules(trainer: Any, client: Client, workers: list[str]) -> dict[str, Any]:
+    """Per worker, a future of the trainer's module unpacked there (release them after use)."""
+    from dask_train.api._model import is_factory
+    from dask_train.models._transport import travelling, unwrap
+
+    factory = trainer.module if is_factory(trainer.module) else None
+    payload = travelling(trainer._model(), factory=factory)
+    # The module reaches each worker as it reaches the job's roles (a class of the user's own
+    # file by value, a weight-normed module through its factory) and is unpacked there, where
+    # the probe runs: sent as it is, Dask's serializer of a module would name its class, which
+    # a worker without the user's file cannot import.
+    return {w: client.submit(unwrap, payload, workers=[w], pure=False) for w in workers}
 
 
 def _cores_got(client: Client, modules: dict[str, Any], x: np.ndarray, y: np.ndarray, *,

@@ -11,6 +11,7 @@ every candidate's predicted samples per second are logged at INFO and kept in
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,12 +61,20 @@ def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
     from dask_train.runtime._roles import worker_threads
 
     model, probe_s = probe_model(trainer, client, X, y, cores=True)
-    n_workers = len(worker_threads(client))
+    addresses = sorted(worker_threads(client))
+    measured: dict[str, float] = {}
+    if model.shared_cores is not None and len(addresses) > 1 and host_memory_shards():
+        # One machine: the candidates' whole steps measured there, not predicted.
+        from dask_train.api._auto_measure import measure_candidates
+
+        started = time.perf_counter()
+        measured = measure_candidates(trainer, client, X, y, workers=addresses)
+        probe_s += time.perf_counter() - started
     plan = choose_strategy(
-        model, workers=int(trainer.workers), sync_workers=n_workers, max_ps=max(1, n_workers),
-        ps=None if trainer.ps == AUTO else int(trainer.ps),
+        model, workers=int(trainer.workers), sync_workers=len(addresses),
+        max_ps=max(1, len(addresses)), ps=None if trainer.ps == AUTO else int(trainer.ps),
         global_batch=None if trainer.global_batch_size is None else int(trainer.global_batch_size),
-        host_memory=host_memory_shards(),
+        host_memory=host_memory_shards(), measured=measured,
     )
     cores = model.shared_cores if model.shared_cores is not None else model.cores_per_host
     logger.info("strategy='auto': %s; probed in %.2f s (compute %.2f ms a step of %d rows, "

@@ -45,7 +45,8 @@ Examples
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dask_train.errors import InvalidInput
@@ -187,7 +188,8 @@ def async_ps_host_memory(model: CostModel, *, workers: int, ps: int | None, max_
 
 def choose_strategy(model: CostModel, *, workers: int, sync_workers: int, max_ps: int,
                     ps: int | None = None, global_batch: int | None = None,
-                    host_memory: bool = False, tolerance: float = 0.1) -> StrategyPlan:
+                    host_memory: bool = False, tolerance: float = 0.1,
+                    measured: Mapping[str, float] | None = None) -> StrategyPlan:
     """The fastest way to run a job whose costs ``model`` holds; near-ties to the simpler.
 
     Parameters
@@ -211,6 +213,9 @@ def choose_strategy(model: CostModel, *, workers: int, sync_workers: int, max_ps
         is on one machine (``model.shared_cores`` set).
     tolerance : float
         A simpler candidate within this fraction of the fastest is taken instead.
+    measured : mapping, optional
+        Candidate name -> samples per second of its whole step measured on the machine
+        (``engines.shared.step_probe``): used instead of the prediction for those candidates.
 
     Returns
     -------
@@ -238,6 +243,14 @@ def choose_strategy(model: CostModel, *, workers: int, sync_workers: int, max_ps
     else:
         candidates.append(async_ps(_with_batch(model, rows(workers)), workers=workers, ps=ps,
                                    max_ps=max_ps))
+    for name, rate in (measured or {}).items():
+        if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+            raise InvalidInput([f"measured[{name!r}]={rate!r} is invalid: use samples per "
+                                "second, a finite number > 0."])
+    candidates = [c if c.name not in (measured or {}) else
+                  replace(c, samples_per_s=float((measured or {})[c.name]),
+                          bottleneck="its whole step, measured on this machine")
+                  for c in candidates]
     best = max(c.samples_per_s for c in candidates)
     chosen = next(c for c in candidates if c.samples_per_s >= (1 - tolerance) * best)
     return StrategyPlan(chosen=chosen, candidates=tuple(candidates), tolerance=tolerance)

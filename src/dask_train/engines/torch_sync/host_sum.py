@@ -50,8 +50,11 @@ class HostSum:
     """
 
     def __init__(self, seg: HostSegment, rank: int, world: int, n_buckets: int,
-                 timeout: float) -> None:
+                 timeout: float, *, in_group: bool = True) -> None:
         self.seg, self.rank, self.world = seg, rank, world
+        # Whether the ranks are a torch process group, whose end releases them (the
+        # strategy="auto" probe sums without one: see engines.shared.step_probe).
+        self.in_group = in_group
         self.flags = seg.array("flags")  # [bucket, parity, rank]
         self.pids = seg.array("pids")
         self.data = [torch.from_numpy(seg.array(f"b{b}")) for b in range(n_buckets)]
@@ -123,7 +126,7 @@ class HostSum:
             if pid and not host_memory.pid_alive(pid):
                 raise ConnectionResetError(
                     f"Connection reset: rank {peer}'s process ({pid}) is gone")
-        if not dist.is_initialized():
+        if self.in_group and not dist.is_initialized():
             raise ConnectionAbortedError("Connection closed by peer: the group was released")
 
     def close(self) -> None:
