@@ -204,13 +204,14 @@ class _RankLoop:
             self.comm_s += time.perf_counter() - t0
             self.samples += count
             self.report_stats()
-            total = float(meta[0])
-            if total == 0 and meta[1] == 0:  # every rank is out of data: the last epoch is done
+            total, stops, pauses = (meta.tolist() if self.reducer.meta_host is None
+                                    else self.reducer.meta_host.tolist())
+            if total == 0 and stops == 0:  # every rank is out of data: the last epoch is done
                 break
             at_limit = self._update(total, scale)
-            if meta[1] > 0 or at_limit:
+            if stops > 0 or at_limit:
                 break
-            if meta[2] > 0:
+            if pauses > 0:
                 # Some rank was asked to pause: all pause after this same step, so the checkpoint
                 # is one consistent state of every rank.
                 if not pauser.pause(self.feed.position(), steps=self.server.version,
@@ -281,10 +282,12 @@ class _RankLoop:
 
     def _votes(self, count: int) -> None:
         """Write this rank's samples and votes, before the collective that carries them starts."""
-        meta = self.reducer.meta
-        meta[0] = count
-        meta[1] = 1.0 if self.role.stopped() or self.stop_vote else 0.0
-        meta[2] = 1.0 if self.role.pauser.requested() else 0.0
+        values = (float(count), 1.0 if self.role.stopped() or self.stop_vote else 0.0,
+                  1.0 if self.role.pauser.requested() else 0.0)
+        if self.reducer.meta_host is not None:
+            self.reducer.meta_host[:] = values
+        else:
+            self.reducer.meta.copy_(torch.tensor(values))
 
 
 class _BufferSync:

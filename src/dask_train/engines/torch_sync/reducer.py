@@ -71,6 +71,9 @@ class GradientReducer:
     def __init__(self, model: FlatModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.buf = torch.zeros(META + model.n_params, device=model.flat.device)
         self.meta = self.buf[:META]
+        # On the CPU, the loop reads and writes the meta through numpy: a torch scalar index is
+        # a few microseconds each, and the loop does seven a step.
+        self.meta_host = self.meta.numpy() if self.buf.device.type == "cpu" else None
         self.grad = self.buf[META:]
         self._params = model.params
         offsets, offset = [], 0
