@@ -62,3 +62,36 @@ def test_a_heartbeat_cut_by_its_worker_closing_is_no_error(plugin: bool, tmp_pat
         assert not failed and "Traceback" not in log and "- ERROR -" not in log, log[-3000:]
     else:
         assert failed, "the race did not happen without the plugin: the test tests nothing"
+
+
+def test_a_batched_stream_closed_by_its_peer_logs_its_line_without_a_traceback() -> None:
+    # What distributed.batched logs when a cluster closes while it still sends (seen at the end of
+    # a script on the embedded cluster, logging at INFO): one line, and no traceback once
+    # dask-train is on the process. Other records of that logger keep their traceback.
+    import io
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from dask_train.runtime._plugin import quiet_batched_close
+
+    log = logging.getLogger("distributed.batched")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log.addHandler(handler)
+    try:
+        quiet_batched_close()
+        quiet_batched_close()  # installed once however often it is asked
+        for exc, msg in ((CommClosedError(), "Batched Comm Closed %r"),
+                         (ValueError("a real problem"), "Batched send failed %r")):
+            try:
+                raise exc
+            except Exception:
+                log.warning(msg, "<TCP (closed)>", exc_info=True)
+    finally:
+        log.removeHandler(handler)
+    text = out.getvalue()
+    assert "Batched Comm Closed '<TCP (closed)>'" in text
+    assert "CommClosedError" not in text
+    assert "Traceback" in text and "ValueError: a real problem" in text  # the other record's
+    assert len([f for f in log.filters if type(f).__name__ == "_BatchedClosed"]) == 1

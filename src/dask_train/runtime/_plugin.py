@@ -257,6 +257,33 @@ def _quiet_closing_heartbeat(worker: Worker) -> None:
     if _closing_heartbeat not in log.filters:
         log.addFilter(_closing_heartbeat)
     _closing_heartbeat.workers.add(worker)
+    quiet_batched_close()
+
+
+class _BatchedClosed(logging.Filter):
+    """Keeps distributed's INFO line "Batched Comm Closed" but drops its traceback.
+
+    When a cluster closes, a batched stream whose other end closed first (a worker retired
+    while the scheduler still sends to it) logs that line with the ``CommClosedError``'s whole
+    traceback, at INFO: seen at the end of a script on the embedded cluster whose logging was
+    at INFO. Nothing went wrong, and a normal run's log should show no traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Batched Comm Closed") and record.exc_info \
+                and type(record.exc_info[1]).__name__ == "CommClosedError":
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_batched_closed = _BatchedClosed()
+
+
+def quiet_batched_close() -> None:
+    """Install :class:`_BatchedClosed` in this process (the scheduler's, or a worker's)."""
+    log = logging.getLogger("distributed.batched")
+    if _batched_closed not in log.filters:
+        log.addFilter(_batched_closed)
 
 
 class DaskTrainPlugin(WorkerPlugin):
