@@ -104,3 +104,22 @@ def test_a_numpy_model_runs_its_only_engine_under_auto(client: Client) -> None:
     result = dt.Trainer(dt.softmax_regression(8, 3), strategy="auto", lr=0.05, batch_size=256,
                         epochs=1, progress=False, client=client).fit(X, Y, validation=validation)
     assert result.plan == {"strategy": "sync"} and result.samples == 2_000
+
+
+def test_the_candidates_measured_are_all_or_none() -> None:
+    from types import SimpleNamespace
+
+    from dask_train.api._auto_measure import candidate_shapes
+
+    def trainer(workers: int, global_batch: int | None = 128) -> SimpleNamespace:
+        return SimpleNamespace(global_batch_size=global_batch, batch_size=32, workers=workers)
+
+    # Rows as choose_strategy counts them: the global batch split over the trainers.
+    assert candidate_shapes(trainer(2), 2) == {"one-process": (128, 1), "sync": (64, 2),
+                                               "async-ps": (64, 2)}
+    assert candidate_shapes(trainer(2, None), 2) == {"one-process": (32, 1), "sync": (32, 2),
+                                                     "async-ps": (32, 2)}
+    # One trainer: no sync candidate; async-ps with one trainer on its shard.
+    assert candidate_shapes(trainer(1), 2) == {"one-process": (128, 1), "async-ps": (128, 1)}
+    # More trainers than workers: none measured, so none is compared with a prediction.
+    assert candidate_shapes(trainer(3), 2) == {}

@@ -24,30 +24,33 @@ DURATION_S = 0.08
 
 
 def candidate_shapes(trainer: Any, n_workers: int) -> dict[str, tuple[int, int]]:
-    """``{candidate: (rows of one step, processes)}`` for the candidates that can be measured:
-    one process; sync with a rank per worker up to ``trainer.workers`` (from two); async-ps
-    when each trainer has a worker of its own (several in one process share its interpreter,
-    which this measurement does not run). The rows are as ``choose_strategy`` counts them."""
-    global_batch = trainer.global_batch_size
+    """``{candidate: (rows of one step, processes)}``, every candidate ``choose_strategy``
+    weighs: one process; sync with a rank per worker up to ``trainer.workers`` (from two);
+    async-ps with ``trainer.workers`` trainers. Empty when async-ps has more trainers than
+    workers (several in one process share its interpreter, which this measurement does not
+    run): the candidates are then all predicted, never some measured and some predicted. The
+    rows are as ``choose_strategy`` counts them."""
+    global_batch, workers = trainer.global_batch_size, int(trainer.workers)
 
     def rows(w: int) -> int:
         return int(trainer.batch_size) if global_batch is None else max(1, int(global_batch) // w)
 
+    if workers > n_workers:
+        return {}
     shapes = {"one-process": (rows(1), 1)}
-    ranks = min(int(trainer.workers), n_workers)
-    if ranks >= 2:
-        shapes["sync"] = (rows(ranks), ranks)
-    if 2 <= int(trainer.workers) <= n_workers:
-        shapes["async-ps"] = (rows(int(trainer.workers)), int(trainer.workers))
+    if workers >= 2:
+        shapes["sync"] = (rows(workers), workers)
+    shapes["async-ps"] = (rows(workers), workers)
     return shapes
 
 
 def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
                        workers: list[str]) -> dict[str, float]:
     """Samples per second of each candidate of :func:`candidate_shapes`, measured on
-    ``workers`` (all on one machine). Empty where a measurement cannot be made here (gradient
-    accumulation, which these steps do not run; an optimizer whose state cannot live in host
-    memory runs async-ps without it, so async-ps is left to the model)."""
+    ``workers`` (all on one machine); empty, and every candidate predicted, where one of them
+    cannot be measured here: gradient accumulation (these steps do not run it), an optimizer
+    whose state cannot live in host memory (its async-ps runs without it), a measurement that
+    failed (no room in ``/dev/shm``)."""
     from dask_train.api._auto_ps import shipped_modules
     from dask_train.engines.shared.shard import shareable
     from dask_train.engines.shared.step_probe import candidate_rate_task, segment_path
@@ -56,8 +59,8 @@ def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
         return {}
     options = dict(trainer.optimizer_options or {})
     shapes = candidate_shapes(trainer, len(workers))
-    if not shareable(trainer.optimizer, float(trainer.lr), options):
-        shapes.pop("async-ps", None)
+    if not shapes or not shareable(trainer.optimizer, float(trainer.lr), options):
+        return {}
     most = max(rows for rows, _ in shapes.values())
     xs, ys = (np.asarray(a) for a in client.compute([X[:most], y[:most]], sync=True))
     modules = shipped_modules(trainer, client, workers)
@@ -77,9 +80,9 @@ def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
                 rates = [float(f.result(timeout)) for f in futures]
             except (OSError, TimeoutError, ConnectionError, RuntimeError) as exc:
                 # No room in /dev/shm, a worker too slow to start: the model predicts instead.
-                logger.info("strategy='auto': %s could not be measured here (%s); predicted "
-                            "instead", name, exc)
-                continue
+                logger.info("strategy='auto': %s could not be measured here (%s); every "
+                            "candidate predicted instead", name, exc)
+                return {}
             # Sync's ranks step together (one rate); async-ps's trainers each at their own.
             steps = min(rates) if mode == "sync" else sum(rates)
             measured[name] = steps * rows * (world if mode == "sync" else 1)

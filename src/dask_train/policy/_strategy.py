@@ -30,6 +30,10 @@ same cores the gradients need: with no measured ``cpu_s_per_message``, each end 
 taken to cost a quarter of an echo's round trip (two messages, each sent and received, with no
 wire between them). Between hosts the model's own values hold.
 
+Where every worker is on one machine, ``strategy="auto"`` measures each candidate's whole step
+there instead (``engines.shared.step_probe``) and passes the rates as ``measured``: they replace
+the predictions.
+
 Predictions are compared in samples per second. Within ``tolerance`` (10%) of the fastest, the
 simpler wins: one process, then sync (exact gradients, no staleness), then async-ps.
 
