@@ -37,7 +37,7 @@ from dask_train.engines.shared import host_memory
 from dask_train.engines.shared.host_memory import HostSegment
 from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.models._flat import FlatModel
-from dask_train.models._torch import model_inputs, resolve_loss
+from dask_train.models._torch import batch_rows, model_inputs, resolve_loss
 from dask_train.runtime._plugin import worker_state
 
 #: The ways of running a job this module measures (see the module's description).
@@ -78,7 +78,7 @@ def candidate_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *
         else:
             after = _HostSumStep(model, grad, settings, rank=rank, world=world, path=path,
                                  start_at=start_at, timeout=timeout, held=held)
-        rows = len(yb)
+        rows = batch_rows(yb)  # several targets: a dict, whose len is its keys
         if mode != "sync":  # warm: the first step allocates (sync's rounds must match)
             model.gradient(xb, yb, loss_fn, out=grad)
             after.step(rows)
