@@ -23,16 +23,22 @@ from dask_train.models._torch import model_inputs, resolve_loss
 from dask_train.runtime._plugin import worker_state
 
 
+def prepared_step(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, loss: Any
+                  ) -> tuple[FlatModel, Any, Any, Any, torch.Tensor]:
+    """On a worker, what a measured step needs: a training copy of ``module``, the loss, the
+    batch as tensors and a zeroed flat gradient buffer, torch's threads set as for the job."""
+    worker_state(get_worker()).configure_torch()
+    model = FlatModel(copy.deepcopy(module))
+    model.module.train()
+    return model, resolve_loss(loss), model_inputs(x), model_inputs(y), \
+        torch.zeros(model.n_params)
+
+
 def step_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, loss: Any,
                    start_at: float, duration_s: float) -> float:
     """Dask task: gradients per second of ``module`` on one batch, from ``start_at`` (a
     ``time.time()``, the same clock on every worker of one machine) for ``duration_s``."""
-    worker_state(get_worker()).configure_torch()
-    model = FlatModel(copy.deepcopy(module))
-    model.module.train()
-    loss_fn = resolve_loss(loss)
-    out = torch.empty(model.n_params)
-    xb, yb = model_inputs(x), model_inputs(y)
+    model, loss_fn, xb, yb, out = prepared_step(module, x, y, loss=loss)
     model.gradient(xb, yb, loss_fn, out=out)  # warm: the first call allocates
     time.sleep(max(0.0, start_at - time.time()))
     steps, started = 0, time.perf_counter()

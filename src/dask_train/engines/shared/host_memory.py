@@ -49,6 +49,7 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -77,6 +78,11 @@ _SLOT_WORDS = 2 + 3 * BLOCKS_KEPT  # trainer + 1 (0: free), cursor, (epoch, bloc
 
 def _aligned(offset: int) -> int:
     return (offset + 63) // 64 * 64
+
+
+def new_path(kind: str) -> str:
+    """A fresh segment name for ``kind`` (``/dev/shm/dask-train-<kind>-<random>``)."""
+    return os.path.join(SEGMENT_DIR, f"{PREFIX}{kind}-{secrets.token_hex(8)}")
 
 
 def enabled() -> bool:

@@ -23,22 +23,19 @@ about the same per row.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import secrets
 import time
 from typing import Any
 
 import numpy as np
 import torch
-from distributed import get_worker
 
 from dask_train.engines.shared import host_memory
+from dask_train.engines.shared.cores_probe import prepared_step
 from dask_train.engines.shared.host_memory import HostSegment
 from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.models._flat import FlatModel
-from dask_train.models._torch import batch_rows, model_inputs, resolve_loss
-from dask_train.runtime._plugin import worker_state
+from dask_train.models._torch import batch_rows
 
 #: The ways of running a job this module measures (see the module's description).
 MODES = ("one", "async", "sync")
@@ -46,8 +43,7 @@ MODES = ("one", "async", "sync")
 
 def segment_path() -> str:
     """A new segment name for one measurement (``/dev/shm/dask-train-probe-...``)."""
-    return os.path.join(host_memory.SEGMENT_DIR,
-                        f"{host_memory.PREFIX}probe-{secrets.token_hex(8)}")
+    return host_memory.new_path("probe")
 
 
 def candidate_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, mode: str,
@@ -60,12 +56,7 @@ def candidate_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *
     it before the start."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: use one of {MODES}")
-    worker_state(get_worker()).configure_torch()
-    model = FlatModel(copy.deepcopy(module))
-    model.module.train()
-    loss_fn = resolve_loss(loss)
-    xb, yb = model_inputs(x), model_inputs(y)
-    grad = torch.zeros(model.n_params)
+    model, loss_fn, xb, yb, grad = prepared_step(module, x, y, loss=loss)
     settings = {"optimizer": optimizer, "lr": lr, "options": options}
     with contextlib.ExitStack() as held:
         # Created first by rank 0, so a peer that maps it finds the step's segment made too.

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -77,8 +76,7 @@ class HostSum:
         name: list[str | None] = [None]
         seg = None
         if rank == 0:
-            path = os.path.join(host_memory.SEGMENT_DIR,
-                                f"{host_memory.PREFIX}sum-{secrets.token_hex(8)}")
+            path = host_memory.new_path("sum")
             entries = {"flags": ("int64", (len(spans), 2, world)), "pids": ("int64", (world,)),
                        **{f"b{b}": ("float32", (2, world, end - start))
                           for b, (start, end) in enumerate(spans)}}

@@ -189,7 +189,6 @@ class _RankLoop:
 
     def run(self) -> None:
         """Step with the other ranks until every rank is out of data, a stop, or the limit."""
-        meta = self.reducer.meta  # [samples, stop votes, pause votes], reduced with the gradients
         pauser = self.role.pauser
         while True:
             self.reducer.reset()
@@ -204,8 +203,7 @@ class _RankLoop:
             self.comm_s += time.perf_counter() - t0
             self.samples += count
             self.report_stats()
-            total, stops, pauses = (meta.tolist() if self.reducer.meta_host is None
-                                    else self.reducer.meta_host.tolist())
+            total, stops, pauses = self.reducer.meta_values()
             if total == 0 and stops == 0:  # every rank is out of data: the last epoch is done
                 break
             at_limit = self._update(total, scale)
@@ -282,12 +280,8 @@ class _RankLoop:
 
     def _votes(self, count: int) -> None:
         """Write this rank's samples and votes, before the collective that carries them starts."""
-        values = (float(count), 1.0 if self.role.stopped() or self.stop_vote else 0.0,
-                  1.0 if self.role.pauser.requested() else 0.0)
-        if self.reducer.meta_host is not None:
-            self.reducer.meta_host[:] = values
-        else:
-            self.reducer.meta.copy_(torch.tensor(values))
+        self.reducer.set_meta(float(count), 1.0 if self.role.stopped() or self.stop_vote else 0.0,
+                              1.0 if self.role.pauser.requested() else 0.0)
 
 
 class _BufferSync:

@@ -71,9 +71,8 @@ class GradientReducer:
     def __init__(self, model: FlatModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.buf = torch.zeros(META + model.n_params, device=model.flat.device)
         self.meta = self.buf[:META]
-        # On the CPU, the loop reads and writes the meta through numpy: a torch scalar index is
-        # a few microseconds each, and the loop does seven a step.
-        self.meta_host = self.meta.numpy() if self.buf.device.type == "cpu" else None
+        # On the CPU the meta is read and written through numpy (see meta_values).
+        self._meta_host = self.meta.numpy() if self.buf.device.type == "cpu" else None
         self.grad = self.buf[META:]
         self._params = model.params
         offsets, offset = [], 0
@@ -118,6 +117,19 @@ class GradientReducer:
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
+
+    def set_meta(self, samples: float, stop: float, pause: float) -> None:
+        """This rank's step samples and votes, before the collective that carries them."""
+        if self._meta_host is not None:
+            # A torch scalar index costs a few microseconds each; a rank's loop does seven a step.
+            self._meta_host[:] = (samples, stop, pause)
+        else:
+            self.meta.copy_(torch.tensor((samples, stop, pause)))
+
+    def meta_values(self) -> tuple[float, float, float]:
+        """The reduced ``(samples, stop votes, pause votes)`` of the step."""
+        samples, stop, pause = (self.meta if self._meta_host is None else self._meta_host).tolist()
+        return samples, stop, pause
 
     @property
     def spans(self) -> list[tuple[int, int]]:
