@@ -76,3 +76,50 @@ def test_a_light_optimizer_steps_exactly_as_torch_does(name: str, options: dict[
     assert state.keys() == ref.state_dict()["state"].keys()
     for key, value in ref.state_dict()["state"].get(0, {}).items():
         torch.testing.assert_close(state[0][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("adam", {}), ("adamw", {}), ("adam", {"amsgrad": True, "weight_decay": 0.01}),
+    ("adamw", {"maximize": True, "betas": (0.8, 0.99), "eps": 1e-6}),
+])
+def test_the_fused_adam_fast_path_steps_bitwise_as_torch_fused(
+        name: str, options: dict[str, Any]) -> None:
+    """The engines' fused Adam and AdamW over one tensor call torch's kernel directly after the
+    first step (``models._torch._fused_adam_step``): the same parameters and state, bit for bit,
+    as torch's own ``fused=True`` step, also after a learning rate change between steps."""
+    from dask_train.models import OPTIMIZERS
+    from dask_train.models._torch import _fused_adam_step, build_optimizer
+
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(7510, generator=gen)
+    a, b = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    ours = build_optimizer(name, [a], lr=0.01, options=options)
+    ref = OPTIMIZERS[name]([b], lr=0.01, fused=True, **options)
+    assert ours.param_groups[0]["fused"], "the engines' Adam should be the fused one on a CPU"
+    for i in range(30):
+        g = torch.randn(7510, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        if i == 10:
+            for opt in (ours, ref):
+                opt.param_groups[0]["lr"] = 0.003
+        ours.step()
+        ref.step()
+    assert torch.equal(a.detach(), b.detach())
+    for key, value in ref.state[b].items():
+        assert torch.equal(ours.state[a][key], value), key
+    # It is the fast path that stepped: with the state in place it takes the step itself.
+    assert _fused_adam_step(ours) is True
+
+
+def test_the_fused_adam_fast_path_leaves_other_cases_to_torch() -> None:
+    """No state yet, several tensors or a closure: torch's own step runs."""
+    from dask_train.models._torch import _fused_adam_step, build_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    opt = build_optimizer("adam", [p], lr=0.1, options={})
+    assert _fused_adam_step(opt) is False  # the first step creates the state
+    two = build_optimizer("adam", [p, torch.nn.Parameter(torch.zeros(2))], lr=0.1, options={})
+    assert _fused_adam_step(two) is False
+    opt.step()
+    assert opt.step(lambda: torch.tensor(1.0)) is not None  # a closure's loss comes back

@@ -300,7 +300,11 @@ def without_dynamo(cls: type) -> type:
             overrides[name] = inspect.unwrap(getattr(base, name))
     raw_step = inspect.unwrap(cls.step)  # type: ignore[attr-defined]
 
+    fast = _fused_adam_step if issubclass(cls, torch.optim.Adam) else None
+
     def step(self: Any, closure: Any = None) -> Any:
+        if fast is not None and closure is None and fast(self):
+            return None
         with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
             return raw_step(self, closure)
 
@@ -315,6 +319,47 @@ def without_dynamo(cls: type) -> type:
                                         "__qualname__": cls.__qualname__})
     _LIGHT_OPTIMIZERS[cls] = light
     return light
+
+
+def _fused_adam_step(opt: Any) -> bool:
+    """One step of a fused Adam or AdamW over one CPU tensor (a shard, a rank's flat vector)
+    with the kernel torch's own step ends in; False (nothing done) where that is not the case,
+    and the step is torch's.
+
+    The same arithmetic as ``Adam.step`` with ``fused=True``, which for one tensor adds one to
+    its step count and calls ``torch._fused_adam_`` (``_fused_adamw_``), after grouping the
+    tensors by device and gathering each group's lists in Python: 18.5 us of a 20 us step on the
+    digits MLP's 7,510 parameters, against 6 us called directly. The state must exist (the
+    first step is torch's, which creates it) and the hyper-parameters are read from the group
+    at every step, so a changed learning rate applies as it would.
+    """
+    groups = opt.param_groups
+    if len(groups) != 1:
+        return False
+    group = groups[0]
+    params = group["params"]
+    if len(params) != 1 or not group["fused"] or group["differentiable"] or group["capturable"]:
+        return False
+    param = params[0]
+    grad = param.grad
+    state = opt.state.get(param)
+    if grad is None or not state or grad.is_sparse or param.device.type != "cpu" \
+            or getattr(opt, "grad_scale", None) is not None \
+            or getattr(opt, "found_inf", None) is not None:
+        return False
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    if isinstance(lr, torch.Tensor) or isinstance(beta1, torch.Tensor) \
+            or isinstance(beta2, torch.Tensor):
+        return False  # torch's step turns these into scalars its own way
+    step = state["step"]
+    amsgrad = bool(group["amsgrad"])
+    step.add_(1)
+    kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+    kernel([param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+           [state["max_exp_avg_sq"]] if amsgrad else [], [step], amsgrad=amsgrad, lr=lr,
+           beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+           maximize=group["maximize"], grad_scale=None, found_inf=None)
+    return True
 
 
 def build_optimizer(
