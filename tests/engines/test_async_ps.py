@@ -370,3 +370,46 @@ def test_auto_prefetch_goes_deeper_for_a_tiny_model(client: Client) -> None:
                             epochs=2, prefetch="auto", progress=False, client=client).fit(X, Y)
     assert result.samples == 16_000 and result.steps == 2 * 16 * 32
     assert max(t["prefetch"] for t in result.trainers) >= 2
+
+
+def _profile_roles(value: bool) -> None:
+    import dask
+
+    dask.config.set({"dask-train.profile-roles": value})  # this worker's config, for good
+
+
+def _profiler_running(dask_worker) -> bool | None:
+    callback = dask_worker.periodic_callbacks.get("profile")
+    return None if callback is None else bool(callback.is_running())
+
+
+class _ProfilerSeen(dt.Callback):
+    """Asks every worker at each score whether Dask's profiler runs there."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.seen = client, []
+
+    def on_score(self, record):
+        self.seen.append(self.client.run(_profiler_running))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_profiler_is_paused_where_roles_run_and_back_after(client: Client, keep: bool) -> None:
+    """While a trainer runs on a worker, Dask's statistical profiler there is paused (its 10 ms
+    wake-ups slowed the trainers); it runs again after the fit; dask-train.profile-roles keeps it."""
+    x, y, X, Y = _data(n=4000)
+    seen = _ProfilerSeen(client)
+    client.run(_profile_roles, keep)  # a worker setting: the roles read it where they run
+    try:
+        result = dt.Trainer(mlp(8, 3), loss="cross_entropy", lr=0.05, strategy="async-ps",
+                            workers=2, ps=1, batch_size=32, epochs=200, score_every=0.2,
+                            stop=[dt.StopAfter(seconds=2)], callbacks=[seen], progress=False,
+                            client=client).fit(X, Y, validation=(x[:200], y[:200]))
+    finally:
+        client.run(_profile_roles, False)
+    assert result.steps > 0 and len(seen.seen) >= 2
+    during = {w: state for snapshot in seen.seen[:-1] for w, state in snapshot.items()}
+    trainers = {t["worker"] for t in result.trainers}
+    assert all(during[w] is keep for w in trainers), (during, trainers)
+    after = client.run(_profiler_running)
+    assert all(after.values()), after  # started again once the roles ended

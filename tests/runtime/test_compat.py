@@ -22,7 +22,12 @@ import torch
 from distributed import Client, Worker, wait
 
 from dask_train.data._cluster import live_workers
-from dask_train.runtime._compat import drop_topic_handler, reset_torch_group_count, worker_data
+from dask_train.runtime._compat import (
+    drop_topic_handler,
+    pause_profiler,
+    reset_torch_group_count,
+    worker_data,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 _DISTRIBUTED = f"distributed {distributed.__version__}"
@@ -67,6 +72,39 @@ def test_worker_data_holds_task_results(client: Client) -> None:
     assert seen["has_key"] and seen["value"] == 42, _changed(
         "Worker.data no longer holds a finished task's result under its key", _NO_READ, _DISTRIBUTED
     )
+
+
+# --- Worker.periodic_callbacks["profile"] ------------------------------------------------------
+
+_NO_PAUSE = "pause a worker's statistical profiler (it is on or off for the worker's whole life)"
+
+
+def _profiler_running(dask_worker: Worker) -> Any:
+    callback = dask_worker.periodic_callbacks.get("profile")
+    return None if callback is None else bool(callback.is_running())
+
+
+def _pause_then(dask_worker: Worker) -> Any:
+    return pause_profiler(dask_worker) is not None
+
+
+def _resume(dask_worker: Worker) -> None:
+    callback = dask_worker.periodic_callbacks["profile"]
+    dask_worker.loop.add_callback(callback.start)
+
+
+def test_the_profiler_is_a_periodic_callback_that_pauses(client: Client) -> None:
+    address = sorted(live_workers(client))[0]
+    assert client.run(_profiler_running, workers=[address])[address] is True, _changed(
+        'Worker.periodic_callbacks["profile"] (the statistical profiler) is gone or not running',
+        _NO_PAUSE, _DISTRIBUTED)
+    try:
+        assert client.run(_pause_then, workers=[address])[address] is True
+        assert client.run(_profiler_running, workers=[address])[address] is False, _changed(
+            "stopping the profiler's PeriodicCallback left it running", _NO_PAUSE, _DISTRIBUTED)
+    finally:
+        client.run(_resume, workers=[address])
+    assert client.run(_profiler_running, workers=[address])[address] is True
 
 
 # --- Client._event_handlers ---------------------------------------------------------------------

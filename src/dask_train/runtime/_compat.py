@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import pickle
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 
@@ -38,6 +38,28 @@ def room_below_target(worker: Any) -> float:
     if not limit or not fraction:
         return math.inf
     return float(fraction * limit - worker.monitor.get_process_memory())
+
+
+def pause_profiler(worker: Any) -> Callable[[], None] | None:
+    """Stop the worker's statistical profiler; return what starts it again (None when it was
+    not running: turned off in Dask's config, or already stopped).
+
+    Missing public API: the profiler is a periodic callback of the worker, on or off for its
+    whole life (``distributed.worker.profile.enabled``, read at its start), with no call to
+    pause it; here its ``PeriodicCallback`` in ``Worker.periodic_callbacks["profile"]`` is
+    stopped and started on the worker's event loop, where Tornado wants it.
+    """
+    callback = getattr(worker, "periodic_callbacks", {}).get("profile")
+    if callback is None or not callback.is_running():
+        return None
+    loop = worker.loop
+    loop.add_callback(callback.stop)
+
+    def resume() -> None:
+        if worker.status.name not in ("closing", "closed", "closing_gracefully", "failed"):
+            loop.add_callback(callback.start)
+
+    return resume
 
 
 def drop_topic_handler(client: Any, topic: str) -> None:

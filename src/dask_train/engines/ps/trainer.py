@@ -20,13 +20,14 @@ import torch
 
 from dask_train.data._feed import FeedItem, batches
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import TrainerRole
+from dask_train.engines.shared.harness import TrainerRole, role_task
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
 
 
+@role_task
 def run_trainer(
     module: torch.nn.Module,
     *,

@@ -11,10 +11,11 @@ import cloudpickle
 
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.run.context import RunContext, RunSettings
-from dask_train.engines.shared.harness import TrainerRole
+from dask_train.engines.shared.harness import TrainerRole, role_task
 from dask_train.engines.shared.params import ShardRef
 
 
+@role_task
 def run_user_rank(
     fn_blob: bytes,
     *,

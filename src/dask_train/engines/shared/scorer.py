@@ -24,7 +24,7 @@ from distributed import get_worker, secede
 
 from dask_train.engines._events import Score
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import model_for
+from dask_train.engines.shared.harness import model_for, role_task
 from dask_train.engines.shared.params import PSClient, ShardRef, write_params
 from dask_train.engines.shared.scoring import ScoreKeeper, ScoreSchedule, score_event
 from dask_train.engines.shared.spread_eval import SpreadValidation
@@ -32,6 +32,7 @@ from dask_train.engines.shared.stats import StatsReporter
 from dask_train.runtime._plugin import worker_state
 
 
+@role_task
 def run_scorer(
     module: Any,
     validation: tuple[np.ndarray, np.ndarray] | None,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import TrainerRole
+from dask_train.engines.shared.harness import TrainerRole, role_task
 from dask_train.engines.shared.optim import FlatOptimizer
 from dask_train.engines.shared.params import ShardRef
 from dask_train.engines.shared.stats import StatsReporter
@@ -104,6 +104,7 @@ class _RankFeed:
         return [self.item.epoch, self.item.block, self.consumed]
 
 
+@role_task
 def run_rank(
     module: torch.nn.Module,
     *,
