@@ -64,6 +64,7 @@ class FakeEngine(Engine):
         self.step = self.samples = self.epochs = self.saves = 0
         self.scored: dict[int, np.ndarray] = {}
         self.pending = self.polls = 0
+        self.adopted_while_paused = 0  # adopt_workers calls with a pause outstanding
         self.reported: set[int] = set()
         self.stopped = False
         self.t0 = 0.0
@@ -128,6 +129,10 @@ class FakeEngine(Engine):
 
     async def retire_trainer(self, index: int) -> None:
         self.calls.append(f"retire {index}")
+
+    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
+        # Kept apart from ``calls``: the controller asks at every pass.
+        self.adopted_while_paused += bool(self.pending)
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         self.calls.append(f"replace scorer on {len(alive)} worker(s)")

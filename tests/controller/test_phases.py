@@ -324,6 +324,18 @@ def test_trainers_that_never_pause_end_the_job_with_training_timeout(tmp_path: P
     assert run.published[-1]["error"].startswith("TrainingTimeout: the trainers did not all pause")
 
 
+def test_no_worker_is_adopted_while_the_trainers_are_paused(tmp_path: Path) -> None:
+    """A trainer started during a checkpoint's pause never gets the pause request: workers that
+    joined are adopted only while the job runs, never while it waits for the pauses."""
+    engine = FakeEngine([(0.0, Progress(step=1)), (0.3, Progress(step=2))], ends_at=0.6,
+                        pause_polls=5)
+    spec = _spec(checkpoint=CheckpointConfig(tmp_path, every_seconds=None, every_steps=1))
+    _ok(_run([engine], spec))
+
+    assert "snapshot 1" in engine.calls  # a pause took several passes of the controller
+    assert engine.adopted_while_paused == 0
+
+
 # -- failures and generations ----------------------------------------------------------------------
 def test_a_rank_lost_during_a_pause_restarts_a_new_generation_from_the_checkpoint(
         tmp_path: Path) -> None:

@@ -387,7 +387,10 @@ class Controller:
         failures = await engine.failures(alive)
         restart = await self.losses.act(engine, failures, alive,
                                         has_checkpoint=self.has_checkpoint)
-        if not failures and not self.state.stopped_by:
+        # Not during a checkpoint's pause: a trainer started now never got the pause request,
+        # and the pause would wait for it until the timeout (seen in the chaos test, a
+        # restarted worker adopted while the other trainer was paused); the next pass adopts.
+        if not failures and not self.state.stopped_by and self.state.phase is Phase.RUNNING:
             await engine.adopt_workers(alive)
         return restart
 
