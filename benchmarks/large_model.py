@@ -16,7 +16,8 @@ entropy, on generated digits data (``dt.datasets.digits``; nothing is downloaded
 
 Why: with a model this large an optimizer step of a shard takes ~100 ms or more; run on the
 worker's event loop, it starved heartbeats and RPCs (17 steps in 40 s, no score at all). The aim
-is a Trainer at >= 0.8x plain torch with 2 threads, with scores every ``score_every``.
+is a Trainer at >= 1.1x plain torch with 2 threads (about the limit of two processes on two cores
+when torch's own 2 threads already reach ~1.8x one), with scores every ``score_every``.
 
 Results go to ``benchmarks/results/large_model.md`` and ``.json`` (``large_model-quick.*`` with
 ``--quick``).
@@ -39,7 +40,7 @@ from _common import build_mlp, cpu_load, environment, markdown_table, write_resu
 import dask_train as dt
 
 HIDDEN = (4096, 4096, 4096)
-AIM = 0.8
+AIM = 1.1
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -23,9 +23,11 @@ What is measured, in samples per second, in one run:
     (two pushes in flight) and ``grad_accumulation=4`` (the mean gradient of 4 batches per push:
     4x fewer messages and server updates, an effective batch of 4x the batch size).
 
-Why: the project aims for a Trainer that, on the same 2 cores, is at least as fast as plain torch
-with 2 threads on the large MLP (>= 1.0x) and close to it on the small one (>= 0.8x). The ratios
-are printed, never asserted: timings on a shared machine are noisy.
+Why: two processes on two cores, their parameters shared in host memory, should beat one process
+that already uses both cores: the project aims for a Trainer at least 1.5x plain torch with 2
+threads on the small MLP (where plain torch gains little from its second thread) and 1.1x on the
+large one (where its 2 threads already reach ~1.8x one). The ratios are printed, never asserted:
+timings on a shared machine are noisy.
 
 To keep the measurements from disturbing each other the plain loops run before the Dask cluster
 exists, and the data is generated and persisted before any timed Trainer run. Each timed interval
@@ -71,7 +73,7 @@ from distributed import Client
 import dask_train as dt
 
 TORCH_THREADS = (1, 2)
-AIMS = {"small": 0.8, "large": 1.0}  # Trainer steady state / plain torch with 2 threads
+AIMS = {"small": 1.5, "large": 1.1}  # Trainer steady state / plain torch with 2 threads
 DISTURBED_CORES = 0.15  # CPU use of other programs above which a measurement is repeated
 
 
