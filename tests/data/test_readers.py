@@ -76,3 +76,60 @@ def test_numpy_given_to_fit_is_scattered_in_blocks_not_embedded(client: Client) 
     # Read where they were sent, but for the epoch's tail: a trainer out of blocks takes one
     # of the other worker's rather than idle.
     assert result.ledger["local"].mean() >= 0.75
+
+
+def _blocks_of(client: Client, X, y):
+    blocks = client.sync(persist_blocks, client, X, y)
+    pairs = client.gather(blocks.futures)
+    return blocks, np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def test_blocks_that_share_no_task_are_each_read_by_one_task(client: Client,
+                                                            tmp_path: Path) -> None:
+    """Files of X and y: each block's features and labels are read by one task, where it runs
+    (no transfer between workers, a third of the tasks); the blocks hold the files' rows."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1_200, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=1_200)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    X, Y = dt.from_npy(tmp_path / "x.npy", block_rows=300), dt.from_npy(tmp_path / "y.npy",
+                                                                          block_rows=300)
+    blocks, xs, ys = _blocks_of(client, X, Y)
+    assert all(str(f.key).startswith("dt-block-") for f in blocks.futures)
+    np.testing.assert_array_equal(xs, x)
+    np.testing.assert_array_equal(ys, y)
+    assert [b.rows for b in blocks.blocks] == [300] * 4
+
+
+def test_blocks_sharing_a_task_or_a_persisted_chunk_keep_the_graph(client: Client) -> None:
+    """A reduction over every block (computed once, not once per block) or chunks already
+    persisted on the workers: the pairs' graph is computed as it is, with the same rows."""
+    import dask.array as da
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(800, 3)).astype(np.float32)
+    y = np.arange(800) % 2
+    X, Y = da.from_array(x, chunks=(200, 3)), da.from_array(y, chunks=200)
+    centred = X - X.mean(axis=0)
+    blocks, xs, _ = _blocks_of(client, centred, Y)
+    assert not any(str(f.key).startswith("dt-block-") for f in blocks.futures)
+    np.testing.assert_allclose(xs, x - x.mean(axis=0), rtol=1e-5, atol=1e-6)
+    held_x, held_y = client.persist([X, Y])
+    blocks, xs, ys = _blocks_of(client, held_x, held_y)
+    assert not any(str(f.key).startswith("dt-block-") for f in blocks.futures)
+    np.testing.assert_array_equal(xs, x)
+    np.testing.assert_array_equal(ys, y)
+
+
+def test_a_file_gone_before_the_blocks_are_read_raises_its_own_error(client: Client,
+                                                                    tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((400, 2), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(400, np.int64))
+    X = dt.from_npy(tmp_path / "x.npy", block_rows=100)
+    Y = dt.from_npy(tmp_path / "y.npy", block_rows=100)
+    (tmp_path / "y.npy").unlink()
+    with pytest.raises(FileNotFoundError, match="y.npy") as info:
+        client.sync(persist_blocks, client, X, Y)
+    # The blocks are forgotten, even while the error is kept.
+    assert info.value is not None and not client.futures
