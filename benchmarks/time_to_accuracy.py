@@ -99,9 +99,8 @@ def run_torch(data: Path, threads: int, limit_s: float) -> None:
     """One plain process: the reference a distributed system is measured against."""
     import numpy as np
     import torch
-    from sklearn.datasets import load_digits  # noqa: F401  (the held-out split needs it anyway)
 
-    import dask_train as dt
+    import dask_train as dt  # the held-out split: dt.datasets.digits_test, as every system
 
     torch.set_num_threads(threads)
     xs = [np.load(p) for p in sorted(data.glob("x-*.npy"))]

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import functools
+import gzip
+import importlib.util
 import math
 import numbers
+import os
+from typing import TYPE_CHECKING
 
 import dask
-import dask.array as da
 import numpy as np
 from dask.base import tokenize
 
 from dask_train.errors import InvalidInput
 
+if TYPE_CHECKING:
+    import dask.array as da
+
 _SIDE = 8
 _N_FEATURES = _SIDE * _SIDE
 _MAX_SHIFT_LIMIT = 3
-# The split is fixed (independent of ``seed``) so every call, every seed and every worker agree on
-# which images are held out: augmented training data never leaks test images.
-_SPLIT_SEED = 0
-_TEST_SIZE = 0.2
+# The split is fixed (independent of ``seed``, see _SPLIT_FILE) so every call, every seed and every
+# worker agree on which images are held out: augmented training data never leaks test images.
 # Prefix of the one task per block that generates rows; named so a graph or the dashboard shows it.
 BLOCK_TASK_PREFIX = "digits-block"
 # Empty arrays of the right type, so from_delayed need not infer them once per block.
@@ -27,21 +31,40 @@ _X_META = np.empty((0, _N_FEATURES), dtype=np.float32)
 _Y_META = np.empty((0,), dtype=np.int64)
 
 
+#: The split, as rows of the bundled file: the training rows then the held-out ones, in the
+#: order scikit-learn's ``train_test_split(test_size=0.2, stratify=y, random_state=0)`` gives
+#: them (``tests/datasets`` checks it against scikit-learn). Kept in the package so the split
+#: needs no scikit-learn import (0.7 s, in the client and in every worker that generates rows)
+#: and stays the same whatever its release.
+_SPLIT_FILE = os.path.join(os.path.dirname(__file__), "digits_split.npy")
+_N_TRAIN = 1437
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as ``(pixels 0..16, labels)``, read from its file without
+    importing scikit-learn; through ``load_digits`` where the file is not where it was."""
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(roots[0], "datasets", "data", "digits.csv.gz") if roots else ""
+    if path and os.path.exists(path):
+        with gzip.open(path, "rt") as f:  # what load_digits reads, as it reads it
+            data = np.loadtxt(f, delimiter=",")
+        return data[:, :-1], data[:, -1].astype(int)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.data, bunch.target
+
+
 @functools.lru_cache(maxsize=1)
 def _split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Load scikit-learn's bundled digits (no download) and split them once, scaled to [0, 1]."""
-    # Imported here, not at module level: scikit-learn (with SciPy) takes ~1 s to import, and
-    # ``digits()`` only builds a graph in the client; the blocks call this on the workers.
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    X = (bunch.data / 16.0).astype(np.float32)
-    y = bunch.target.astype(np.int64)
-    X_train, X_test, y_train, y_test = train_test_split(
-        X, y, test_size=_TEST_SIZE, stratify=y, random_state=_SPLIT_SEED
-    )
-    parts = (X_train, y_train, X_test, y_test)
+    pixels, labels = _load_digits()
+    X = (pixels / 16.0).astype(np.float32)
+    y = labels.astype(np.int64)
+    order = np.load(_SPLIT_FILE).astype(np.intp)
+    train, test = order[:_N_TRAIN], order[_N_TRAIN:]
+    parts = (X[train], y[train], X[test], y[test])
     # Cached and shared by every block on a worker: read-only so no block can corrupt another.
     for part in parts:
         part.setflags(write=False)
@@ -192,6 +215,10 @@ def digits(
     ((1000, 64), (500, 500), dtype('int64'))
     """
     _validate(n_samples=n_samples, seed=seed, chunks=chunks, max_shift=max_shift, noise=noise)
+    # Here, not at the top: the held-out split alone (a plain torch script) never needs it, and
+    # a worker generating rows imports this module.
+    import dask.array as da
+
     params = {"seed": int(seed), "max_shift": int(max_shift), "noise": float(noise)}
     # Keys are named from a token of every argument (what pure=True would do per call, but computed
     # once: tokenizing thousands of calls dominated graph construction). Equal calls share keys, and
