@@ -8,6 +8,8 @@ host, as :func:`dask_train.start_torch` does for NCCL ranks.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +18,29 @@ from distributed import Client
 
 from dask_train.errors import InvalidInput
 
+#: Device files of a GPU that torch.cuda can use on Linux: NVIDIA's driver, AMD's (ROCm builds of
+#: torch answer through torch.cuda), WSL2's GPU paravirtualization.
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _no_gpu_here() -> bool:
+    """Whether this machine certainly has no GPU torch.cuda could use: Linux without any GPU
+    device file, or macOS (no CUDA build)."""
+    if sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not any(
+        os.path.exists(p) for p in _GPU_DEVICE_FILES)
+
 
 def _cuda_info() -> dict[str, Any]:
-    """Run on a worker: its visible CUDA devices and whether they compute in bfloat16."""
+    """Run on a worker: its visible CUDA devices and whether they compute in bfloat16.
+
+    Without a GPU device file no torch import is needed to say so: it runs on the worker's
+    event loop, where importing torch (1-2 s while the worker's preload imports it too) held
+    every message to that worker, a fit's data among them.
+    """
+    if _no_gpu_here():
+        return {"cuda": 0, "bf16": False}
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
