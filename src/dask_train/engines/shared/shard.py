@@ -205,15 +205,24 @@ class ShardServer(FlatOptimizer):
         """A trainer of this host applies its own push to the shard in host memory: the
         bookkeeping under the segment's lock, the optimizer's arithmetic after it, unlocked, as
         Hogwild does (see :mod:`.host_memory`). Returns the shard's own memory."""
-        with self._grad_lock:  # this object's threads share its gradient buffer
+        with self._grad_lock:  # this object's threads share its parameter's .grad
             with self._lock:
                 if self.at_limit():
                     return self.param.detach().numpy(), self.version, True
                 # Counted before the arithmetic: a process lost in it has its rows applied once,
                 # in part, never re-fed (as a torn update under the lock).
                 version, stop = self._account(samples, position, buffers, step=False)
-            self.grad.numpy()[:] = grad
-            self.optimizer.step()
+            # The optimizer reads the trainer's own gradient where it lies, not a copy: the
+            # trainer does not touch it before this returns. A copy into this object's buffer
+            # was 4% of a trainer's time on the 34M-parameter MLP (py-spy).
+            if grad.flags.writeable and grad.flags.c_contiguous and grad.dtype == np.float32:
+                self.param.grad = torch.from_numpy(grad)
+            else:  # not a trainer's own buffer: copied, as a remote push is
+                self.grad.numpy()[:] = grad
+            try:
+                self.optimizer.step()
+            finally:
+                self.param.grad = self.grad
         return self.param.detach().numpy(), version, stop
 
     def _account(self, samples: int, position: Sequence[int] | None,
