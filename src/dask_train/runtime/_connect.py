@@ -14,6 +14,7 @@ from distributed import Client, get_client
 
 from dask_train.errors import ClusterUnreachable, InvalidInput
 from dask_train.runtime._compat import start_workers_without_main
+from dask_train.runtime._fork import fork_workers
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, quiet_batched_close
 from dask_train.runtime._roles import remember_handlers
 from dask_train.runtime._versions import check_versions
@@ -163,14 +164,32 @@ def _embedded(
     environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
     environ.update(_MALLOC_ENV)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
-        # No address: Client starts the LocalCluster itself and closes it when the client closes.
-        client = Client(**kwargs)
+        # The workers forked from a server importing torch meanwhile, where it can (runtime._fork);
+        # only while these workers start: a nanny restarting one after a loss spawns it.
+        start = fork_workers(environ)
+        if start:
+            _import_dask_array()
+        with dask.config.set(start):
+            # No address: Client starts the LocalCluster itself and closes it with the client.
+            client = Client(**kwargs)
     # Close the client at the program's end before distributed's own exit handlers (registered
     # at its import, so run after this one) take the workers down under it: that way the
     # scheduler forgets the client's keys first, and the end of every script is quiet (not a
     # "lose already computed task(s)" warning and a "lose scattered data" error per worker).
     atexit.register(_close_at_exit, weakref.ref(client))
     return client
+
+
+def _import_dask_array() -> None:
+    """Import dask.array now, while the fork server imports torch on another core.
+
+    A fit's data needs it (``dt.from_npy``, ``da.from_array``, the datasets), and this process
+    would otherwise wait idle for the workers, then import it (0.5 s) before the fit.
+    """
+    try:
+        import dask.array  # noqa: F401
+    except ImportError:  # dask without its array extra: a fit on dataframes needs none
+        pass
 
 
 def _close_at_exit(ref: weakref.ReferenceType[Client]) -> None:

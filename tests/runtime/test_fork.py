@@ -1,0 +1,126 @@
+"""The embedded cluster's workers forked from a server that imported torch (runtime._fork).
+
+Each program runs as a user runs one, ``python script.py``: a fork server lives as long as the
+program that started it, so the pytest process is kept out of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import dask
+import pytest
+
+from dask_train.runtime._fork import fork_workers
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+_INFO = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    import dask_train as dt
+
+    def info():
+        import os, sys
+        return {"ppid": os.getppid(), "torch": "torch" in sys.modules, "hash": hash("dask-train"),
+                "mark": os.environ.get("DT_FORK_MARK")}
+
+    def wait_for(client, n, old=()):
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            workers = set(client.scheduler_info()["workers"])
+            if len(workers) == n and not workers & set(old):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{n} workers did not come back")
+""")
+
+_CLEAN = _INFO + textwrap.dedent("""
+    client = dt.connect(n_workers=2, quiet=True)
+    first = client.run(info)
+    X, y = dt.datasets.digits(4_000, seed=0, chunks=1_000)
+    result = dt.Trainer(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                            torch.nn.Linear(32, 10)),
+                        ps=1, workers=2, lr=3e-3, batch_size=64, epochs=10, progress=False,
+                        client=client).fit(X, y, validation=dt.datasets.digits_test())
+    client.close()
+    # Set after the fork server started: a new embedded cluster must still see it.
+    os.environ["DT_FORK_MARK"] = "set later"
+    client = dt.connect(n_workers=1, quiet=True)
+    later = client.run(info)
+    client.close()
+    print("RESULT", json.dumps({"main": os.getpid(), "first": list(first.values()),
+                                "later": list(later.values()),
+                                "accuracy": float(result.history["accuracy"].iloc[-1])}))
+""")
+
+_LOSS = _INFO + textwrap.dedent("""
+    client = dt.connect(n_workers=2, quiet=True)
+    first = client.run(info)
+    lost = sorted(first)[0]
+    # Only there: the task waits for that worker, never runs on the one coming back.
+    killer = client.submit(os._exit, 1, workers=[lost], pure=False)
+    wait_for(client, 2, old=[lost])
+    killer.cancel()
+    after = client.run(info)
+    client.close()
+    print("RESULT", json.dumps({"main": os.getpid(), "first": list(first.values()),
+                                "after": list(after.values())}))
+""")
+
+
+def _run(tmp_path: Path, source: str) -> tuple[dict, str]:
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("DT_FORK_MARK", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), log
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
+@pytest.mark.timeout(300)
+def test_forked_workers_start_with_torch_train_and_a_later_environment_is_seen(
+        tmp_path: Path) -> None:
+    got, log = _run(tmp_path, _CLEAN)
+    first, later = got["first"], got["later"]
+    # Both workers are children of one fork server (not of this program, whose nannies spawn),
+    # and had torch the moment the cluster was up.
+    assert len({w["ppid"] for w in first}) == 1 and first[0]["ppid"] != got["main"]
+    assert all(w["torch"] for w in first)
+    assert got["accuracy"] > 0.8  # ten epochs of 4,000 digits (0.82 after five); chance 0.1
+    # The environment changed since the server started: that cluster's worker was spawned.
+    assert later[0]["mark"] == "set later" and later[0]["ppid"] == got["main"]
+    assert "Traceback" not in log and " ERROR " not in log and "- ERROR -" not in log, log[-4000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
+@pytest.mark.timeout(300)
+def test_a_worker_spawned_after_a_loss_hashes_strings_as_the_forked_ones(tmp_path: Path) -> None:
+    got, _ = _run(tmp_path, _LOSS)
+    first, after = got["first"], got["after"]
+    assert all(w["ppid"] != got["main"] for w in first)
+    assert sum(w["ppid"] == got["main"] for w in after) == 1  # the nanny spawned the lost one
+    # One string hash everywhere, as Dask's shuffles need: the fork server started with the
+    # nanny's PYTHONHASHSEED.
+    assert len({w["hash"] for w in first + after}) == 1
+
+
+@pytest.mark.parametrize("config, environ", [
+    ({"dask-train.fork-workers": False}, {}),
+    ({"distributed.worker.multiprocessing-method": "forkserver"}, {}),
+    ({}, {"OMP_NUM_THREADS": "4"}),
+], ids=["switched-off", "dask-method-set", "openmp-threads"])
+def test_workers_are_spawned_where_a_fork_would_not_be_what_was_asked(
+        config: dict, environ: dict) -> None:
+    with dask.config.set(config):
+        assert fork_workers({"OMP_NUM_THREADS": "1", **environ}) == {}
