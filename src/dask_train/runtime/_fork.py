@@ -83,6 +83,7 @@ def fork_workers(pre_spawn_environ: Mapping[str, Any]) -> dict[str, Any]:
             preload = ["distributed", "dask_train.runtime._plugin"]
             if "torch" in sys.modules:  # the program trains with torch: its workers will too
                 preload.append("torch")
+            preload.append("dask_train.runtime._fork_ready")
             multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
             _skip_distributed_preload()
         forkserver.ensure_running()
