@@ -114,7 +114,10 @@ def test_three_workers_killed_at_random_moments_of_a_job(client: Client, data: d
 @pytest.mark.timeout(300)
 def test_three_trial_holders_killed_at_random_moments_of_a_search(client: Client,
                                                                   data: dict) -> None:
-    epochs = 4
+    # Trials long enough for three kills, each waiting for the cluster to be whole again (a
+    # worker's restart, seconds on a loaded machine): at 4 epochs a trial trained in about a
+    # second, and a fresh-clone CI run ended the search one kill short.
+    epochs = 10
     chaos = Schedule(client, seed=SEED, kinds=["trainer"] * 3,
                      roles=lambda: running_trainers(client), planned=epochs * ROWS, workers=2,
                      fits=3)
