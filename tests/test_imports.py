@@ -124,7 +124,7 @@ def is_package(path: Path) -> bool:
 
 
 def package_of(module: str) -> str:
-    """``dask_train.engines.shared.control`` -> ``engines``; ``dask_train`` -> the root."""
+    """``dask_train.engines.harness.control`` -> ``engines``; ``dask_train`` -> the root."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ROOT
 

@@ -13,7 +13,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.api._auto_ps import probe_arguments
-from dask_train.engines.ps.probe import probe_costs
+from dask_train.engines.measure.ps_costs import probe_costs
 
 
 def _data(n: int = 8000):

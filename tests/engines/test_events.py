@@ -19,7 +19,7 @@ from dask_train.engines._events import (
     Stats,
     from_message,
 )
-from dask_train.engines.shared.scoring import ScoreKeeper
+from dask_train.engines.scoring.keeper import ScoreKeeper
 
 EVENTS = [
     Started(trainer=0),

@@ -1,4 +1,4 @@
-"""Parameter-server shards in host memory (``engines.shared.host_memory``): trainers of the
+"""Parameter-server shards in host memory (``engines.holders.host_memory``): trainers of the
 shard's host update it themselves, in their own processes, and a process lost inside an update
 leaves the segment's readers whole."""
 
@@ -22,8 +22,8 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.data._cluster import live_workers
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.shard import ShardServer
+from dask_train.engines.holders import host_memory
+from dask_train.engines.holders.shard import ShardServer
 
 
 def _path(tmp_name: str) -> str:

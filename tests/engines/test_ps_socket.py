@@ -1,4 +1,4 @@
-"""Pushes to a small remote shard go over a direct connection (``engines.shared.push_socket``).
+"""Pushes to a small remote shard go over a direct connection (``engines.holders.push_socket``).
 
 Real worker processes (the session's LocalCluster): a shard on one worker, a task on the other
 pushing to it through :class:`PSClient`, as a trainer does. The direct path must update exactly
@@ -23,10 +23,10 @@ from distributed.comm.core import CommClosedError
 import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull/endpoint handlers)
 from dask_train.data._cluster import live_workers
 from dask_train.engines.ps.server import start_shard_task
-from dask_train.engines.shared.control import drop_job
-from dask_train.engines.shared.optim import FlatOptimizer
-from dask_train.engines.shared.params import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
-from dask_train.engines.shared.push_socket import push_endpoint
+from dask_train.engines.harness.control import drop_job
+from dask_train.engines.holders.optim import FlatOptimizer
+from dask_train.engines.holders.params import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
+from dask_train.engines.holders.push_socket import push_endpoint
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 

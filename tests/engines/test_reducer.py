@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import Client
 
 import dask_train as dt
-from dask_train.engines.torch_sync.reducer import META, GradientReducer
+from dask_train.engines.collectives.reducer import META, GradientReducer
 from dask_train.models import FlatModel
 
 

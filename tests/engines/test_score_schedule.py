@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dask_train.engines.shared.scoring import ScoreSchedule
+from dask_train.engines.scoring.keeper import ScoreSchedule
 
 
 def _run(schedule: ScoreSchedule, costs: list[float], *, wall_per_cpu: float = 1.0

@@ -14,7 +14,7 @@ import torch
 from distributed import Client, LocalCluster
 
 from dask_train.data._cluster import live_workers
-from dask_train.engines.shared.sending import EMBED_MODULE_BYTES, is_lost, send_module
+from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.models._transport import travelling
 
 

@@ -1,4 +1,4 @@
-"""``strategy="auto"``'s measurement on one machine (``engines.shared.step_probe``): each
+"""``strategy="auto"``'s measurement on one machine (``engines.measure.step``): each
 candidate's whole step run on real workers, every process at once."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.data._cluster import live_workers
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.step_probe import candidate_rate_task, segment_path
+from dask_train.engines.holders import host_memory
+from dask_train.engines.measure.step import candidate_rate_task, segment_path
 from dask_train.runtime._roles import ensure_plugin
 
 

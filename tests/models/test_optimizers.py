@@ -19,7 +19,7 @@ _NO_DYNAMO = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from dask_train.engines.shared.optim import FlatOptimizer
+    from dask_train.engines.holders.optim import FlatOptimizer
     from dask_train.models import OPTIMIZERS
     for name in sorted(OPTIMIZERS):
         f = FlatOptimizer(np.zeros(8, dtype=np.float32), optimizer=name, lr=0.01, options={})

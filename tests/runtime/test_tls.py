@@ -71,7 +71,7 @@ def plain_torch(net: torch.nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: i
 
 def _push_servers() -> int:
     """Direct push servers (raw TCP, outside Dask's comms) this worker process started."""
-    from dask_train.engines.shared import push_socket
+    from dask_train.engines.holders import push_socket
 
     return len(push_socket._servers)
 

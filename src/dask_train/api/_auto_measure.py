@@ -1,7 +1,7 @@
 """``strategy="auto"`` on one machine: each candidate's whole step, measured there.
 
 Where every Dask worker is on one machine and the shards can live in host memory, the
-candidates' rates are measured rather than predicted (``engines.shared.step_probe``): one
+candidates' rates are measured rather than predicted (``engines.measure.step``): one
 process alone, async-ps trainers on one shared shard, sync ranks summing through host memory,
 each for ``duration_s`` with every process started together. The samples per second that come
 back replace the cost model's predictions for those candidates (``policy._strategy``).
@@ -52,8 +52,8 @@ def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
     whose state cannot live in host memory (its async-ps runs without it), a measurement that
     failed (no room in ``/dev/shm``)."""
     from dask_train.api._auto_ps import shipped_modules
-    from dask_train.engines.shared.shard import shareable
-    from dask_train.engines.shared.step_probe import candidate_rate_task, segment_path
+    from dask_train.engines.holders.shard import shareable
+    from dask_train.engines.measure.step import candidate_rate_task, segment_path
 
     if int(trainer.grad_accumulation) != 1 or not isinstance(trainer.optimizer, str):
         return {}

@@ -2,7 +2,7 @@
 
 Before the roles are placed, the job's per-step costs are measured on the cluster (a few
 gradients of the module on one batch, an optimizer step, an echo between two workers: see
-``engines.ps.probe``); the cost model (``policy._cost``) predicts the throughput of each server
+``engines.measure.ps_costs``); the cost model (``policy._cost``) predicts the throughput of each server
 count from 1 to the number of Dask workers, and the fewest servers within 10% of the best are
 taken. The choice, its predicted rate and what limits it are logged at INFO.
 """
@@ -49,11 +49,11 @@ def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = F
     """The job's :class:`~dask_train.policy.CostModel` measured on the cluster (a few gradients
     of one trainer's batch, an optimizer step, an echo between two workers), and the seconds
     it took. With ``cores``, when every worker is on one machine, ``shared_cores`` is the cores
-    the trainers really get there now (``engines.shared.cores_probe``), not the machine's count.
+    the trainers really get there now (``engines.measure.cores``), not the machine's count.
     """
     import time
 
-    from dask_train.engines.ps.probe import probe_costs
+    from dask_train.engines.measure.ps_costs import probe_costs
     from dask_train.runtime._roles import ensure_plugin, worker_threads
 
     started = time.perf_counter()
@@ -94,7 +94,7 @@ def _cores_got(client: Client, modules: dict[str, Any], x: np.ndarray, y: np.nda
     worker at once over one worker's alone (at least 1, at most the machine's ``most``)."""
     import time
 
-    from dask_train.engines.shared.cores_probe import step_rate_task
+    from dask_train.engines.measure.cores import step_rate_task
 
     def rates(where: list[str]) -> list[float]:
         start = time.time() + 0.03  # every task ready before the common start
@@ -110,7 +110,7 @@ def _cores_got(client: Client, modules: dict[str, Any], x: np.ndarray, y: np.nda
 def probe_arguments(trainer: Any, *, n_rows: int) -> tuple[int, dict[str, Any]]:
     """``(rows, settings)`` of the probe: the rows of the batch it measures (one trainer's batch,
     at most the data's ``n_rows``) and the keyword arguments of
-    :func:`~dask_train.engines.ps.probe.probe_costs` from the Trainer's settings.
+    :func:`~dask_train.engines.measure.ps_costs.probe_costs` from the Trainer's settings.
 
     The batch is the one each trainer will run: :meth:`Trainer.per_trainer_batch`, so with
     ``global_batch_size`` it is that divided by ``workers``, not ``batch_size``.

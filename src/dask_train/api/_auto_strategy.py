@@ -35,14 +35,14 @@ class FitPlan:
 
 def host_memory_shards() -> bool:
     """Whether async-ps keeps its shards in host memory, where the trainers of their machine
-    update them without a message (``engines.shared.host_memory``, on unless Dask's config
+    update them without a message (``engines.holders.host_memory``, on unless Dask's config
     ``dask-train.host-memory`` is false). Read in the client: workers started with another
     config decide for themselves."""
     import importlib.util
 
     import dask
 
-    if importlib.util.find_spec("dask_train.engines.shared.host_memory") is None:
+    if importlib.util.find_spec("dask_train.engines.holders.host_memory") is None:
         return False
     return bool(dask.config.get("dask-train.host-memory", True))
 

@@ -3,7 +3,7 @@
 Each point is one real ``Trainer(strategy="async-ps")`` job without a scorer, stopped after
 ``seconds``; its rate is the sum over trainers of samples over the time each trainer ran (from
 its first parameters to its exit), so start-up is left out. For each model (and link rate) the
-per-step costs are probed once on the cluster (``engines.ps.probe``) and the cost model is
+per-step costs are probed once on the cluster (``engines.measure.ps_costs``) and the cost model is
 calibrated on a few of the measured points; every row then carries the model's prediction.
 """
 
@@ -220,7 +220,7 @@ def _steps_for(group: GroupResult, workers: int, ps: int, seconds: float) -> int
 
 def _probe(client: Client, widths: Sequence[int], xb: np.ndarray, yb: np.ndarray,
            grid: Grid) -> CostModel:
-    from dask_train.engines.ps.probe import probe_costs
+    from dask_train.engines.measure.ps_costs import probe_costs
 
     return probe_costs(client, build_mlp(widths), xb, yb, loss="cross_entropy",
                        optimizer="adam", lr=1e-3, prefetch=grid.prefetch)

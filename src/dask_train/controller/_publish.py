@@ -1,6 +1,6 @@
 """The controller's own events, published on the job's topic for the scheduler's Training page.
 
-The trainers and servers publish their per-second figures themselves (``engines.shared.stats``); what
+The trainers and servers publish their per-second figures themselves (``engines.harness.stats``); what
 only the controller knows goes out here, on the topic ``dask-train-<job_id>`` (the generations'
 topics are ``dask-train-<job_id>-g<n>``):
 

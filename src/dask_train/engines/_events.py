@@ -136,7 +136,7 @@ class NonFinite(_Event):
 
 @dataclass(frozen=True)
 class Stats(_Event):
-    """What a role did in the last second (see :mod:`.shared.stats`): ``role`` ("trainer" or
+    """What a role did in the last second (see :mod:`.harness.stats`): ``role`` ("trainer" or
     "ps"), its ``index``, and the figures it reports."""
 
     kind: ClassVar[str] = "stats"

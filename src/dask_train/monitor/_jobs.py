@@ -6,7 +6,7 @@ The scheduler plugin hands every event of a ``dask-train-*`` topic to :meth:`Job
   history row), ``failure``, ``generation``, ``nonfinite`` and ``end`` events
   (``controller._publish``);
 * on a generation's topic ``dask-train-<job_id>-g<n>``, the roles' once-a-second ``stats``
-  (``engines.shared.stats``); the other events there (blocks, pauses, scores) are the controller's
+  (``engines.harness.stats``); the other events there (blocks, pauses, scores) are the controller's
   business and are ignored.
 
 Every time axis is seconds since the job started, on the scheduler's clock (``now`` as the event
@@ -121,7 +121,7 @@ class JobView:
         self.updates_total: dict[int, float] = {}
         self.failures: dict[str, int] = {}  # action -> count
         # trainer -> its worker, the worker's memory limit, bytes of blocks held now and at most,
-        # read seconds per epoch: as its last report said (see engines.shared.stats)
+        # read seconds per epoch: as its last report said (see engines.harness.stats)
         self.memory: dict[int, dict[str, Any]] = {}
         self.memory_seen = 0  # reports taken into ``memory``: the page redraws when it moves
         self.nonfinite = 0
@@ -187,7 +187,7 @@ class JobView:
 
     # -- the roles' figures -----------------------------------------------------------------------
     def stats_event(self, msg: Mapping[str, Any], *, generation: int, now: float) -> None:
-        """Take one role's once-a-second report (``engines.shared.stats``)."""
+        """Take one role's once-a-second report (``engines.harness.stats``)."""
         if generation > self.generation:  # the controller's own event may come later
             self.generation = generation
         index, t = int(msg.get("index", 0)), self.elapsed(now)

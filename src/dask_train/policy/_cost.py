@@ -38,7 +38,7 @@ then servers on the least-loaded hosts; ``hosts=None`` gives every role a host o
 
 The model is calibrated on the cluster at hand in two ways: the per-step costs are measured
 directly (a gradient, an optimizer step, an echo between two workers: see
-``dask_train.engines.ps.probe``), and :func:`calibrate` fits the remaining factors (how much of the
+``dask_train.engines.measure.ps_costs``), and :func:`calibrate` fits the remaining factors (how much of the
 link rate a transfer really gets, the fixed cost per exchange, ...) to a few measured
 throughputs. It then predicts other worker and server counts, up to thousands of workers, and
 :meth:`CostModel.recommend_ps` picks a server count.

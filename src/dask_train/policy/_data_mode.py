@@ -85,7 +85,7 @@ def check_data_mode(data: object, *, in_memory: bool, full_batch: bool,
 #: a trainer starved of streamed blocks may grow to. Two hide a read behind the training of one
 #: block; more only help where a block trains faster than the next is read (small blocks, an
 #: object store's latency), so the depth grows where a trainer waited, and only while its
-#: worker has room below Dask's memory target (``engines.shared.harness.TrainerRole.block``).
+#: worker has room below Dask's memory target (``engines.harness.role.TrainerRole.block``).
 AUTO_BLOCKS_AHEAD = (2, 8)
 
 

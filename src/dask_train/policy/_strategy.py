@@ -31,7 +31,7 @@ taken to cost a quarter of an echo's round trip (two messages, each sent and rec
 wire between them). Between hosts the model's own values hold.
 
 Where every worker is on one machine, ``strategy="auto"`` measures each candidate's whole step
-there instead (``engines.shared.step_probe``) and passes the rates as ``measured``: they replace
+there instead (``engines.measure.step``) and passes the rates as ``measured``: they replace
 the predictions.
 
 Predictions are compared in samples per second. Within ``tolerance`` (10%) of the fastest, the
@@ -213,13 +213,13 @@ def choose_strategy(model: CostModel, *, workers: int, sync_workers: int, max_ps
         takes ``global_batch // W``; None: every trainer takes ``model.batch_size``.
     host_memory : bool
         Whether async-ps shards live in host memory that trainers of their machine update
-        themselves (``engines.shared.host_memory``); it changes async-ps only when every worker
+        themselves (``engines.holders.host_memory``); it changes async-ps only when every worker
         is on one machine (``model.shared_cores`` set).
     tolerance : float
         A simpler candidate within this fraction of the fastest is taken instead.
     measured : mapping, optional
         Candidate name -> samples per second of its whole step measured on the machine
-        (``engines.shared.step_probe``): used instead of the prediction for those candidates.
+        (``engines.measure.step``): used instead of the prediction for those candidates.
 
     Returns
     -------

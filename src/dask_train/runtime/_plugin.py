@@ -125,7 +125,7 @@ class WorkerState:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.jobs: dict[str, WorkerJob] = {}
-        # Job -> the model this worker evaluates its validation blocks with (engines.shared.spread_eval).
+        # Job -> the model this worker evaluates its validation blocks with (engines.scoring.spread_eval).
         self.evaluators: dict[str, Any] = {}
         # Jobs dropped here (the most recent): a late message for one must not bring it back.
         self.ended: collections.deque[str] = collections.deque(maxlen=1024)

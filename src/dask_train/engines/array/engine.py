@@ -33,8 +33,8 @@ from dask_train.engines._events import Epochs, NonFinite, Started
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.engines.array.worker import group_step, score_task
-from dask_train.engines.shared.optim import FlatOptimizer
-from dask_train.engines.shared.scoring import ScoreKeeper, score_event
+from dask_train.engines.holders.optim import FlatOptimizer
+from dask_train.engines.scoring.keeper import ScoreKeeper, score_event
 from dask_train.errors import TrainingTimeout
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles

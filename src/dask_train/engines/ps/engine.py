@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.ps.trainer import run_trainer
-from dask_train.engines.shared import control as worker_side
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.granting import Granter
-from dask_train.engines.shared.params import ShardRef
-from dask_train.engines.shared.push_socket import SECRET_BYTES
-from dask_train.engines.shared.role_engine import RoleEngine
+from dask_train.engines.harness import control as worker_side
+from dask_train.engines.holders import host_memory
+from dask_train.engines.roles.granting import Granter
+from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.holders.push_socket import SECRET_BYTES
+from dask_train.engines.roles.base import RoleEngine
 from dask_train.models._torch import split_shards
 from dask_train.runtime._calls import run_on_live
 
@@ -41,7 +41,7 @@ class AsyncPSEngine(RoleEngine):
                 for s in split_shards(self.spec.n_params, len(servers))]
 
     def trainer_config(self) -> WorkerConfig:
-        """The trainers also get the generation's push secret (see ``shared.push_socket``)."""
+        """The trainers also get the generation's push secret (see ``holders.push_socket``)."""
         return dataclasses.replace(super().trainer_config(), push_secret=self.push_secret)
 
     async def start_servers(self) -> None:

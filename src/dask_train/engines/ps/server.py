@@ -17,11 +17,11 @@ from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.checkpoint import read_slice
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.holders import holder_or_reason
-from dask_train.engines.shared.params import BUFFER_SHARD, ShardRef
-from dask_train.engines.shared.shard import ShardServer
-from dask_train.engines.shared.stats import StatsReporter, topic_of
+from dask_train.engines.holders import host_memory
+from dask_train.engines.holders.reach import holder_or_reason
+from dask_train.engines.holders.params import BUFFER_SHARD, ShardRef
+from dask_train.engines.holders.shard import ShardServer
+from dask_train.engines.harness.stats import StatsReporter, topic_of
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
@@ -75,7 +75,7 @@ def start_shard_task(
             # linger here.
             server.buffers = None
     if shard.segment and host_memory.enabled():
-        # Trainers of this host update it themselves (see engines.shared.host_memory).
+        # Trainers of this host update it themselves (see engines.holders.host_memory).
         server.to_host_memory(os.path.join(host_memory.SEGMENT_DIR, shard.segment),
                               optimizer=optimizer, lr=lr, options=options)
     # Counted from here: a restored shard's earlier updates are not this generation's.

@@ -5,7 +5,7 @@
 and must run once per call). It ``secede()``s from the worker's thread pool at once so that roles
 sharing a process, and the feed tasks, never wait for a thread. The servers it pushes to are in
 :mod:`dask_train.engines.ps.server`, the scorer every torch engine shares in
-:mod:`dask_train.engines.shared.scorer`.
+:mod:`dask_train.engines.scoring.scorer`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from dask_train.data._feed import FeedItem, batches
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import TrainerRole, role_task
-from dask_train.engines.shared.params import PSClient, ShardRef, write_params
+from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows

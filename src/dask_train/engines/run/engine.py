@@ -35,8 +35,8 @@ from dask_train.engines._protocol import Emit, Ending
 from dask_train.engines._spec import JobSpec, WorkerConfig
 from dask_train.engines.run.context import RunSettings
 from dask_train.engines.run.rank import run_user_rank
-from dask_train.engines.shared import control as worker_side
-from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.harness import control as worker_side
+from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.torch_sync.engine import TorchSyncEngine
 from dask_train.errors import RoleFailed
 from dask_train.policy._failure import Failure

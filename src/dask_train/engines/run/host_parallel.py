@@ -5,7 +5,7 @@ DDP's own Python machinery per step (its forward's bookkeeping and, for uneven s
 extra all-reduce every step) cost more than the gradient sum itself. A py-spy profile of the
 digits MLP's rank showed 27% of the step in ``DistributedDataParallel.forward`` (9% of it
 ``Join``'s per-step all-reduce). Here the ranks average through one segment of the host's memory
-(:class:`~dask_train.engines.torch_sync.host_sum.HostSum`, the sync Trainer's sum) and nothing
+(:class:`~dask_train.engines.collectives.host_sum.HostSum`, the sync Trainer's sum) and nothing
 else happens per step: the model's forward is the module's own.
 
 What DDP does, this does too:
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dask_train.engines.torch_sync.host_sum import HostSum
+from dask_train.engines.collectives.host_sum import HostSum
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import cloudpickle
 
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.run.context import RunContext, RunSettings
-from dask_train.engines.shared.harness import TrainerRole, role_task
-from dask_train.engines.shared.params import ShardRef
+from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.holders.params import ShardRef
 
 
 @role_task

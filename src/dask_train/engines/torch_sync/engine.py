@@ -10,8 +10,8 @@ import logging
 from typing import Any
 
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.params import ShardRef
-from dask_train.engines.shared.role_engine import RoleEngine
+from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.roles.base import RoleEngine
 from dask_train.engines.torch_sync.rank import run_rank
 from dask_train.runtime._torch_group import start_torch
 

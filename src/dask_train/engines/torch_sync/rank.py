@@ -3,7 +3,7 @@
 Each rank runs in a Dask worker process whose default torch process group was started by
 :func:`dask_train.start_torch`. Per step, the ranks' gradient sums, their sample counts and their
 stop and pause votes travel in one flat buffer, all-reduced in buckets that start during the
-backward pass (:class:`~dask_train.engines.torch_sync.reducer.GradientReducer`), so:
+backward pass (:class:`~dask_train.engines.collectives.reducer.GradientReducer`), so:
 
 * the update is the exact mean gradient over the union of the ranks' batches, even when batches
   differ in size, and equals single-process training on the concatenated batches;
@@ -35,12 +35,12 @@ import torch.distributed as dist
 from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import TrainerRole, role_task
-from dask_train.engines.shared.optim import FlatOptimizer
-from dask_train.engines.shared.params import ShardRef
-from dask_train.engines.shared.stats import StatsReporter
-from dask_train.engines.torch_sync.host_sum import HostSum
-from dask_train.engines.torch_sync.reducer import GradientReducer
+from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.holders.optim import FlatOptimizer
+from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.harness.stats import StatsReporter
+from dask_train.engines.collectives.host_sum import HostSum
+from dask_train.engines.collectives.reducer import GradientReducer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows

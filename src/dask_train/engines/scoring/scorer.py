@@ -24,11 +24,11 @@ from distributed import get_worker, secede
 
 from dask_train.engines._events import Score
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.harness import model_for, role_task
-from dask_train.engines.shared.params import PSClient, ShardRef, write_params
-from dask_train.engines.shared.scoring import ScoreKeeper, ScoreSchedule, score_event
-from dask_train.engines.shared.spread_eval import SpreadValidation
-from dask_train.engines.shared.stats import StatsReporter
+from dask_train.engines.harness.role import model_for, role_task
+from dask_train.engines.holders.params import PSClient, ShardRef, write_params
+from dask_train.engines.scoring.keeper import ScoreKeeper, ScoreSchedule, score_event
+from dask_train.engines.scoring.spread_eval import SpreadValidation
+from dask_train.engines.harness.stats import StatsReporter
 from dask_train.runtime._plugin import worker_state
 
 

@@ -23,9 +23,9 @@ import torch
 from distributed import Worker
 from distributed.protocol import to_serialize
 
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.push_socket import PushConnection, connection_error
-from dask_train.engines.shared.shard import ShardServer
+from dask_train.engines.holders import host_memory
+from dask_train.engines.holders.push_socket import PushConnection, connection_error
+from dask_train.engines.holders.shard import ShardServer
 from dask_train.runtime._plugin import WorkerJob
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import torch
 from distributed import Client, Worker, get_worker
 from distributed.protocol import to_serialize
 
-from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.models._torch import model_inputs, resolve_loss
 
 try:  # where FlatModel lives on main since the device work

@@ -5,7 +5,7 @@ trainer's worker; each trainer pauses at its next consistent point (no gradient 
 no push in flight; a sync job's ranks all after the same step), reports where it is in its data
 and its RNG state, and waits. With every trainer paused, each parameter server writes its own
 shard in parallel, the controller writes the manifest last, and resumes the trainers. A trainer's
-own side of a pause is :class:`~dask_train.engines.shared.harness.Pauser`.
+own side of a pause is :class:`~dask_train.engines.harness.role.Pauser`.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from distributed import Worker
 
-from dask_train.engines.shared.holders import holder_or_reason
+from dask_train.engines.holders.reach import holder_or_reason
 from dask_train.runtime._plugin import register_handler
 
 logger = logging.getLogger(__name__)

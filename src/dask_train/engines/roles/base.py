@@ -22,13 +22,13 @@ from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
 from dask_train.engines._events import Block, Epochs, Exit, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, WorkerConfig
-from dask_train.engines.shared import control as worker_side
-from dask_train.engines.shared import scorer as _scorer
-from dask_train.engines.shared.granting import Granter, pin
-from dask_train.engines.shared.holders import pull_params_task
-from dask_train.engines.shared.params import ShardRef
-from dask_train.engines.shared.sending import EMBED_MODULE_BYTES, is_lost, send_module
-from dask_train.engines.shared.waiting import gather_watching, raise_if_gone
+from dask_train.engines.harness import control as worker_side
+from dask_train.engines.scoring import scorer as _scorer
+from dask_train.engines.roles.granting import Granter, pin
+from dask_train.engines.holders.reach import pull_params_task
+from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
+from dask_train.engines.roles.waiting import gather_watching, raise_if_gone
 from dask_train.errors import RoleFailed, TrainingTimeout
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
@@ -148,7 +148,7 @@ class RoleEngine(Engine):
         config = self.config
         assert config is not None, "start() sets the roles' config before the scorer starts"
         if isinstance(self.validation, SpreadValidation):
-            # Scored where its blocks live (engines.shared.spread_eval): nothing moves to the scorer.
+            # Scored where its blocks live (engines.scoring.spread_eval): nothing moves to the scorer.
             val_f = None
             config = dataclasses.replace(config, validation_keys=list(self.validation.keys))
         elif sum(getattr(a, "nbytes", 0) for a in self.validation) <= EMBED_MODULE_BYTES:

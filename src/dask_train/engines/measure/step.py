@@ -1,6 +1,6 @@
 """What each way of running a job gets on one machine: its whole step, measured as it will run.
 
-A cost model built from a bare gradient and optimizer step (``engines.ps.probe``) misses what
+A cost model built from a bare gradient and optimizer step (``engines.measure.ps_costs``) misses what
 the engines add on one machine: async-ps trainers share the shard's memory (its lock, and
 cache lines that move between cores at every update), sync ranks wait for each other at every
 sum, and one process pays neither. On the digits MLP that model predicted sync at 113,000
@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.cores_probe import prepared_step
-from dask_train.engines.shared.host_memory import HostSegment
-from dask_train.engines.shared.optim import FlatOptimizer
+from dask_train.engines.holders import host_memory
+from dask_train.engines.measure.cores import prepared_step
+from dask_train.engines.holders.host_memory import HostSegment
+from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
 
@@ -113,7 +113,7 @@ class _SharedShard(_After):
     def __init__(self, model: FlatModel, grad: torch.Tensor, settings: dict[str, Any], *,
                  rank: int, path: str, start_at: float, timeout: float,
                  held: contextlib.ExitStack) -> None:
-        from dask_train.engines.shared.shard import ShardServer
+        from dask_train.engines.holders.shard import ShardServer
 
         if rank == 0:
             shard = ShardServer(model.read_params(), **settings)
@@ -137,7 +137,7 @@ class _HostSumStep(_After):
     def __init__(self, model: FlatModel, grad: torch.Tensor, settings: dict[str, Any], *,
                  rank: int, world: int, path: str, start_at: float, timeout: float,
                  held: contextlib.ExitStack) -> None:
-        from dask_train.engines.torch_sync.host_sum import HostSum
+        from dask_train.engines.collectives.host_sum import HostSum
 
         if rank == 0:
             seg = HostSegment.create(path, entries={

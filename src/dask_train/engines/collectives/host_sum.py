@@ -3,7 +3,7 @@
 Why: on one machine gloo still goes through loopback sockets. For the digits MLP (30 KB of
 gradients a step) its all-gather took 0.6-0.85 ms against ~0.3 ms of compute for 64 rows, so the
 ranks waited for their collective most of the time. Here each bucket has a slot per rank in a
-segment of ``/dev/shm`` (:mod:`dask_train.engines.shared.host_memory`): a rank writes its
+segment of ``/dev/shm`` (:mod:`dask_train.engines.holders.host_memory`): a rank writes its
 gradients into its slot and then its round number into its flag; once every rank's flag shows
 the round, each adds the slots in rank order, so all ranks get bitwise the same sum, as gloo's
 all-gather path does. Two slots per rank alternate by round: a rank writes round r+2 only after
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dask_train.engines.shared import host_memory
-from dask_train.engines.shared.host_memory import HostSegment
+from dask_train.engines.holders import host_memory
+from dask_train.engines.holders.host_memory import HostSegment
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class HostSum:
                  timeout: float, *, in_group: bool = True) -> None:
         self.seg, self.rank, self.world = seg, rank, world
         # Whether the ranks are a torch process group, whose end releases them (the
-        # strategy="auto" probe sums without one: see engines.shared.step_probe).
+        # strategy="auto" probe sums without one: see engines.measure.step).
         self.in_group = in_group
         self.flags = seg.array("flags")  # [bucket, parity, rank]
         self.pids = seg.array("pids")

@@ -22,7 +22,7 @@ from distributed import get_worker, secede
 from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.shared.stats import StatsReporter
+from dask_train.engines.harness.stats import StatsReporter
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import room_below_target
 from dask_train.runtime._plugin import worker_state
