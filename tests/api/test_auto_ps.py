@@ -13,6 +13,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.api._auto_ps import probe_arguments
+from dask_train.api._plan import FitPlan
 from dask_train.engines.measure.ps_costs import probe_costs
 
 
@@ -21,6 +22,10 @@ def _data(n: int = 8000):
     x = rng.normal(size=(n, 8)).astype(np.float32)
     y = (x @ rng.normal(size=(8, 3))).argmax(axis=1)
     return da.from_array(x, chunks=(1000, 8)), da.from_array(y, chunks=1000), (x[:1000], y[:1000])
+
+
+def _plan(trainer: dt.Trainer) -> FitPlan:
+    return FitPlan.of(trainer.get_params(), model=trainer.module)
 
 
 def _net() -> torch.nn.Module:
@@ -78,9 +83,9 @@ def test_the_probe_measures_one_trainers_batch_of_a_global_batch() -> None:
     # measure, not batch_size (128 by default, unused when a global batch is given).
     trainer = dt.Trainer(_net(), ps="auto", workers=2, global_batch_size=64, grad_accumulation=2,
                          progress=False)
-    rows, settings = probe_arguments(trainer, n_rows=8000)
+    rows, settings = probe_arguments(_plan(trainer), n_rows=8000)
     per_trainer = dt.Trainer(_net(), ps="auto", workers=2, batch_size=32, progress=False)
     assert rows == 32 == trainer.per_trainer_batch()
-    assert probe_arguments(per_trainer, n_rows=8000)[0] == 32  # batch_size as given
-    assert probe_arguments(trainer, n_rows=20)[0] == 20  # never more rows than the data has
+    assert probe_arguments(_plan(per_trainer), n_rows=8000)[0] == 32  # batch_size as given
+    assert probe_arguments(_plan(trainer), n_rows=20)[0] == 20  # never more rows than the data has
     assert settings["grad_accumulation"] == 2 and settings["prefetch"] == 1

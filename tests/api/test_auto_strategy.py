@@ -107,12 +107,13 @@ def test_a_numpy_model_runs_its_only_engine_under_auto(client: Client) -> None:
 
 
 def test_the_candidates_measured_are_all_or_none() -> None:
-    from types import SimpleNamespace
-
     from dask_train.api._auto_measure import candidate_shapes
+    from dask_train.api._plan import FitPlan
 
-    def trainer(workers: int, global_batch: int | None = 128) -> SimpleNamespace:
-        return SimpleNamespace(global_batch_size=global_batch, batch_size=32, workers=workers)
+    def trainer(workers: int, global_batch: int | None = 128) -> FitPlan:
+        params = dt.Trainer(torch.nn.Linear(4, 2), global_batch_size=global_batch, batch_size=32,
+                            workers=workers).get_params()
+        return FitPlan.of(params, model=params["module"])
 
     # Rows as choose_strategy counts them: the global batch split over the trainers.
     assert candidate_shapes(trainer(2), 2) == {"one-process": (128, 1), "sync": (64, 2),

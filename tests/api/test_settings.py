@@ -1,48 +1,151 @@
-"""The typed settings: a Trainer's parameters, the frozen job spec and the roles' configuration."""
+"""The typed settings: a Trainer's parameters by concern, the frozen job spec and the roles'
+configuration, and the one validation path the Trainer, dt.run and the CLI share."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
 
 import dask_train as dt
 from dask_train.api._build import job_spec
+from dask_train.api._plan import FitPlan
+from dask_train.api._run import check_run
 from dask_train.api._settings import Settings
-from dask_train.api._validate import check_settings
-from dask_train.engines._spec import JobSpec, WorkerConfig
+from dask_train.engines._registry import ENGINES, engine_entry
+from dask_train.engines._spec import JobSpec, TrainSettings, WorkerConfig
+from dask_train.policy._settings import DataSettings, per_trainer_batch
+
+
+def _plan(trainer: dt.Trainer) -> FitPlan:
+    return FitPlan.of(trainer.get_params(), model=trainer.module)
+
+
+def _run_args(**changes: object) -> dict[str, object]:
+    """dt.run's keyword arguments, its defaults with ``changes``."""
+    defaults = {k: p.default for k, p in inspect.signature(dt.run).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, "fn": lambda ctx: None, **changes}
 
 
 def test_settings_hold_every_trainer_parameter_by_name() -> None:
     params = list(inspect.signature(dt.Trainer.__init__).parameters)[1:]
-    assert Settings.names() == params  # a parameter added to the Trainer must be validated too
-    trainer = dt.Trainer(torch.nn.Linear(4, 2), lr=0.5, workers=3, stop=dt.StopAfter(1.0))
-    settings = Settings.of(trainer)
-    assert settings.lr == 0.5 and settings.workers == 3
+    assert Settings.names() == params  # a parameter added to the Trainer must be placed too
+    trainer = dt.Trainer(torch.nn.Linear(4, 2), lr=0.5, workers=3, stop=dt.StopAfter(1.0),
+                         batch_size=64, checkpoint="runs/x")
+    settings = Settings.of(trainer.get_params())
+    assert settings.model.lr == 0.5 and settings.cluster.workers == 3
+    assert settings.data.batch_size == 64 and settings.recovery.checkpoint == "runs/x"
     assert settings.stop == trainer.stop and isinstance(settings.stop, list)
     with pytest.raises(AttributeError):
-        settings.learning_rate  # noqa: B018  (a misspelt name fails, never a silent default)
+        settings.model.learning_rate  # noqa: B018  (a misspelt name fails, never a silent default)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.data.batch_size = 1  # type: ignore[misc]
 
 
-def test_validation_reads_the_typed_settings() -> None:
-    trainer = dt.Trainer(torch.nn.Linear(4, 2), lr=-1.0, on_nan="ignore", batch_size=0)
-    problems = check_settings(Settings.of(trainer))
-    assert any(p.startswith("lr=-1.0") for p in problems), problems
-    assert any(p.startswith("on_nan='ignore'") for p in problems), problems
-    assert any(p.startswith("batch_size=0") for p in problems), problems
+def test_validation_reads_each_record() -> None:
+    trainer = dt.Trainer(torch.nn.Linear(4, 2), lr=-1.0, on_nan="ignore", batch_size=0,
+                         device="tpu", score_every=0, checkpoint=3)
+    problems = Settings.of(trainer.get_params()).problems()
+    for start in ("lr=-1.0", "on_nan='ignore'", "batch_size=0", "device='tpu'", "score_every=0",
+                  "checkpoint=3"):
+        assert any(p.startswith(start) for p in problems), (start, problems)
+
+
+def test_the_trainer_and_dt_run_say_the_same_of_the_same_value() -> None:
+    trainer = dt.Trainer(torch.nn.Linear(4, 2), batch_size=0, seed=-1, timeout=0,
+                         device="tpu", blocks_ahead=0, stop=["soon"], checkpoint=3)
+    from_trainer = set(Settings.of(trainer.get_params()).problems())
+    from_run = set(check_run(_run_args(batch_size=0, seed=-1, timeout=0, device="tpu",
+                                       blocks_ahead=0, stop=["soon"], checkpoint=3)))
+    shared = [p for p in from_trainer if p.split("=")[0] in
+              ("batch_size", "seed", "timeout", "device", "blocks_ahead", "stop[0]",
+               "checkpoint")]
+    assert len(shared) == 7, from_trainer
+    assert set(shared) <= from_run, sorted(set(shared) - from_run)
+
+
+def test_a_path_is_a_checkpoint_config_and_a_file_is_refused_before_work(
+        tmp_path: Path) -> None:
+    assert dt.CheckpointConfig.of(str(tmp_path / "x")) == dt.CheckpointConfig(str(tmp_path / "x"))
+    assert dt.CheckpointConfig.of(None) is None
+    plan = _plan(dt.Trainer(torch.nn.Linear(4, 2), checkpoint=tmp_path / "ckpt"))
+    spec = job_spec(plan, start=plan.model)
+    assert spec.checkpoint == dt.CheckpointConfig(tmp_path / "ckpt")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for path in (a_file, a_file / "below"):
+        with pytest.raises(dt.InvalidInput, match="checkpoints are directories"):
+            dt.CheckpointConfig(path)
+        problems = Settings.of(dt.Trainer(torch.nn.Linear(4, 2), checkpoint=str(path))
+                               .get_params()).problems()
+        assert any("checkpoints are directories" in p for p in problems), problems
+        assert any("checkpoints are directories" in p for p in check_run(
+            _run_args(checkpoint=str(path))))
+    assert dt.CheckpointConfig("memory://x").path == "memory://x"  # checked at its first write
+
+
+def test_the_per_trainer_batch_rule_is_one() -> None:
+    assert per_trainer_batch(128, None, 4) == 128 and per_trainer_batch(128, 512, 4) == 128
+    assert per_trainer_batch(128, 3, 4) == 1  # at least one row
+    data = DataSettings(global_batch_size=64)
+    assert data.per_trainer_batch(2) == 32
+    assert any("does not split evenly" in p for p in data.problems(trainers=3))
+    trainer = dt.Trainer(torch.nn.Linear(4, 2), global_batch_size=64, workers=2)
+    assert trainer.per_trainer_batch() == _plan(trainer).per_trainer_batch() == 32
 
 
 def test_the_job_spec_is_frozen_and_the_worker_config_typed() -> None:
     trainer = dt.Trainer(torch.nn.Linear(4, 2), global_batch_size=64, workers=2,
-                         stop=[dt.StopAtStep(10)])
-    spec = job_spec(trainer)
+                         stop=[dt.StopAtStep(10)], optimizer=torch.optim.SGD)
+    plan = _plan(trainer)
+    spec = job_spec(plan, start=plan.model)
     assert isinstance(spec, JobSpec) and spec.batch_size == 32  # the per-trainer batch
+    assert isinstance(spec.train, TrainSettings) and spec.n_params == 10
     with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.lr = 1.0  # type: ignore[misc]
+        spec.train.lr = 1.0  # type: ignore[misc]
     config = WorkerConfig.from_spec(spec, topic="t", restore={"rng": {"0": "abc"}})
     assert config.batch_size == 32 and config.max_step == 10 and config.rng == {"0": "abc"}
-    assert config.device_for("tcp://w:1") is None
+    assert config.trains.module is None  # the module reaches each worker once, not per role
+    assert config.trains.optimizer is torch.optim.SGD and config.device_for("tcp://w:1") is None
     gpu = dataclasses.replace(config, device_kind="cuda", devices={"tcp://w:1": "cuda:1"})
     assert gpu.device_for("tcp://w:1") == "cuda:1" and gpu.device_for("tcp://new:2") == "cuda"
+    # What a checkpoint records: the optimizer by name (a class too), the data's settings.
+    assert spec.manifest_config() == {"optimizer": "SGD", "lr": 1e-3, "grad_accumulation": 1,
+                                      "batch_size": 32, "seed": 0, "epochs": 1}
+
+
+def test_a_job_without_a_given_model_records_no_optimizer() -> None:
+    spec = JobSpec(strategy="run", workers=2, batch_size=8, epochs=3, shuffle=True, seed=1,
+                   blocks_ahead=2, timeout=5.0, stop=[], callbacks=[])
+    assert spec.train is None and spec.n_params == 0
+    assert spec.manifest_config() == {"batch_size": 8, "seed": 1, "epochs": 3}
+    assert "optimizer" not in spec.summary()
+    assert WorkerConfig.from_spec(spec, topic="t").train is None
+
+
+def test_engines_are_found_by_strategy() -> None:
+    assert set(ENGINES) == {"async-ps", "sync", "run", "array"}
+    assert engine_entry("async-ps").servers and not engine_entry("sync").servers
+    assert engine_entry("sync").one_rank_per_worker and engine_entry("run").one_rank_per_worker
+    assert engine_entry("sync").engine_class().__name__ == "TorchSyncEngine"
+    with pytest.raises(KeyError, match="no engine runs strategy='nope'"):
+        engine_entry("nope")
+
+
+def test_a_fit_plan_is_its_own() -> None:
+    trainer = dt.Trainer(torch.nn.Linear(4, 2), workers=2)
+    first, second = _plan(trainer), _plan(trainer)
+    assert first is not second and first.clock is not second.clock
+    chosen = first.chose(dataclasses.replace(first.choice or _choice(), workers=3))
+    assert chosen.trainers == 3 and first.trainers == 2 and second.trainers == 2
+    assert "callbacks" not in first.tracked_params() and first.tracked_params()["workers"] == 2
+
+
+def _choice():  # noqa: ANN202
+    from dask_train.api._plan import Choice
+
+    return Choice("async-ps", 2, 1)

@@ -21,7 +21,7 @@ from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._state import Phase
 from dask_train.engines._events import Epochs, Event, Progress, Score
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
-from dask_train.engines._spec import JobSpec
+from dask_train.engines._spec import JobSpec, TrainSettings
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers
@@ -214,11 +214,13 @@ class Run:
 
 
 def _spec(**kw: Any) -> JobSpec:
+    train: dict[str, Any] = dict(module=None, n_params=N_PARAMS, loss="mse", optimizer="adam",
+                                 lr=0.01, prefetch=1, score_every=0.1)
+    train.update({k: kw.pop(k) for k in list(kw) if k in TrainSettings.__dataclass_fields__})
     settings: dict[str, Any] = dict(
-        module=None, n_params=N_PARAMS, loss="mse", optimizer="adam", lr=0.01,
-        optimizer_options={}, batch_size=10, epochs=1, shuffle=False, seed=0, prefetch=1,
-        grad_accumulation=1, blocks_ahead=1, score_every=0.1, timeout=5.0, stop=[], callbacks=[],
-        progress=False, strategy="sync", job_id="phases")
+        batch_size=10, epochs=1, shuffle=False, seed=0, blocks_ahead=1, timeout=5.0, stop=[],
+        callbacks=[], progress=False, strategy="sync", workers=1, job_id="phases",
+        train=TrainSettings(**train))
     settings.update(kw)
     return JobSpec(**settings)
 

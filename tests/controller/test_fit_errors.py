@@ -139,11 +139,12 @@ def test_set_params_rejects_unknown_names() -> None:
 def test_recovery_settings_are_checked_with_the_rest(client: Client) -> None:
     X, y = _xy()
     err = _fit_error(
-        client, dict(module=_net(), on_nan="ignore", checkpoint="ckpt/", failure=3), X, y
+        client, dict(module=_net(), on_nan="ignore", checkpoint=3, failure=3), X, y
     )
     text = str(err)
     assert "on_nan='ignore'" in text and "'stop'" in text and "'skip'" in text
-    assert "checkpoint='ckpt/'" in text and "dt.CheckpointConfig" in text
+    # A path is a checkpoint config's shortcut (checkpoint="ckpt/"); a number is neither.
+    assert "checkpoint=3" in text and "dt.CheckpointConfig" in text and "directory" in text
     assert "failure=3" in text and "dt.FailureConfig" in text
     with pytest.raises(dt.InvalidInput, match="keep=0"):
         dt.CheckpointConfig("ckpt/", keep=0)

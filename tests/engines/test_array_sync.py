@@ -15,7 +15,7 @@ import dask_train as dt
 from dask_train.controller._controller import Controller
 from dask_train.data import BlockSet
 from dask_train.data._cluster import live_workers
-from dask_train.engines._spec import JobSpec
+from dask_train.engines._spec import JobSpec, TrainSettings
 from dask_train.engines.array.engine import ArrayEngine
 from dask_train.policy import FailureConfig, Roles
 
@@ -26,11 +26,14 @@ def _least_squares(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[fl
 
 
 def _job(**overrides: object) -> JobSpec:
-    settings: dict = dict(module=None, n_params=3, loss="", optimizer="sgd", lr=0.01,
-                          optimizer_options={}, batch_size=7, grad_accumulation=1, epochs=2,
-                          shuffle=True, seed=3, prefetch=0, blocks_ahead=1, score_every=1e9,
+    train: dict = dict(module=None, n_params=3, loss="", optimizer="sgd", lr=0.01,
+                       grad_accumulation=1, prefetch=0, score_every=1e9, scorer=0)
+    train.update({k: overrides.pop(k) for k in list(overrides)
+                  if k in TrainSettings.__dataclass_fields__})
+    settings: dict = dict(batch_size=7, epochs=2, shuffle=True, seed=3, blocks_ahead=1,
                           timeout=60.0, stop=[], callbacks=[], progress=False, strategy="sync",
-                          scorer=0, failure=FailureConfig(), on_nan="stop")
+                          workers=1, failure=FailureConfig(), on_nan="stop",
+                          train=TrainSettings(**train))
     settings.update(overrides)
     return JobSpec(**settings)
 
@@ -47,7 +50,9 @@ class _Run:
 
 
 def _run(client: Client, model: dt.ArrayModel, data: BlockSet, job: JobSpec) -> _Run:
-    job = dataclasses.replace(job, module=model, n_params=model.params.size)  # JobSpec is frozen
+    # JobSpec is frozen
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, module=model,
+                                                             n_params=model.params.size))
 
     def make_engine(roles, key, restore):
         return ArrayEngine(client, job, data, None, job=key, restore=restore)
@@ -113,7 +118,7 @@ def test_two_workers_equal_one_process_sgd_on_the_concatenated_batches(
                 xs.append(x[idx])
                 ys.append(y[idx])
             X, Y = np.concatenate(xs), np.concatenate(ys)
-            params = params - job.lr * _least_squares(params, X, Y)[1] / len(X)
+            params = params - job.train.lr * _least_squares(params, X, Y)[1] / len(X)
             steps += 1
     assert len(groups) == 2 * threads
     longest = max(len(x) for x, _ in group_xy)

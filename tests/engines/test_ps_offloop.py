@@ -22,10 +22,10 @@ from distributed import Client, Event, get_worker
 
 import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull handlers)
 from dask_train.data._cluster import live_workers
-from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.harness.control import drop_job
 from dask_train.engines.holders.optim import OFF_LOOP_MIN_ELEMENTS
 from dask_train.engines.holders.params import PSClient, ShardRef
+from dask_train.engines.ps.server import start_shard_task
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 

@@ -22,11 +22,11 @@ from distributed.comm.core import CommClosedError
 
 import dask_train.engines.ps.server  # noqa: F401  (registers the push/pull/endpoint handlers)
 from dask_train.data._cluster import live_workers
-from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.harness.control import drop_job
 from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.engines.holders.params import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
 from dask_train.engines.holders.push_socket import push_endpoint
+from dask_train.engines.ps.server import start_shard_task
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from distributed import Client
+
+if TYPE_CHECKING:
+    from dask_train.api._plan import FitPlan
 
 logger = logging.getLogger("dask_train.api")
 
@@ -23,17 +26,15 @@ logger = logging.getLogger("dask_train.api")
 DURATION_S = 0.08
 
 
-def candidate_shapes(trainer: Any, n_workers: int) -> dict[str, tuple[int, int]]:
+def candidate_shapes(plan: FitPlan, n_workers: int) -> dict[str, tuple[int, int]]:
     """``{candidate: (rows of one step, processes)}``, every candidate ``choose_strategy``
-    weighs: one process; sync with a rank per worker up to ``trainer.workers`` (from two);
-    async-ps with ``trainer.workers`` trainers. Empty when async-ps has more trainers than
+    weighs: one process; sync with a rank per worker up to the ``workers`` asked for (from
+    two); async-ps with that many trainers. Empty when async-ps has more trainers than
     workers (several in one process share its interpreter, which this measurement does not
     run): the candidates are then all predicted, never some measured and some predicted. The
     rows are as ``choose_strategy`` counts them."""
-    global_batch, workers = trainer.global_batch_size, int(trainer.workers)
-
-    def rows(w: int) -> int:
-        return int(trainer.batch_size) if global_batch is None else max(1, int(global_batch) // w)
+    data, workers = plan.settings.data, int(plan.settings.cluster.workers)
+    rows = data.per_trainer_batch  # the one rule: batch_size, or the global batch split
 
     if workers > n_workers:
         return {}
@@ -44,7 +45,7 @@ def candidate_shapes(trainer: Any, n_workers: int) -> dict[str, tuple[int, int]]
     return shapes
 
 
-def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
+def measure_candidates(plan: FitPlan, client: Client, X: Any, y: Any, *,
                        workers: list[str]) -> dict[str, float]:
     """Samples per second of each candidate of :func:`candidate_shapes`, measured on
     ``workers`` (all on one machine); empty, and every candidate predicted, where one of them
@@ -55,16 +56,17 @@ def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
     from dask_train.engines.holders.shard import shareable
     from dask_train.engines.measure.step import candidate_rate_task, segment_path
 
-    if int(trainer.grad_accumulation) != 1 or not isinstance(trainer.optimizer, str):
+    m = plan.settings.model
+    if int(m.grad_accumulation) != 1 or not isinstance(m.optimizer, str):
         return {}
-    options = dict(trainer.optimizer_options or {})
-    shapes = candidate_shapes(trainer, len(workers))
-    if not shapes or not shareable(trainer.optimizer, float(trainer.lr), options):
+    options = dict(m.optimizer_options or {})
+    shapes = candidate_shapes(plan, len(workers))
+    if not shapes or not shareable(m.optimizer, float(m.lr), options):
         return {}
     most = max(rows for rows, _ in shapes.values())
     xs, ys = (np.asarray(a) for a in client.compute([X[:most], y[:most]], sync=True))
-    modules = shipped_modules(trainer, client, workers)
-    timeout = float(trainer.timeout)
+    modules = shipped_modules(plan, client, workers)
+    timeout = float(plan.settings.cluster.timeout)
     measured: dict[str, float] = {}
     try:
         for name, (rows, world) in shapes.items():
@@ -72,7 +74,7 @@ def measure_candidates(trainer: Any, client: Client, X: Any, y: Any, *,
             path, start = segment_path(), time.time() + 0.05 + 0.02 * world
             futures = [client.submit(
                 candidate_rate_task, modules[workers[r]], xs[:rows], ys[:rows], mode=mode,
-                loss=trainer.loss, optimizer=trainer.optimizer, lr=float(trainer.lr),
+                loss=m.loss, optimizer=m.optimizer, lr=float(m.lr),
                 options=options, rank=r, world=world, path=path, start_at=start,
                 duration_s=DURATION_S, timeout=timeout, workers=[workers[r]], pure=False)
                 for r in range(world)]

@@ -10,31 +10,35 @@ taken. The choice, its predicted rate and what limits it are logged at INFO.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from distributed import Client
+
+if TYPE_CHECKING:
+    from dask_train.api._plan import FitPlan
 
 logger = logging.getLogger("dask_train.api")
 
 AUTO = "auto"
 
 
-def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> tuple[int, dict[str, Any]]:
-    """The server count for this fit: ``trainer.ps`` itself unless it is ``"auto"``; and what
+def resolve_ps(plan: FitPlan, client: Client, X: Any, y: Any) -> tuple[int, dict[str, Any]]:
+    """The server count for this fit: its ``ps`` itself unless it is ``"auto"``; and what
     ``FitResult.plan`` says of it (with ``"auto"``, the predicted rate and its bottleneck).
 
     ``X`` and ``y`` are the training dask arrays (one batch of them is computed for the probe).
     A sync job has no servers, so ``"auto"`` costs nothing there.
     """
-    if trainer.ps != AUTO:
-        return int(trainer.ps), {}
-    if trainer.strategy == "sync":
+    s = plan.settings
+    if s.ps != AUTO:
+        return int(s.ps), {}
+    if s.strategy == "sync":
         return 0, {}
     from dask_train.runtime._roles import worker_threads
 
-    model, probe_s = probe_model(trainer, client, X, y)
-    workers = int(trainer.workers)
+    model, probe_s = probe_model(plan, client, X, y)
+    workers = int(s.cluster.workers)
     choice = model.recommend_ps(workers=workers, max_ps=max(1, len(worker_threads(client))))
     logger.info("ps='auto': %s (compute %.1f ms a step, link %.0f MB/s, %d parameters)",
                 choice.describe(), model.compute_s * 1e3, model.link_bytes_per_s / 1e6,
@@ -44,7 +48,7 @@ def resolve_ps(trainer: Any, client: Client, X: Any, y: Any) -> tuple[int, dict[
                        "probe_s": round(probe_s, 4)}
 
 
-def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = False
+def probe_model(plan: FitPlan, client: Client, X: Any, y: Any, *, cores: bool = False
                 ) -> tuple[Any, float]:
     """The job's :class:`~dask_train.policy.CostModel` measured on the cluster (a few gradients
     of one trainer's batch, an optimizer step, an echo between two workers), and the seconds
@@ -57,30 +61,28 @@ def probe_model(trainer: Any, client: Client, X: Any, y: Any, *, cores: bool = F
     from dask_train.runtime._roles import ensure_plugin, worker_threads
 
     started = time.perf_counter()
-    n, settings = probe_arguments(trainer, n_rows=int(X.shape[0]))
+    n, settings = probe_arguments(plan, n_rows=int(X.shape[0]))
     xb, yb = (np.asarray(a) for a in client.compute([X[:n], y[:n]], sync=True))
     ensure_plugin(client)
     workers = sorted(worker_threads(client))
-    modules = shipped_modules(trainer, client, workers if cores else workers[:1])
+    modules = shipped_modules(plan, client, workers if cores else workers[:1])
     try:
         model = probe_costs(client, cast(Any, modules[workers[0]]), xb, yb, **settings)
         if cores and model.shared_cores is not None and len(workers) > 1:
             model = model.replace(shared_cores=_cores_got(
-                client, modules, xb, yb, loss=trainer.loss, most=model.shared_cores,
-                timeout=float(trainer.timeout)))
+                client, modules, xb, yb, loss=plan.settings.model.loss,
+                most=model.shared_cores, timeout=float(plan.settings.cluster.timeout)))
     finally:
         for future in modules.values():
             future.release()
     return model, time.perf_counter() - started
 
 
-def shipped_modules(trainer: Any, client: Client, workers: list[str]) -> dict[str, Any]:
-    """Per worker, a future of the trainer's module unpacked there (release them after use)."""
-    from dask_train.api._model import is_factory
+def shipped_modules(plan: FitPlan, client: Client, workers: list[str]) -> dict[str, Any]:
+    """Per worker, a future of the fit's model unpacked there (release them after use)."""
     from dask_train.models._transport import travelling, unwrap
 
-    factory = trainer.module if is_factory(trainer.module) else None
-    payload = travelling(trainer._model(), factory=factory)
+    payload = travelling(plan.model, factory=plan.factory)
     # The module reaches each worker as it reaches the job's roles (a class of the user's own
     # file by value, a weight-normed module through its factory) and is unpacked there, where
     # the probe runs: sent as it is, Dask's serializer of a module would name its class, which
@@ -107,19 +109,20 @@ def _cores_got(client: Client, modules: dict[str, Any], x: np.ndarray, y: np.nda
     return float(min(most, max(1.0, together / alone))) if alone > 0 else most
 
 
-def probe_arguments(trainer: Any, *, n_rows: int) -> tuple[int, dict[str, Any]]:
+def probe_arguments(plan: FitPlan, *, n_rows: int) -> tuple[int, dict[str, Any]]:
     """``(rows, settings)`` of the probe: the rows of the batch it measures (one trainer's batch,
     at most the data's ``n_rows``) and the keyword arguments of
-    :func:`~dask_train.engines.measure.ps_costs.probe_costs` from the Trainer's settings.
+    :func:`~dask_train.engines.measure.ps_costs.probe_costs` from the fit's settings.
 
-    The batch is the one each trainer will run: :meth:`Trainer.per_trainer_batch`, so with
+    The batch is the one each trainer will run (:meth:`FitPlan.per_trainer_batch`), so with
     ``global_batch_size`` it is that divided by ``workers``, not ``batch_size``.
     """
+    m = plan.settings.model
     # A prefetch the trainers choose as they run ("auto") starts from one push in flight.
     # Measured for the trainers asked for: strategy="auto" scales it to each candidate's batch.
-    prefetch = trainer.prefetch if isinstance(trainer.prefetch, (int, bool)) else 1
-    rows = min(int(n_rows), int(trainer.per_trainer_batch()))
-    return rows, {"loss": trainer.loss, "optimizer": trainer.optimizer, "lr": float(trainer.lr),
-                  "options": trainer.optimizer_options, "prefetch": int(prefetch),
-                  "grad_accumulation": int(trainer.grad_accumulation),
-                  "timeout": float(trainer.timeout)}
+    prefetch = m.prefetch if isinstance(m.prefetch, (int, bool)) else 1
+    rows = min(int(n_rows), int(plan.per_trainer_batch()))
+    return rows, {"loss": m.loss, "optimizer": m.optimizer, "lr": float(m.lr),
+                  "options": dict(m.optimizer_options or {}), "prefetch": int(prefetch),
+                  "grad_accumulation": int(m.grad_accumulation),
+                  "timeout": float(plan.settings.cluster.timeout)}

@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Client
 
 from dask_train.api._auto_ps import AUTO, probe_model, resolve_ps
+from dask_train.api._plan import Choice, FitPlan
 
 logger = logging.getLogger("dask_train.api")
-
-
-@dataclass(frozen=True)
-class FitPlan:
-    """How one fit runs: the engine's strategy, its trainers (ranks) and servers, and what
-    ``FitResult.plan`` reports of the choice."""
-
-    strategy: str
-    workers: int
-    ps: int
-    record: dict[str, Any] = field(default_factory=dict)
 
 
 def host_memory_shards() -> bool:
@@ -47,20 +36,22 @@ def host_memory_shards() -> bool:
     return bool(dask.config.get("dask-train.host-memory", True))
 
 
-def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
-    """The plan of ``trainer``'s fit on ``client``'s cluster: its settings as given, or with
+def choose(plan: FitPlan, client: Client, X: Any, y: Any) -> Choice:
+    """How ``plan``'s fit runs on ``client``'s cluster: its settings as given, or with
     ``strategy="auto"`` (and ``ps="auto"``) the measured choice. ``X`` and ``y`` are the
     training dask arrays (the probe computes one batch of them)."""
-    if trainer.strategy != AUTO:
-        ps, noted = resolve_ps(trainer, client, X, y)
-        strategy, workers = str(trainer.strategy), int(trainer.workers)
+    s = plan.settings
+    workers = int(s.cluster.workers)
+    if s.strategy != AUTO:
+        ps, noted = resolve_ps(plan, client, X, y)
+        strategy = str(s.strategy)
         ps = 0 if strategy == "sync" else ps  # sync has no servers, whatever ps says
-        return FitPlan(strategy, workers, ps, {"strategy": strategy, "workers": workers,
-                                               "ps": ps, **noted})
+        return Choice(strategy, workers, ps, {"strategy": strategy, "workers": workers,
+                                              "ps": ps, **noted})
     from dask_train.policy._strategy import choose_strategy
     from dask_train.runtime._roles import worker_threads
 
-    model, probe_s = probe_model(trainer, client, X, y, cores=True)
+    model, probe_s = probe_model(plan, client, X, y, cores=True)
     addresses = sorted(worker_threads(client))
     measured: dict[str, float] = {}
     if model.shared_cores is not None and len(addresses) > 1 and host_memory_shards():
@@ -68,19 +59,19 @@ def plan_fit(trainer: Any, client: Client, X: Any, y: Any) -> FitPlan:
         from dask_train.api._auto_measure import measure_candidates
 
         started = time.perf_counter()
-        measured = measure_candidates(trainer, client, X, y, workers=addresses)
+        measured = measure_candidates(plan, client, X, y, workers=addresses)
         probe_s += time.perf_counter() - started
-    plan = choose_strategy(
-        model, workers=int(trainer.workers), sync_workers=len(addresses),
-        max_ps=max(1, len(addresses)), ps=None if trainer.ps == AUTO else int(trainer.ps),
-        global_batch=None if trainer.global_batch_size is None else int(trainer.global_batch_size),
+    made = choose_strategy(
+        model, workers=workers, sync_workers=len(addresses),
+        max_ps=max(1, len(addresses)), ps=None if s.ps == AUTO else int(s.ps),
+        global_batch=None if s.data.global_batch_size is None else int(s.data.global_batch_size),
         host_memory=host_memory_shards(), measured=measured,
     )
     cores = model.shared_cores if model.shared_cores is not None else model.cores_per_host
     logger.info("strategy='auto': %s; probed in %.2f s (compute %.2f ms a step of %d rows, "
-                "echo %.2f ms, %d parameters, %.1f cores for the trainers%s)", plan.describe(),
+                "echo %.2f ms, %d parameters, %.1f cores for the trainers%s)", made.describe(),
                 probe_s, model.compute_s * 1e3, model.batch_size, model.message_s * 1e3,
                 model.n_params, cores, "" if model.shared_cores is not None else " a host")
-    chosen = plan.chosen
-    return FitPlan(chosen.strategy, chosen.workers, chosen.ps,
-                   {**plan.record(), "probe_s": round(probe_s, 4), "cores": round(cores, 2)})
+    chosen = made.chosen
+    return Choice(chosen.strategy, chosen.workers, chosen.ps,
+                  {**made.record(), "probe_s": round(probe_s, 4), "cores": round(cores, 2)})

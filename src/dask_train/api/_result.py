@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,17 +11,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dask_train.api._job_result import JobResult
 from dask_train.errors import InvalidInput
-from dask_train.policy._placement import Roles
 
 if TYPE_CHECKING:  # annotations only: pandas loads when a result is built (0.45 s of start-up)
-    import pandas as pd
 
     from dask_train.models import ArrayModel
 
 
-@dataclass
-class FitResult:
+@dataclass(kw_only=True)
+class FitResult(JobResult):
     """The outcome of a training job.
 
     Attributes
@@ -92,30 +90,12 @@ class FitResult:
     """
 
     model: torch.nn.Module | ArrayModel | Any
-    history: pd.DataFrame
-    stopped_by: str
-    steps: int
-    samples: int
-    epochs_completed: int
-    wall_s: float
-    ledger: pd.DataFrame
-    roles: Roles
     trainers: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
-    generations: int = 1
     model_step: int = -1
     validation_rows: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    started_at: float = 0.0
     plan: dict[str, Any] = field(default_factory=dict)
     scorer: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def samples_per_s(self) -> float:
-        """Mean training throughput over the whole job."""
-        return self.samples / self.wall_s if self.wall_s > 0 else math.nan
 
     def _last(self, column: str) -> float:
         if column not in self.history or self.history[column].dropna().empty:
@@ -180,23 +160,6 @@ class FitResult:
         from dask_train.report import plot_history
 
         return plot_history(self.history, path)
-
-
-def phase_timings(clock: Mapping[str, float], log: Any) -> dict[str, float]:
-    """``FitResult.timings`` from the Trainer's clock (fit start, connect, persist) and the
-    controller's log (when roles were up, the first step, the stop)."""
-    end = time.time()
-    start = float(clock.get("fit", log.started))
-    roles_up = log.roles_up_at or log.started
-    first = log.first_step_at or roles_up
-    stop = log.stop_at or end
-    return {"connect": round(float(clock.get("connect", 0.0)), 4),
-            "persist": round(float(clock.get("persist", 0.0)), 4),
-            "roles": round(max(0.0, roles_up - log.started), 4),
-            "first_step": round(max(0.0, first - roles_up), 4),
-            "train": round(max(0.0, stop - first), 4),
-            "teardown": round(max(0.0, end - stop), 4),
-            "total": round(end - start, 4)}
 
 
 def scorer_record(cpu: Mapping[str, Any] | None, *, wall_s: float) -> dict[str, Any]:

@@ -1,19 +1,39 @@
 """``dt.run``: the user's own training function on every rank, with the data, scores, stop
-conditions, checkpoints and recovery a ``Trainer`` job has (one controller for both)."""
+conditions, checkpoints and recovery a ``Trainer`` job has (one controller for both). Its
+arguments become a :class:`RunJob` checked before any work; :func:`run_job` then puts the data
+on the workers, places the ranks and drives :class:`~dask_train.engines.run.engine.RunEngine`
+generations."""
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dask_train.api._job_result import job_fields
 from dask_train.api._run_result import RunResult
+from dask_train.api._settings import RecoverySettings
+from dask_train.controller._controller import Controller, Outcome
+from dask_train.data._blocks import BlockSet
+from dask_train.data._inputs import is_lazy
+from dask_train.data._training import TrainingData
+from dask_train.engines._registry import engine_entry
+from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
+from dask_train.policy._placement import Roles
+from dask_train.policy._settings import (
+    ClusterSettings,
+    DataSettings,
+    callback_problems,
+    stop_problems,
+)
+from dask_train.policy.callbacks import run_callbacks
+from dask_train.runtime._roles import ensure_plugin, worker_threads
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -25,14 +45,13 @@ logger = logging.getLogger(__name__)
 
 #: Named data sets besides the streamed one go to every rank whole, inside its task, up to this.
 SMALL_BYTES = 64 << 20
-_DEVICES = ("auto", "cpu", "cuda")
 
 
 def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None, workers: int | tuple[int, int] | None = None,
         epochs: int | None = None, batch_size: int = 64, client: Client | None = None,
         stop: Sequence[StopCondition] = (), callbacks: Sequence[Callback] = (),
-        checkpoint: CheckpointConfig | None = None, failure: FailureConfig | None = None,
+        checkpoint: CheckpointConfig | str | None = None, failure: FailureConfig | None = None,
         resume: bool = False, seed: int = 0, shuffle: bool = True, blocks_ahead: int | str = "auto",
         timeout: float = 120.0, device: str = "auto", data_mode: str = "auto") -> RunResult:
     """Run ``fn(ctx, **config)`` on one rank per Dask worker, as one job.
@@ -96,73 +115,81 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     """
     clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
     settings = {k: v for k, v in locals().items() if k not in ("clock", "client")}
-    problems = check_run(settings)
+    job = RunJob.of(settings)
+    problems = job.problems()
     if problems:
         raise InvalidInput(problems)
     fn_blob, small = _pickled(fn), _small_sets(data)
     from dask_train.runtime import default_client
+    from dask_train.runtime._versions import check_once
 
     t = time.time()
-    client = client if client is not None else default_client()
+    # A client given: its scheduler and workers are checked (once) before anything runs.
+    client = check_once(client) if client is not None else default_client()
     clock["connect"] = time.time() - t
-    from dask_train.api._run_job import run_job
+    return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
 
-    return run_job(client, settings, fn_blob=fn_blob, small=small, clock=clock)
+
+@dataclass(frozen=True)
+class RunJob:
+    """``dt.run``'s arguments by concern: the function and its config, the named data sets,
+    and the same data, cluster and recovery records a Trainer's fit builds
+    (:mod:`dask_train.policy._settings`, :mod:`dask_train.api._settings`), so each value is
+    checked once, with one wording, whichever door it came through."""
+
+    fn: Any
+    config: Any
+    sets: Any
+    data: DataSettings
+    cluster: ClusterSettings
+    recovery: RecoverySettings
+    stop: Any = ()
+    callbacks: Any = ()
+    resume: bool = False
+    data_mode: Any = "auto"
+
+    @classmethod
+    def of(cls, s: Mapping[str, Any]) -> RunJob:
+        """The records of ``dt.run``'s keyword arguments ``s`` (by name, as given)."""
+        return cls(
+            fn=s["fn"], config=s["config"], sets=s["data"],
+            data=DataSettings(batch_size=s["batch_size"], epochs=s["epochs"],
+                              shuffle=s["shuffle"], seed=s["seed"],
+                              blocks_ahead=s["blocks_ahead"]),
+            cluster=ClusterSettings(workers=s["workers"], device=s["device"],
+                                    timeout=s["timeout"]),
+            # A rank's non-finite metric is reported, never a reason to stop: the function
+            # decides what to do about its own loss.
+            recovery=RecoverySettings(checkpoint=s["checkpoint"], failure=s["failure"],
+                                      on_nan="skip"),
+            stop=s["stop"] or (), callbacks=s["callbacks"] or (), resume=bool(s["resume"]),
+            data_mode=s.get("data_mode", "auto"))
+
+    def problems(self) -> list[str]:
+        """Every problem with the arguments (nothing is sent anywhere)."""
+        from dask_train.policy._data_mode import check_data_mode
+
+        problems = _check_fn(self.fn, self.config)
+        problems += _check_data(self.sets)
+        sets = self.sets if isinstance(self.sets, Mapping) else {}
+        first = next(iter(sets.values()), None)
+        x = first[0] if isinstance(first, tuple) and len(first) == 2 else first
+        problems += check_data_mode(self.data_mode, full_batch=False, name="data_mode",
+                                    in_memory=x is not None and not is_lazy(x))
+        problems += self.cluster.problems(ranges=True)
+        problems += self.data.problems()
+        problems += stop_problems(self.stop)
+        problems += callback_problems(self.callbacks)
+        problems += self.recovery.problems()
+        if self.resume and self.recovery.checkpoint is None:
+            problems.append("resume=True needs checkpoint=dt.CheckpointConfig(path) (or a "
+                            "directory): it continues from the newest checkpoint under that path.")
+        return problems
 
 
 def check_run(s: Mapping[str, Any]) -> list[str]:
-    """Every problem with ``dt.run``'s arguments (nothing is sent anywhere)."""
-    from dask_train.checkpoint import CheckpointConfig
-    from dask_train.policy import Callback, FailureConfig, StopCondition
-
-    problems = _check_fn(s["fn"], s["config"])
-    problems += _check_data(s["data"])
-    from dask_train.policy._data_mode import check_data_mode
-
-    data = s["data"] if isinstance(s["data"], Mapping) else {}
-    first = next(iter(data.values()), None)
-    x = first[0] if isinstance(first, tuple) and len(first) == 2 else first
-    problems += check_data_mode(
-        s.get("data_mode", "auto"), full_batch=False, name="data_mode",
-        in_memory=x is not None and not hasattr(x, "dask") and not hasattr(x, "to_dask_array"))
-    w = s["workers"]
-    if not (w is None or _int(w, 1) or isinstance(w, tuple) and len(w) == 2 and
-            all(_int(v, 1) for v in w) and w[0] <= w[1]):
-        problems.append(f"workers={w!r} is invalid: pass a number of ranks >= 1, (least, most) "
-                        "with 1 <= least <= most, or None for every worker.")
-    for name, low in (("batch_size", 1), ("blocks_ahead", 1), ("seed", 0)):
-        if not (_int(s[name], low) or name == "blocks_ahead" and s[name] == "auto"):
-            problems.append(f"{name}={s[name]!r} is invalid: use an integer >= {low}"
-                            f"{' or auto' if name == 'blocks_ahead' else ''}.")
-    if s["epochs"] is not None and not _int(s["epochs"], 1):
-        problems.append(f"epochs={s['epochs']!r} is invalid: use an integer >= 1, or None to let "
-                        "the function say (ctx.epochs(n)).")
-    timeout = s["timeout"]
-    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-            and math.isfinite(timeout) and timeout > 0):
-        problems.append(f"timeout={timeout!r} is invalid: use a number of seconds > 0.")
-    if s["device"] not in _DEVICES:
-        problems.append(f"device={s['device']!r} is invalid: use one of {_DEVICES}.")
-    problems += [f"stop[{i}]={c!r} is invalid: use dt.StopAtScore, dt.StopAfter, dt.StopAtStep "
-                 "or dt.EarlyStopping." for i, c in enumerate(s["stop"] or ())
-                 if not isinstance(c, StopCondition)]
-    problems += [f"callbacks[{i}]={c!r} is invalid: subclass dt.Callback." for i, c in
-                 enumerate(s["callbacks"] or ()) if not isinstance(c, Callback)]
-    if s["checkpoint"] is not None and not isinstance(s["checkpoint"], CheckpointConfig):
-        problems.append(f"checkpoint={s['checkpoint']!r} is invalid: pass "
-                        "dt.CheckpointConfig(path, keep=3) or None.")
-    if s["failure"] is not None and not isinstance(s["failure"], FailureConfig):
-        problems.append(f"failure={s['failure']!r} is invalid: pass "
-                        "dt.FailureConfig(max_failures=3) or None.")
-    if s["resume"] and s["checkpoint"] is None:
-        problems.append("resume=True needs checkpoint=dt.CheckpointConfig(path): it continues "
-                        "from the newest checkpoint under that path.")
-    return problems
-
-
-def _int(value: Any, low: int) -> bool:
-    return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-                and value >= low)
+    """Every problem with ``dt.run``'s keyword arguments ``s`` (nothing is sent anywhere)."""
+    return RunJob.of(s).problems()
 
 
 def _check_fn(fn: Any, config: Any) -> list[str]:
@@ -248,3 +275,121 @@ def _small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
     if problems:
         raise InvalidInput(problems)
     return out
+
+
+#: The ledger's epoch bound when the function alone says how many epochs it trains.
+_UNBOUNDED_EPOCHS = 1_000_000_000
+
+
+def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any],
+            clock: dict[str, float]) -> RunResult:
+    """Run the checked ``dt.run`` job on ``client``'s cluster."""
+    from dask_train.engines.run.context import RunSettings
+    from dask_train.runtime._devices import probe_devices
+
+    ensure_plugin(client)
+    timeout = float(job.cluster.timeout)
+    least, most = job.cluster.bounds(len(worker_threads(client)))
+    alive = _wait_for_workers(client, least, timeout=timeout)
+    t = time.time()
+    blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
+                                    mode=str(job.data_mode), timeout=timeout)
+    clock["persist"] = time.time() - t
+    devices = probe_devices(client, job.cluster.device)
+    checkpoint = job.recovery.checkpoint_config()
+    ahead, most_ahead = job.data.read_ahead()
+    spec = JobSpec(
+        strategy="run", workers=most, batch_size=int(job.data.batch_size),
+        epochs=int(job.data.epochs or _UNBOUNDED_EPOCHS), shuffle=bool(job.data.shuffle),
+        seed=int(job.data.seed), blocks_ahead=ahead, blocks_ahead_max=most_ahead,
+        timeout=timeout, stop=list(job.stop), callbacks=list(job.callbacks),
+        checkpoint=checkpoint, failure=job.recovery.failure_config(),
+        on_nan=str(job.recovery.on_nan), device_kind=devices.kind,
+        devices=dict(devices.by_worker))
+    # The engine's own settings: what the user's function gets besides ctx's data.
+    run = RunSettings(train=train, labels=labels, small=small,
+                      checkpointing=checkpoint is not None, epochs=job.data.epochs,
+                      batch_size=int(job.data.batch_size), sharded_root=_staging(checkpoint))
+    user_config = dict(job.config or {})
+    engine_cls = engine_entry("run").engine_class()
+
+    def plan(alive: Mapping[str, int]) -> Roles:
+        if len(alive) < least:
+            raise InvalidInput([f"workers={job.cluster.workers!r}: only {len(alive)} Dask "
+                                f"workers are left, fewer than the {least} the job needs; add "
+                                "workers or lower the least number of ranks."])
+        # One rank per worker process (torch's default group is one per process), in address
+        # order so that a restart on the same workers gives each the same rank.
+        return Roles({"worker": sorted(alive)[:most], "ps": [], "scorer": []})
+
+    def make_engine(roles: Roles, job_id: str, restore: Any) -> Any:
+        return engine_cls(client, spec, roles, blocks, job=job_id, restore=restore,
+                          fn_blob=fn_blob, run=run, user_config=user_config)
+
+    roles = plan(alive)
+    settings = {"workers": job.cluster.workers, "epochs": job.data.epochs,
+                "batch_size": job.data.batch_size, "seed": job.data.seed,
+                "stop": list(job.stop), "resume": job.resume}
+    run_callbacks(spec.callbacks, "on_fit_start", {
+        "roles": roles, "rows": blocks.n_rows, "params": {**user_config, "run": settings}})
+    started = time.time()
+    controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan, roles=roles,
+                            rows=blocks.n_rows)
+    try:
+        outcome = controller.run_sync(resume=job.resume)
+    finally:
+        blocks.release()
+    result = _result(outcome, wall_s=time.time() - started, clock=clock)
+    run_callbacks(spec.callbacks, "on_fit_end", result)
+    return result
+
+
+def _staging(config: Any) -> str:
+    """Where the ranks write a sharded state before the controller moves it into a checkpoint:
+    beside the checkpoints, so that the move is a rename on a local disk."""
+    if config is None:
+        return ""
+    from dask_train.checkpoint import CheckpointStore
+    from dask_train.checkpoint._io import StoragePath
+
+    path = f"{CheckpointStore(config).path.rstrip('/')}/.staging"
+    # The ranks open it with the checkpoint's storage options (credentials, an endpoint).
+    return StoragePath(path, config.storage_options) if config.storage_options else path
+
+
+def _wait_for_workers(client: Client, least: int, *, timeout: float) -> dict[str, int]:
+    """The live workers, once there are at least ``least`` of them (up to ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    alive = worker_threads(client)
+    while len(alive) < least:
+        if time.monotonic() > deadline:
+            raise InvalidInput([f"workers={least} or more are needed but the cluster has "
+                                f"{len(alive)} Dask workers after {timeout:g} s: add workers, or "
+                                "ask for fewer ranks."])
+        time.sleep(0.2)
+        alive = worker_threads(client)
+    return alive
+
+
+def _stream(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode: str = "auto",
+            timeout: float = 120.0) -> tuple[BlockSet, bool, str | None]:
+    """The streamed data set's blocks, whether it has targets, and its name: sent in blocks
+    when in memory, persisted on the workers, or read from storage each epoch (``mode``, as
+    ``Trainer.fit(data=...)``)."""
+    if not data:
+        return BlockSet([], []), False, None
+    name, value = next(iter(data.items()))
+    x, y = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    train = TrainingData.of(x, y, name=f"data[{name!r}] X")
+    labels = train.y is not None
+    train = train.with_targets()
+    if not train.in_memory:
+        train = train.with_blocks_for(ranks)
+    blocks = train.blocks(client, mode=mode, labels=False, timeout=timeout)
+    return blocks, labels, name
+
+
+def _result(outcome: Outcome, *, wall_s: float, clock: Mapping[str, float]) -> RunResult:
+    ranks = sorted(outcome.ending.trainers, key=lambda r: r["trainer"])
+    return RunResult(returns=[r.pop("returned", None) for r in ranks], ranks=ranks,
+                     **job_fields(outcome, wall_s=wall_s, clock=clock))

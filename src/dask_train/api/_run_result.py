@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_train.api._job_result import JobResult
 from dask_train.errors import InvalidInput
 
 if TYPE_CHECKING:
-    import pandas as pd
 
-    from dask_train.policy._placement import Roles
+    pass
 
 
-@dataclass
-class RunResult:
+@dataclass(kw_only=True)
+class RunResult(JobResult):
     """What ``dt.run`` returns.
 
     Attributes
@@ -49,20 +49,7 @@ class RunResult:
     """
 
     returns: list[Any]
-    history: pd.DataFrame
-    stopped_by: str
-    steps: int
-    samples: int
-    epochs_completed: int
-    wall_s: float
-    ledger: pd.DataFrame
-    roles: Roles
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    generations: int = 1
-    timings: dict[str, float] = field(default_factory=dict)
-    started_at: float = 0.0
 
     @property
     def checkpoint(self) -> str | None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -13,46 +13,30 @@ import numpy as np
 import torch
 from distributed import Client
 
-from dask_train.api._auto_strategy import FitPlan, plan_fit
-from dask_train.api._build import (
-    engine_class,
-    fit_result,
-    float_dtype,
-    job_spec,
-    prepare_keras,
-    replan_roles,
-    trainer_roles,
-)
-from dask_train.api._data import materialize, spread_validation, training_blocks
+from dask_train.api._build import float_dtype
+from dask_train.api._data import materialize
+from dask_train.api._fit import check_plan, fit_torch
 from dask_train.api._fit_array import fit_array
 from dask_train.api._model import build_from, is_factory
+from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult
-from dask_train.api._settings import Settings
-from dask_train.api._validate import check_fit, check_label_range
 from dask_train.checkpoint import CheckpointConfig
-from dask_train.controller._controller import Controller, Outcome
-from dask_train.controller._progress import Progress
-from dask_train.data._blocks import as_dask_array
-from dask_train.data._inputs import cast_floats, is_lazy
-from dask_train.data._xarray import from_xarray
-from dask_train.engines._spec import JobSpec
+from dask_train.data._training import TrainingData
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
-from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
-from dask_train.models._torch import is_classification
-from dask_train.policy._data_mode import check_data_mode
 from dask_train.policy._failure import FailureConfig
-from dask_train.policy._placement import Roles
-from dask_train.policy.callbacks import Callback, run_callbacks
+from dask_train.policy._settings import DataSettings
+from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 from dask_train.runtime._connect import default_client
-from dask_train.runtime._devices import probe_devices
+from dask_train.runtime._versions import check_once
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Train a torch module on a Dask cluster with asynchronous parameter servers.
+    """Train a model on a Dask cluster: asynchronous parameter servers, synchronous data
+    parallelism, or whichever of them (or one process) is measured fastest.
 
     Parameters
     ----------
@@ -143,12 +127,14 @@ class Trainer:
         fails with :class:`~dask_train.errors.TrainingTimeout` instead of hanging.
     progress : bool
         Show a progress bar with the live score.
-    checkpoint : CheckpointConfig, optional
-        Where and how often to checkpoint (parameters, optimizer state, data position, RNG and
-        stop-condition state). The path must be reachable from every worker that holds a
-        parameter server (sync: rank 0), e.g. a shared file system or an object store URL. A
-        final checkpoint is written when the job stops. Needed by ``fit(resume=True)`` and to
-        survive losing a parameter server or a sync rank.
+    checkpoint : CheckpointConfig, str or os.PathLike, optional
+        A directory or fsspec URL (``"runs/x"``: ``CheckpointConfig("runs/x")``, every 30 s,
+        keep 3), or a :class:`~dask_train.CheckpointConfig`: where and how often to checkpoint
+        (parameters, optimizer state, data position, RNG and stop-condition state). The path
+        must be reachable from every worker that holds a parameter server (sync: rank 0), e.g.
+        a shared file system or an object store URL. A final checkpoint is written when the
+        job stops. Needed by ``fit(resume=True)`` and to survive losing a parameter server or a
+        sync rank.
     failure : FailureConfig, optional
         How many lost or failed roles the job survives (default ``FailureConfig(max_failures=3)``):
         a lost async trainer's rows go to the survivors, a lost scorer is replaced, a lost
@@ -205,7 +191,7 @@ class Trainer:
         blocks_ahead: int | str = "auto",
         timeout: float = 60.0,
         progress: bool = True,
-        checkpoint: CheckpointConfig | None = None,
+        checkpoint: CheckpointConfig | str | os.PathLike[str] | None = None,
         failure: FailureConfig | None = None,
         on_nan: str = "stop",
         device: str = "auto",
@@ -242,23 +228,24 @@ class Trainer:
         self.device = device
         self.mixed_precision = mixed_precision
         self.client = client
+        # What this Trainer keeps between fits (never a fit's plan): the last fit's model, for
+        # warm_start, and its trainers; the model a factory built, once per factory.
+        self._last_model: Any = None
+        self._last_trainers: int | None = None
+        self._built: tuple[Any, Any] | None = None
 
     def per_trainer_batch(self) -> int:
         """Rows per batch of each trainer: ``batch_size``, or ``global_batch_size / workers``
-        (the trainers this fit runs: with ``strategy="auto"``, those it chose)."""
-        if self.global_batch_size is None:
-            return int(self.batch_size)
-        return max(1, int(self.global_batch_size) // max(1, self._trainers()))
+        (with ``strategy="auto"``, over the trainers the last fit chose)."""
+        trainers = self._last_trainers if self._last_trainers is not None else self.workers
+        return DataSettings(self.batch_size, self.global_batch_size).per_trainer_batch(
+            int(trainers))
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """Hyper-parameters by name, as scikit-learn estimators report them."""
         code = Trainer.__init__.__code__
         names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
         return {name: getattr(self, name) for name in names}
-
-    def _tracked_params(self) -> dict[str, Any]:
-        """The hyper-parameters a callback records (``on_fit_start``'s ``info["params"]``)."""
-        return {k: v for k, v in self.get_params().items() if k not in ("callbacks", "client")}
 
     def set_params(self, **params: Any) -> Trainer:
         """Set hyper-parameters by name; unknown names raise :class:`InvalidInput`."""
@@ -314,149 +301,60 @@ class Trainer:
         InvalidInput
             Every problem with the arguments and data at once, before any training starts.
         """
-        self._clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
-        self._plan: FitPlan | None = None  # this fit's strategy, trainers and servers
-        X, y = from_xarray(X, y)  # rows along the sample dimension, variables as features
-        if isinstance(validation, tuple) and len(validation) == 2:
-            validation = from_xarray(*validation, name="validation's X")
-        # In-memory input goes to the workers by scatter, in blocks, never through the graph.
-        local = None if any(is_lazy(a) for a in (X, y, sample_weight)) else (X, y, sample_weight)
-        X, y = as_dask_array(X), as_dask_array(y, name="y")
-        weights = None if sample_weight is None else as_dask_array(sample_weight)
-        if isinstance(self._model(), ArrayModel):
-            return fit_array(self, X, y, materialize(validation, dtype=np.float64), resume=resume,
-                                   warm_start=warm_start, sample_weight=weights, mode=data)
-        # A dask validation set stays on the cluster, scored where its blocks live.
-        validation = materialize(validation, dtype=self._float_dtype(), keep_dask=True)
-        self._validate(X, y, validation, resume=resume, sample_weight=weights,
-                       data=(data, local is not None))
-        client = self._client()
-        t = time.time()
-        spread = spread_validation(client, validation)
-        self._clock["persist"] += time.time() - t
-        try:
-            return self._fit_torch(client, X, y, spread or validation, weights=weights,
-                                   resume=resume, warm_start=warm_start, local=local, mode=data)
-        finally:
-            if spread is not None:
-                spread.release()
-
-    def _fit_torch(self, client: Client, X: Any, y: Any, validation: Any, *, weights: Any,
-                   resume: bool, warm_start: bool, local: Any = None,
-                   mode: str = "auto") -> FitResult:
-        """``fit`` for a torch module, once everything is validated: async-ps or sync torch."""
-        keras = is_keras_model(self._model())  # TensorFlow places its math: no torch devices
-        devices = probe_devices(client, "cpu" if keras else self.device,
-                                mixed_precision=self.mixed_precision)
-        self._plan = plan_fit(self, client, self._input_dtype(X, log=False), y)
-        spec = self._spec(module=self._start_model(warm_start), devices=devices)
-        if devices.kind == "cuda" or devices.precision:
-            logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
-                        f", autocast {devices.precision}" if devices.precision else "")
-        X = self._input_dtype(X)
-        t = time.time()
-        labels = is_classification(self.loss) or keras_sparse_labels(self.loss)
-        blocks = training_blocks(client, X, y, weights=weights, local=local, mode=mode,
-                                 labels=labels, timeout=self.timeout)
-        spec = dataclasses.replace(spec, data=blocks.note)  # for the Training page
-        self._clock["persist"] += time.time() - t
-        problems = check_label_range(self._model(), self.loss, X, blocks.label_range) \
-            if labels else []
-        if problems:
-            raise InvalidInput(problems)
-        engine_cls = engine_class(self._strategy())  # first: its module registers RPC handlers
-        roles = trainer_roles(self, client, has_validation=validation is not None)
-        if keras:
-            prepare_keras(client, roles, timeout=self.timeout)
-        run_callbacks(self.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows,
-                                                       "params": self._tracked_params()})
-
-        def make_engine(roles: Roles, job: str, restore: Any) -> Any:
-            return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
-
-        with Progress(total=self.epochs * blocks.n_rows, enabled=self.progress) as progress:
-            started = time.time()
-            controller = Controller(client, spec, make_engine=make_engine,
-                                    plan_roles=replan_roles(self, validation is not None),
-                                    roles=roles, rows=blocks.n_rows, progress=progress)
-            outcome = controller.run_sync(resume=resume)
-            progress.close(outcome.stopped_by)
-        result = self._result(outcome, wall_s=time.time() - started)
+        plan = self._new_plan()
+        data_ = TrainingData.of(X, y, sample_weight=sample_weight)
+        if isinstance(plan.model, ArrayModel):
+            result = fit_array(plan, data_, materialize(validation, dtype=np.float64),
+                               resume=resume, start=self._start_model(plan, warm_start),
+                               mode=data, client=lambda: self._client(plan))
+        else:
+            result = fit_torch(plan, data_, validation, resume=resume,
+                               start=self._start_model(plan, warm_start), mode=data,
+                               client=lambda: self._client(plan))
         self._last_model = result.model
-        run_callbacks(self.callbacks, "on_fit_end", result)
+        self._last_trainers = int(result.plan.get("workers", plan.trainers))
         return result
 
-    def _validate(self, X: Any, y: Any, validation: Any, *, resume: bool = False,
-                  sample_weight: Any = None, data: tuple[Any, bool] = ("auto", False)) -> None:
-        """Every problem with the arguments at once; ``data``: fit's ``data=`` and whether X
-        is in memory."""
-        problems = check_fit(Settings.of(self), X, y, validation, resume=resume,
-                             sample_weight=sample_weight,
-                             typed=lambda: self._input_dtype(X, log=False),
-                             factory=self.module if is_factory(self.module) else None)
-        problems += check_data_mode(data[0], in_memory=data[1],
-                                    full_batch=isinstance(self._model(), ArrayModel))
-        if problems:
-            raise InvalidInput(problems)
+    def check(self, X: Any, y: Any, validation: tuple[Any, Any] | None = None, *,
+              resume: bool = False, sample_weight: Any = None, data: str = "auto") -> None:
+        """Check a ``fit`` of these arguments without running it: no task is submitted.
 
-    def _client(self) -> Client:
+        Raises
+        ------
+        InvalidInput
+            Every problem with the parameters and the data at once, as ``fit`` would.
+        """
+        plan = self._new_plan()
+        data_ = TrainingData.of(X, y, sample_weight=sample_weight)
+        dtype = np.float64 if isinstance(plan.model, ArrayModel) else float_dtype(plan.model)
+        check_plan(plan, data_, materialize(validation, dtype=dtype, keep_dask=True),
+                   resume=resume, mode=data)
+
+    def _new_plan(self) -> FitPlan:
+        """This fit's plan: the parameters now, the model they train (a factory's built once)."""
+        factory = self.module if is_factory(self.module) else None
+        return FitPlan.of(self.get_params(), model=self._model(), factory=factory)
+
+    def _client(self, plan: FitPlan) -> Client:
         """The client given, else :func:`~dask_train.runtime.default_client`: the current one, or
         an embedded cluster started once (it is the current client from then on, so the next fit
         finds it). ``fit`` never changes ``self.client`` (a hyper-parameter, as in get_params)."""
         if self.client is not None:
-            return self.client
+            return check_once(self.client)  # its scheduler and workers, before anything runs
         t = time.time()
         client = default_client()
-        getattr(self, "_clock", {})["connect"] = time.time() - t
+        plan.took("connect", t)
         return client
 
     def _model(self) -> Any:
         """The model this fit trains: ``module``, or what the factory builds (once per factory)."""
         if not is_factory(self.module):
             return self.module
-        built = getattr(self, "_built", None)
-        if built is None or built[0] is not self.module:
-            self._built = built = (self.module, build_from(self.module, seed=self.seed))
-        return built[1]
+        if self._built is None or self._built[0] is not self.module:
+            self._built = (self.module, build_from(self.module, seed=self.seed))
+        return self._built[1]
 
-    def _float_dtype(self) -> Any:
-        """The numpy dtype of the module's floating parameters (float32 unless it says otherwise)."""
-        return float_dtype(self._model())
-
-    def _input_dtype(self, X: Any, *, log: bool = True) -> Any:
-        """X with floating data in the parameters' dtype; integer data (token ids) kept."""
-        want = self._float_dtype()
-        converted = cast_floats(X, want)  # several inputs: their floating fields
-        if log and converted is not X:
-            logger.info("X is %s and the module's parameters are %s: X is converted to %s",
-                        X.dtype, want, converted.dtype)
-        return converted
-
-    def _start_model(self, warm_start: bool) -> Any:
-        """What a fit starts from: a copy of ``module``, or of the last fit's model."""
-        last = getattr(self, "_last_model", None)
-        return copy.deepcopy(last if warm_start and last is not None else self._model())
-
-    def _spec(self, *, n_params: int | None = None, module: Any = None,
-              devices: Any = None) -> JobSpec:
-        return job_spec(self, n_params=n_params, module=module, devices=devices)
-
-    def _strategy(self) -> str:
-        """The strategy this fit runs: ``strategy``, or the one ``"auto"`` chose."""
-        plan = getattr(self, "_plan", None)
-        return plan.strategy if plan is not None else str(self.strategy)
-
-    def _trainers(self) -> int:
-        """The trainers (ranks) this fit runs: ``workers``, or those ``"auto"`` chose."""
-        plan = getattr(self, "_plan", None)
-        return plan.workers if plan is not None else int(self.workers)
-
-    def _servers(self) -> int:
-        """``ps`` as a count: with ``ps="auto"`` or ``strategy="auto"``, the one chosen."""
-        plan = getattr(self, "_plan", None)
-        if plan is not None:
-            return plan.ps
-        return self.ps if isinstance(self.ps, int) else 1
-
-    def _result(self, outcome: Outcome, *, wall_s: float) -> FitResult:
-        return fit_result(self, outcome, wall_s=wall_s)
+    def _start_model(self, plan: FitPlan, warm_start: bool) -> Any:
+        """What a fit starts from: a copy of its model, or of the last fit's model."""
+        last = self._last_model
+        return copy.deepcopy(last if warm_start and last is not None else plan.model)

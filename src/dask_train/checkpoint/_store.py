@@ -42,6 +42,24 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _path_problems(name: str, path: str | os.PathLike[str]) -> list[str]:
+    """A local path (or ``file://`` URL) that exists as a file, or under a file, cannot hold
+    checkpoint directories: found now, not at the first write after training (when the model
+    would be lost). Other URLs are checked by their first write."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return []
+    local = Path(text.removeprefix("file://")).expanduser()
+    for part in (local, *local.parents):
+        if part.exists():
+            if part.is_dir():
+                return []
+            what = "is a file" if part == local else f"lies under the file {str(part)!r}"
+            return [f"{name}(path={text!r}): the path {what}, and checkpoints are directories "
+                    "under it: use a directory (existing or not)."]
+    return []
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often a training job writes checkpoints.
@@ -114,8 +132,33 @@ class CheckpointConfig:
                 f"{name}(storage_options={options!r}): storage_options must be a mapping with str "
                 "keys (fsspec keyword arguments), or None."
             )
+        if not problems:
+            problems += _path_problems(name, self.path)
         if problems:
             raise InvalidInput(problems)
+
+    @classmethod
+    def of(cls, value: Any) -> CheckpointConfig | None:
+        """``checkpoint=`` as a config: a config as it is, a path or URL as
+        ``CheckpointConfig(path)`` (every 30 s, keep 3), None as None.
+
+        Raises
+        ------
+        InvalidInput
+            For anything else, or a path that cannot hold checkpoints.
+
+        Examples
+        --------
+        >>> CheckpointConfig.of("runs/x") == CheckpointConfig("runs/x")
+        True
+        """
+        if value is None or isinstance(value, CheckpointConfig):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(value)
+        raise InvalidInput([f"checkpoint={value!r} is invalid: pass a directory or fsspec URL "
+                            "('runs/x'), dt.CheckpointConfig(path, every_seconds=30, keep=3), "
+                            "or None."])
 
     def due(self, *, now: float, last_time: float, step: int, last_step: int) -> bool:
         """Whether a checkpoint is due: either trigger fired and a step was taken since the last one.

@@ -23,6 +23,7 @@ from sklearn.utils.validation import validate_data
 
 from dask_train.data import BlockSet, persist_data
 from dask_train.data._blocks import as_dask_array
+from dask_train.data._inputs import is_collection
 from dask_train.data._persist import map_blocks_inplace
 from dask_train.errors import InvalidInput
 
@@ -47,7 +48,7 @@ class FitData:
 
 def is_dask(obj: Any) -> bool:
     """Whether ``obj`` is a dask collection (array, DataFrame, Series)."""
-    return hasattr(obj, "dask") or hasattr(obj, "__dask_graph__")
+    return is_collection(obj)
 
 
 def _encode_labels(

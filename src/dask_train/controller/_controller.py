@@ -369,9 +369,7 @@ class Controller:
             "stop": [{"type": type(c).__name__, "state": c.state_dict()} for c in spec.stop],
             "records": self.log.records, "elapsed_s": self.log.elapsed(),
             "roles": self.roles.placement,
-            "config": {"optimizer": spec.optimizer, "lr": spec.lr, "batch_size": spec.batch_size,
-                       "seed": spec.seed, "epochs": spec.epochs,
-                       "grad_accumulation": spec.grad_accumulation},
+            "config": spec.manifest_config(),
         }
 
     # -- failures ---------------------------------------------------------------------------------

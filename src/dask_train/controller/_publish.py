@@ -63,10 +63,7 @@ class JobEvents:
         await ensure_dashboard(self.client)
         self.publish({
             "kind": "start", "wall": time.time(), "job_id": spec.job_id,
-            "strategy": spec.strategy, "roles": dict(roles.placement), "rows": rows,
-            "epochs": spec.epochs, "batch_size": spec.batch_size, "optimizer": spec.optimizer,
-            "lr": spec.lr, "n_params": spec.n_params, "score_every": spec.score_every,
-            "data": spec.data,
+            "roles": dict(roles.placement), "rows": rows, **spec.summary(),
             "client": self.client.id,  # a job whose client leaves ended with it
         })
 

@@ -38,8 +38,12 @@ from dask_train.errors import InvalidInput
 POSITIONAL = "*"
 
 
-def _is_lazy_one(x: Any) -> bool:
-    return hasattr(x, "dask") or callable(getattr(x, "to_dask_array", None))
+def is_collection(x: Any) -> bool:
+    """Whether ``x`` is one dask collection (an array, a DataFrame, a Series, a dask-backed
+    xarray object): the one answer to "is this lazy" everywhere in dask-train."""
+    import dask
+
+    return dask.is_dask_collection(x)
 
 
 def is_several(X: Any) -> bool:
@@ -48,15 +52,15 @@ def is_several(X: Any) -> bool:
     if isinstance(X, Mapping):
         return True
     if isinstance(X, tuple):
-        return len(X) > 0 and all(hasattr(a, "shape") or _is_lazy_one(a) for a in X)
-    return isinstance(X, list) and len(X) > 0 and all(_is_lazy_one(a) for a in X)
+        return len(X) > 0 and all(hasattr(a, "shape") or is_collection(a) for a in X)
+    return isinstance(X, list) and len(X) > 0 and all(is_collection(a) for a in X)
 
 
 def is_lazy(X: Any) -> bool:
     """Whether ``X`` is a dask collection, or several inputs of which one is."""
     if is_several(X):
-        return any(_is_lazy_one(a) for a in (X.values() if isinstance(X, Mapping) else X))
-    return _is_lazy_one(X)
+        return any(is_collection(a) for a in (X.values() if isinstance(X, Mapping) else X))
+    return is_collection(X)
 
 
 def named(X: Any) -> dict[str, Any]:
@@ -122,7 +126,7 @@ def _as_dask(value: Any) -> Any:
     to_dask_array = getattr(value, "to_dask_array", None)
     if callable(to_dask_array):
         return to_dask_array(lengths=True)
-    return value if hasattr(value, "dask") else da.from_array(np.asarray(value))
+    return value if is_collection(value) else da.from_array(np.asarray(value))
 
 
 def _pack_blocks(names: tuple[str, ...], *blocks: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from dask_train.data._blocks import (
     persist_pairs,
 )
 from dask_train.data._cluster import live_workers
+from dask_train.data._inputs import is_collection
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope, in_scope
 
@@ -82,7 +83,7 @@ def persist_data(X: Any, y: Any = None, *, client: Client, dtype: Any = np.float
     >>> loss, grad = dt.distributed_loss_grad(fn, w, data)     # doctest: +SKIP
     >>> data.release()                                         # doctest: +SKIP
     """
-    if not hasattr(X, "dask") and not hasattr(y, "dask"):
+    if not is_collection(X) and not is_collection(y):
         return _scatter_local(np.asarray(X), None if y is None else np.asarray(y), client, dtype)
     Xd, yd = _to_2d_dask(X, y)
     # The solver's dtype is applied by the persisting task itself: one copy at most.

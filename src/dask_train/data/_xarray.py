@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dask_train.data._inputs import is_collection
 from dask_train.errors import InvalidInput
 
 
@@ -66,7 +67,7 @@ def rows_of(obj: Any, dim: str, *, name: str) -> Any:
         arrays.append(data.reshape(data.shape[0], -1))
     if len(arrays) == 1:
         return arrays[0]
-    if any(hasattr(a, "dask") for a in arrays):
+    if any(is_collection(a) for a in arrays):
         import dask.array as da
 
         return da.concatenate([da.asarray(a) for a in arrays], axis=1)
@@ -155,7 +156,7 @@ def _patched(a: Any, *, along: str, sizes: dict[str, int], steps: dict[str, int]
     cut = functools.partial(_cut, sizes=tuple(sizes.values()), steps=tuple(steps.values()))
     per_position = math.prod((a.sizes[d] - n) // steps[d] + 1 for d, n in sizes.items())
     data = a.data
-    if hasattr(data, "dask"):
+    if is_collection(data):
         # Every block holds whole patches: all of the patched and other dimensions.
         data = data.rechunk({i: -1 for i in range(1, data.ndim)})
         chunks = (tuple(c * per_position for c in data.chunks[0]), *[(n,) for n in sizes.values()],

@@ -1,9 +1,18 @@
-"""What a job is: its validated settings, as the controller and the engines read them
-(:class:`JobSpec`, built once by the Trainer), and the part of them every role on a worker
-receives (:class:`WorkerConfig`)."""
+"""What a job is, as the controller and the engines read it.
+
+:class:`JobSpec` holds what every job has (its id, strategy, trainers, how the data is fed, stop
+conditions, callbacks, checkpoints, failures, devices). An engine that trains a model it is given
+(async-ps, sync torch, numpy) also gets :class:`TrainSettings`: the model, its loss, optimizer and
+scoring. A ``dt.run`` job has none, since the user's function owns its model and optimizer: its
+engine carries its own settings (:class:`~dask_train.engines.run.context.RunSettings`). What goes
+into a checkpoint's manifest is said by each part (:meth:`JobSpec.manifest_config`), so a
+``dt.run`` manifest names no optimizer. :class:`WorkerConfig` is the part of a spec every role on
+a worker receives.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,36 +25,65 @@ from dask_train.policy.stop import StopCondition
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """Everything the controller needs, validated by the Trainer before it is built, with the
-    devices and precision already resolved (frozen: nothing changes it once built)."""
+class TrainSettings:
+    """The model an engine trains and how: loss, optimizer, pushes in flight, servers, scoring.
 
-    module: Any  # a torch.nn.Module (torch engines) or an ArrayModel (numpy engine)
+    Validated by the Trainer before it is built (``api._settings``).
+    """
+
+    module: Any  # a torch.nn.Module, a Keras model or an ArrayModel; None in a WorkerConfig
     n_params: int
     loss: Any  # a name, an nn.Module or a callable (models._torch.resolve_loss)
-    optimizer: str
+    optimizer: Any  # a name ("adam") or a torch.optim.Optimizer subclass
     lr: float
-    optimizer_options: dict[str, Any]
-    batch_size: int
+    optimizer_options: dict[str, Any] = field(default_factory=dict)
+    prefetch: int = 0  # pushes in flight; -1: adapted by the trainers ("auto")
+    grad_accumulation: int = 1
+    ps: int = 0  # parameter servers (async-ps); 0 for sync engines
+    scorer: int = 1
+    score_every: float = 1.0
+    #: The share of one core the scorer may spend scoring, None for no limit.
+    scorer_budget: float | None = None
+    metrics: dict[str, Any] | None = None  # extra scores: name -> function or metric object
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer as a manifest or a page names it."""
+        return self.optimizer if isinstance(self.optimizer, str) else self.optimizer.__name__
+
+    def manifest(self) -> dict[str, Any]:
+        """What a checkpoint records of these settings (JSON-able)."""
+        return {"optimizer": self.optimizer_name, "lr": self.lr,
+                "grad_accumulation": self.grad_accumulation}
+
+    def summary(self) -> dict[str, Any]:
+        """What the Training page shows of them."""
+        return {"optimizer": self.optimizer_name, "lr": self.lr, "n_params": self.n_params,
+                "score_every": self.score_every}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the controller needs, validated before it is built, with the devices and
+    precision already resolved (frozen: nothing changes it once built)."""
+
+    strategy: str  # the engine's key in the registry (engines._registry)
+    workers: int  # trainers, or ranks
+    batch_size: int  # rows of one trainer's batch
     epochs: int
     shuffle: bool
     seed: int
-    prefetch: int
-    grad_accumulation: int
     blocks_ahead: int
-    score_every: float
     timeout: float
     stop: list[StopCondition]
     callbacks: list[Callback]
-    progress: bool
-    strategy: str = "async-ps"
-    ps: int = 1
-    workers: int = 1
-    scorer: int = 1
+    #: The model and how it is trained, for the engines that train a model they are given;
+    #: None for ``dt.run``, whose function owns them.
+    train: TrainSettings | None = None
+    progress: bool = False
     checkpoint: CheckpointConfig | None = None
     failure: FailureConfig = field(default_factory=FailureConfig)
     on_nan: str = "stop"
-    metrics: dict[str, Any] | None = None  # extra scores: name -> function or metric object
     device_kind: str = "cpu"  # "cpu" or "cuda" (runtime._devices.Devices)
     devices: dict[str, str] = field(default_factory=dict)  # worker address -> torch device
     precision: str | None = None  # autocast dtype: None, "bf16" or "fp16"
@@ -53,16 +91,29 @@ class JobSpec:
     #: The most blocks a starved trainer of streamed data may be granted ahead
     #: (``blocks_ahead="auto"``); ``blocks_ahead`` or less: its credit never grows.
     blocks_ahead_max: int = 0
-    #: The share of one core the scorer may spend scoring (resolved from the Trainer's
-    #: ``scorer_budget``), None for no limit.
-    scorer_budget: float | None = None
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def n_params(self) -> int:
+        """Parameters the job's holders keep (0 for ``dt.run``: the ranks keep their own)."""
+        return self.train.n_params if self.train is not None else 0
 
     @property
     def max_step(self) -> int | None:
         """The tightest step limit among the stop conditions."""
         steps = [c.max_step for c in self.stop if c.max_step is not None]
         return min(steps) if steps else None
+
+    def manifest_config(self) -> dict[str, Any]:
+        """What a checkpoint's manifest records of the settings (JSON-able): the data's for
+        every job, and the training settings' for an engine that has them."""
+        data = {"batch_size": self.batch_size, "seed": self.seed, "epochs": self.epochs}
+        return {**(self.train.manifest() if self.train is not None else {}), **data}
+
+    def summary(self) -> dict[str, Any]:
+        """What the Training page shows of the job's settings."""
+        return {"strategy": self.strategy, "epochs": self.epochs, "batch_size": self.batch_size,
+                "data": self.data, **(self.train.summary() if self.train is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -73,22 +124,17 @@ class WorkerConfig:
     pickled with the role's task, and a field read there that does not exist fails at once.
     """
 
-    loss: Any
     batch_size: int
-    prefetch: int
-    grad_accumulation: int
     timeout: float
     topic: str
-    score_every: float
-    optimizer: str
-    lr: float
-    optimizer_options: dict[str, Any]
     max_step: int | None
     seed: int
     on_nan: str
+    #: The job's :class:`TrainSettings` without the module (it reaches each worker once, as
+    #: the role tasks' ``module`` argument); None for ``dt.run``.
+    train: TrainSettings | None = None
     #: RNG state per trainer index (text), restored from a checkpoint; empty for a fresh start.
     rng: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, Any] | None = None
     device_kind: str = "cpu"
     devices: dict[str, str] = field(default_factory=dict)
     precision: str | None = None
@@ -98,22 +144,25 @@ class WorkerConfig:
     validation_keys: list[str] | None = None
     #: The generation's secret for direct pushes to its servers (async-ps), b"" for none.
     push_secret: bytes = field(default=b"", repr=False)
-    #: The share of one core the scorer may spend scoring (``scoring.ScoreSchedule``), or None.
-    scorer_budget: float | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, topic: str,
                   restore: Mapping[str, Any] | None = None) -> WorkerConfig:
         """The roles' view of ``spec``; ``restore`` is the checkpoint the generation starts from."""
+        train = None if spec.train is None else dataclasses.replace(
+            spec.train, module=None, optimizer_options=dict(spec.train.optimizer_options))
         return cls(
-            loss=spec.loss, batch_size=spec.batch_size, prefetch=spec.prefetch,
-            grad_accumulation=spec.grad_accumulation, timeout=spec.timeout, topic=topic,
-            score_every=spec.score_every, optimizer=spec.optimizer, lr=spec.lr,
-            optimizer_options=dict(spec.optimizer_options), max_step=spec.max_step,
-            seed=spec.seed, on_nan=spec.on_nan, rng=dict((restore or {}).get("rng") or {}),
-            metrics=spec.metrics, device_kind=spec.device_kind, devices=dict(spec.devices),
-            precision=spec.precision, scorer_budget=spec.scorer_budget,
+            batch_size=spec.batch_size, timeout=spec.timeout, topic=topic,
+            max_step=spec.max_step, seed=spec.seed, on_nan=spec.on_nan, train=train,
+            rng=dict((restore or {}).get("rng") or {}), device_kind=spec.device_kind,
+            devices=dict(spec.devices), precision=spec.precision,
         )
+
+    @property
+    def trains(self) -> TrainSettings:
+        """The training settings of a role that trains a given model (never ``dt.run``'s)."""
+        assert self.train is not None, "a dt.run role has no training settings"
+        return self.train
 
     def device_for(self, address: str) -> str | None:
         """The torch device the roles on ``address`` use: the one chosen for that worker, the

@@ -10,8 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
-
-KINDS = ("worker", "ps", "scorer")
+from dask_train.policy._placement import KINDS
 
 
 class Action(enum.Enum):

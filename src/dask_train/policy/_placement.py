@@ -9,6 +9,10 @@ from dask_train.errors import InvalidInput
 # Relative load of a role on its process, used to spread roles when they must share workers:
 # a trainer computes all the time, a server applies updates, a scorer wakes once a second.
 _WEIGHT = {"worker": 1.0, "ps": 0.5, "scorer": 0.25}
+#: The kinds of role, in the order they are placed: ``"worker"`` is a trainer (an async-ps
+#: trainer, a sync or ``dt.run`` rank), the seed's name, kept where its API has it
+#: (``start_roles(worker=)``, ``TF_CONFIG``); ``"ps"`` a parameter server; ``"scorer"`` the
+#: scorer. The one definition: failures, placement and TensorFlow's cluster read it.
 KINDS = ("worker", "ps", "scorer")
 
 

@@ -55,6 +55,7 @@ from typing import Any
 
 from dask_train.errors import InvalidInput
 from dask_train.policy._cost import CostModel, _soft_min
+from dask_train.policy._settings import per_trainer_batch
 
 #: The candidates, simplest first: the order that breaks near-ties.
 CANDIDATES = ("one-process", "sync", "async-ps")
@@ -235,7 +236,7 @@ def choose_strategy(model: CostModel, *, workers: int, sync_workers: int, max_ps
     model = _on_one_machine(model)
 
     def rows(w: int) -> int:
-        return model.batch_size if global_batch is None else max(1, global_batch // w)
+        return per_trainer_batch(model.batch_size, global_batch, w)
 
     candidates = [one_process(_with_batch(model, rows(1)))]
     ranks = min(workers, sync_workers)

@@ -22,15 +22,14 @@ from distributed import Client, Future, wait
 from distributed.utils import get_ip
 
 from dask_train.errors import InvalidInput, RoleFailed, TrainingTimeout
-from dask_train.policy._placement import check_role_counts, plan_roles
+from dask_train.policy._placement import KINDS, check_role_counts, plan_roles
 from dask_train.runtime._calls import live_workers
 from dask_train.runtime._roles import worker_threads
 from dask_train.tensorflow import _server
 
 logger = logging.getLogger(__name__)
 
-#: Role kinds in the order they are placed and get ``TF_CONFIG`` on a shared process.
-KINDS = ("worker", "ps", "scorer")
+# Role kinds in the order they are placed and get ``TF_CONFIG`` on a shared process: KINDS.
 
 
 def _pin(address: str) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import dask.array as da
 import numpy as np
 from distributed import Client, Future, futures_of
 
-from dask_train.data._blocks import as_dask_array
-from dask_train.data._inputs import is_lazy, to_numpy
+from dask_train.data._inputs import to_numpy
+from dask_train.data._training import TrainingData
 from dask_train.runtime._calls import live_workers
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,14 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
     # Several inputs or targets (a dict or tuple of arrays) are one array of records, as in fit.
     Xv, yv = (np.ascontiguousarray(to_numpy(part, name=name))
               for part, name in zip(validation, ("X_val", "y_val")))
-    if is_lazy(X) and is_lazy(y):
+    data = TrainingData.of(X, y)  # as a fit reads them: xarray, frames, several inputs
+    if not data.in_memory:
         # Under keys of its own: persisting the user's collection itself would keep its keys in
         # memory, and a later graph of the user's that rewrites them (dask's slicing optimisation
         # does) would meet "different run_spec for the same key" at the scheduler.
         token = uuid.uuid4().hex[:8]
-        Xd, yd = (_renamed(as_dask_array(part, name=name), f"dt-search-{name}-{token}")
-                  for part, name in ((X, "X"), (y, "y")))
+        Xd, yd = (_renamed(part, f"dt-search-{name}-{token}")
+                  for part, name in ((data.X, "X"), (data.y, "y")))
         Xd, yd = client.persist([Xd, yd])
         return SearchData(Xd, yd, (Xv, yv), held=[Xd, yd])
     Xa, ya = to_numpy(X, name="X"), to_numpy(y, name="y")

@@ -93,12 +93,12 @@ class TrainerTrials(TrialRunner):
     def _check_first_trial(self) -> list[str]:
         """The Trainer's own checks on the space's first values (a module built, a batch through
         it, the metric among the job's scores) before any work."""
-        from dask_train.api._validate import job_metrics
+        from dask_train.api._settings import job_metrics
 
         first = self.space.first()
         try:
             trainer = self._trainer(first, extra_stop=[], callbacks=[])
-            trainer._validate(self.data.X, self.data.y, self.data.validation)
+            trainer.check(self.data.X, self.data.y, self.data.validation)
         except InvalidInput as exc:
             return [f"with the space's first values {first}: {p}" for p in exc.problems]
         except Exception as exc:  # the user's factory failing

@@ -51,7 +51,7 @@ class ArrayEngine(Engine):
     ----------
     client : distributed.Client
     spec : JobSpec
-        ``spec.module`` is the :class:`~dask_train.models.ArrayModel`.
+        ``spec.train.module`` is the :class:`~dask_train.models.ArrayModel`.
     data : BlockSet
         The training blocks, persisted where they will stay.
     validation : (numpy.ndarray, numpy.ndarray) or None
@@ -67,17 +67,19 @@ class ArrayEngine(Engine):
     def __init__(self, client: Client, spec: JobSpec, data: BlockSet, validation: Any, *,
                  job: str, restore: Mapping[str, Any] | None = None, split_every: int = 2) -> None:
         self.client, self.spec, self.data, self.validation = client, spec, data, validation
-        self.model, self.job, self.split_every = spec.module, job, split_every
+        assert spec.train is not None, "the numpy engine trains the spec's ArrayModel"
+        self.train = spec.train
+        self.model, self.job, self.split_every = spec.train.module, job, split_every
         # A resumed run keeps the checkpoint's groups, wherever their blocks live now (Dask moves
         # a block to its group's task if need be): a group's rows and their order are its own.
         saved = (restore or {}).get("ledger", {}).get("groups")
         self.groups = [list(g) for g in saved] if saved else data.groups()
         self.group_rows = [sum(data.rows[i] for i in g) for g in self.groups]
-        self.rows_per_step = spec.batch_size * spec.grad_accumulation
+        self.rows_per_step = spec.batch_size * self.train.grad_accumulation
         self.steps_per_epoch = max(math.ceil(r / self.rows_per_step) for r in self.group_rows)
         self.opt = FlatOptimizer(torch.from_numpy(np.array(self.model.params, dtype=np.float64)),
-                                 optimizer=spec.optimizer, lr=spec.lr,
-                                 options=spec.optimizer_options, max_step=spec.max_step)
+                                 optimizer=self.train.optimizer, lr=self.train.lr,
+                                 options=self.train.optimizer_options, max_step=spec.max_step)
         self.epoch, self.next_step, self.epochs_done = 0, 0, 0
         self.ledger: list[dict[str, Any]] = []
         if restore is not None:
@@ -105,7 +107,7 @@ class ArrayEngine(Engine):
     async def start(self, emit: Emit) -> None:
         """Place the validation data on a worker and start the step loop."""
         self.emit = emit
-        if self.validation is not None and self.spec.scorer:
+        if self.validation is not None and self.train.scorer:
             await self._place_validation(sorted(self.data.holders)[-1])
         self.last_score = time.monotonic()
         self.loop_task = asyncio.get_running_loop().create_task(self._train())
@@ -194,7 +196,7 @@ class ArrayEngine(Engine):
                 self.emit(score_event(step=step, samples=samples, scores=await future))
         now = time.monotonic()
         if self.val_ref is None or self.scoring is not None or \
-                (not force and now - self.last_score < self.spec.score_every):
+                (not force and now - self.last_score < self.train.score_every):
             return
         self.last_score = now
         params = self.opt.param.detach().numpy().copy()

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.host_memory import HostSegment
 from dask_train.engines.holders.optim import FlatOptimizer
-from dask_train.engines.harness.stats import StatsReporter
 from dask_train.models._torch import OPTIMIZERS, build_optimizer
 
 logger = logging.getLogger(__name__)

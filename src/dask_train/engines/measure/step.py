@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from dask_train.engines.holders import host_memory
-from dask_train.engines.measure.cores import prepared_step
 from dask_train.engines.holders.host_memory import HostSegment
 from dask_train.engines.holders.optim import FlatOptimizer
+from dask_train.engines.measure.cores import prepared_step
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
 

@@ -9,14 +9,14 @@ import secrets
 from collections.abc import Mapping
 
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.ps.server import start_shard_task
-from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders import host_memory
-from dask_train.engines.roles.granting import Granter
 from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.holders.push_socket import SECRET_BYTES
+from dask_train.engines.ps.server import start_shard_task
+from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.roles.base import RoleEngine
+from dask_train.engines.roles.granting import Granter
 from dask_train.models._torch import split_shards
 from dask_train.runtime._calls import run_on_live
 
@@ -46,14 +46,14 @@ class AsyncPSEngine(RoleEngine):
 
     async def start_servers(self) -> None:
         """One shard per server, from the module or from the checkpoint's files."""
-        spec, restore = self.spec, self.restore
+        train, restore = self.train, self.restore
         server_restore = None if restore is None else {
             "files": restore["files"], "step": restore["step"], "samples": restore["samples"]}
         starts = [
             self.pinned(start_shard_task, self.module_f, address=ref.address,
                         key=f"dt-ps-{ref.index}", job=self.job, shard=ref,
-                        optimizer=spec.optimizer, lr=spec.lr, options=spec.optimizer_options,
-                        max_step=spec.max_step, restore=server_restore,
+                        optimizer=train.optimizer, lr=train.lr, options=train.optimizer_options,
+                        max_step=self.spec.max_step, restore=server_restore,
                         secret=self.push_secret)
             for ref in self.shards
         ]

@@ -17,11 +17,11 @@ from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
 from dask_train.checkpoint import read_slice
-from dask_train.engines.holders import host_memory
-from dask_train.engines.holders.reach import holder_or_reason
-from dask_train.engines.holders.params import BUFFER_SHARD, ShardRef
-from dask_train.engines.holders.shard import ShardServer
 from dask_train.engines.harness.stats import StatsReporter, topic_of
+from dask_train.engines.holders import host_memory
+from dask_train.engines.holders.params import BUFFER_SHARD, ShardRef
+from dask_train.engines.holders.reach import holder_or_reason
+from dask_train.engines.holders.shard import ShardServer
 from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters

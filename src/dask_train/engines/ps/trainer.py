@@ -38,7 +38,7 @@ def run_trainer(
 ) -> dict[str, Any]:
     """Dask task: one trainer's loop. Pull, compute gradients, push, until the feed ends or stop.
 
-    Gradients of ``config.grad_accumulation`` batches are averaged into one push (one server
+    Gradients of ``config.trains.grad_accumulation`` batches are averaged into one push (one server
     update), never across a block boundary, so a block reported consumed is fully pushed. A batch
     whose loss is not finite is never pushed: it is skipped or stops the trainer (``on_nan``).
     """
@@ -53,7 +53,7 @@ def run_trainer(
     # Start from the kept buffers too: after a resume, or when joining a running job, they carry
     # the statistics of every batch trained so far.
     buffers.scatter(start.buffers)
-    pusher = _Pusher(ps, model, every=config.grad_accumulation, depth=config.prefetch,
+    pusher = _Pusher(ps, model, every=config.trains.grad_accumulation, depth=config.trains.prefetch,
                      buffers=buffers)
     pusher.version = start.version
     loop = _TrainerLoop(role, model, pusher)
@@ -73,7 +73,7 @@ class _TrainerLoop:
 
     def __init__(self, role: TrainerRole, model: FlatModel, pusher: _Pusher) -> None:
         self.role, self.model, self.pusher = role, model, pusher
-        self.loss_fn = model.loss_fn(role.config.loss)
+        self.loss_fn = model.loss_fn(role.config.trains.loss)
         self.stats = role.stats()
         self.stopped = False
         self.samples = 0

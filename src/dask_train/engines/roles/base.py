@@ -21,14 +21,14 @@ from distributed.comm import CommClosedError
 from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
 from dask_train.engines._events import Block, Epochs, Exit, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
-from dask_train.engines._spec import JobSpec, WorkerConfig
+from dask_train.engines._spec import JobSpec, TrainSettings, WorkerConfig
 from dask_train.engines.harness import control as worker_side
-from dask_train.engines.scoring import scorer as _scorer
-from dask_train.engines.roles.granting import Granter, pin
-from dask_train.engines.holders.reach import pull_params_task
 from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.holders.reach import pull_params_task
+from dask_train.engines.roles.granting import Granter, pin
 from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.engines.roles.waiting import gather_watching, raise_if_gone
+from dask_train.engines.scoring import scorer as _scorer
 from dask_train.errors import RoleFailed, TrainingTimeout
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
@@ -103,6 +103,12 @@ class RoleEngine(Engine):
     async def start_servers(self) -> None:
         """Start whatever holds the parameters before the trainers start."""
 
+    @property
+    def train(self) -> TrainSettings:
+        """The model this engine trains and how (every role engine but ``dt.run``'s)."""
+        assert self.spec.train is not None, f"{type(self).__name__} trains a given model"
+        return self.spec.train
+
     def trainer_config(self) -> WorkerConfig:
         """Settings every trainer (and the scorer) receives."""
         return WorkerConfig.from_spec(self.spec, topic=self.topic, restore=self.restore)
@@ -115,7 +121,7 @@ class RoleEngine(Engine):
     async def start(self, emit: Emit) -> None:
         """Start servers, the scorer and the trainers; grant every trainer its first blocks."""
         self.emit = emit
-        self.module_f = await send_module(self.client, travelling(self.spec.module), self.job)
+        self.module_f = await send_module(self.client, travelling(self.train.module), self.job)
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
@@ -134,7 +140,7 @@ class RoleEngine(Engine):
         """Send the model again if its scattered copy was lost with its worker (a replaced
         scorer or a joining trainer takes it as an argument; see :func:`send_module`)."""
         if self.module_f is not None and is_lost(self.module_f):
-            self.module_f = await send_module(self.client, travelling(self.spec.module), self.job)
+            self.module_f = await send_module(self.client, travelling(self.train.module), self.job)
             logger.info("job %s: the model was sent again: the worker holding it was lost",
                         self.job)
 

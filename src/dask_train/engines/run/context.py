@@ -28,8 +28,8 @@ from dask_train.checkpoint._io import options_of
 from dask_train.checkpoint._sharded import load_sharded, save_sharded
 from dask_train.data._feed import FeedItem, block_order
 from dask_train.engines._events import Reported, ShareDone
-from dask_train.engines.run.metrics import REDUCTIONS, numbers
 from dask_train.engines.harness.role import TrainerRole, rng_state
+from dask_train.engines.run.metrics import REDUCTIONS, numbers
 from dask_train.errors import InvalidInput
 
 logger = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ from dask_train.engines._events import (
 )
 from dask_train.engines._protocol import Emit, Ending
 from dask_train.engines._spec import JobSpec, WorkerConfig
-from dask_train.engines.run.context import RunSettings
-from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.run.context import RunSettings
+from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.torch_sync.engine import TorchSyncEngine
 from dask_train.errors import RoleFailed
 from dask_train.policy._failure import Failure
@@ -82,10 +82,17 @@ class RunEngine(TorchSyncEngine):
         self.share_done: dict[int, tuple[int, int]] = {}
         # The sharded state (DCP) every rank of a ready report wrote, for save to adopt.
         self.sharded: Reported | None = None
+        self.writer = 0  # the rank whose report holds the state a checkpoint writes
 
     def make_shards(self) -> list[ShardRef]:
-        """The rank that holds a reported checkpoint (rank 0 until a report says otherwise)."""
-        return [ShardRef(0, 0, 0, self.roles["worker"][0])]
+        """None: each rank keeps its own model; the state a report holds is the writer's."""
+        return []
+
+    @property
+    def writer_address(self) -> str:
+        """The worker of the rank holding the newest reported checkpoint's state (rank 0 until
+        a report says otherwise): the one that writes it."""
+        return str(self.roles["worker"][self.writer])
 
     async def start(self, emit: Emit) -> None:
         """Start the process group, then every rank's function; grant the first blocks."""
@@ -99,7 +106,7 @@ class RunEngine(TorchSyncEngine):
         for i, address in enumerate(ranks):
             self.trainer_futures.append(self.pinned(
                 run_user_rank, self.fn_blob, address=address, key=f"dt-rank-{i}", job=self.job,
-                index=i, shards=self.shards, config=self.config, run=run,
+                index=i, config=self.config, run=run,
                 user_config=self.user_config))
         if not self.blocks.blocks:
             return  # no data: nothing to grant (the ledger would plan empty epochs forever)
@@ -157,7 +164,7 @@ class RunEngine(TorchSyncEngine):
                             wall=time.time(), worker=self.roles["worker"][ranks[0]]))
         writer = next((i for i in ranks if got[i].checkpoint), None)
         if writer is not None:
-            self.shards = [ShardRef(0, 0, 0, self.roles["worker"][writer])]
+            self.writer = writer
             self.sharded = got[writer] if got[writer].sharded else None
         self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
 
@@ -199,8 +206,17 @@ class RunEngine(TorchSyncEngine):
                      "index": 0, "start": 0, "stop": 0,
                      "sharded": {"dir": name, "format": "torch.distributed.checkpoint",
                                  "next_epoch": report.next_epoch, "files": files}}]
-        records = await super().save(directory=directory, paths=paths, metadata=metadata)
-        return [{**r, "samples": samples} for r in records]
+        # The writer's reported state, as the job writes every checkpoint's tensors: one file,
+        # index 0 (the format a Trainer's sync job writes, with no parameter range).
+        future = self.pinned(worker_side.save_shard_task, address=self.writer_address,
+                             key=f"dt-save-{time.monotonic_ns()}-0", job=self.job, index=0,
+                             path=paths(0), metadata={**metadata, "start": "0", "stop": "0"})
+        [record] = await self.gather_from_holders([future], what=f"writing checkpoint {directory}")
+        return [{**record, "samples": samples, "index": 0, "start": 0, "stop": 0}]
+
+    def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
+        """``holders``, by default the rank whose reported state a checkpoint writes."""
+        return holders or {self.writer_address: f"rank {self.writer} (its reported state)"}
 
     # -- failures ---------------------------------------------------------------------------------
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
 
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.run.context import RunContext, RunSettings
 from dask_train.engines.harness.role import TrainerRole, role_task
-from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.run.context import RunContext, RunSettings
 
 
 @role_task
@@ -21,7 +20,6 @@ def run_user_rank(
     *,
     job: str,
     index: int,
-    shards: Sequence[ShardRef],
     config: WorkerConfig,
     run: RunSettings,
     user_config: Mapping[str, Any],

@@ -25,10 +25,10 @@ from distributed import get_worker, secede
 from dask_train.engines._events import Score
 from dask_train.engines._spec import WorkerConfig
 from dask_train.engines.harness.role import model_for, role_task
+from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.engines.scoring.keeper import ScoreKeeper, ScoreSchedule, score_event
 from dask_train.engines.scoring.spread_eval import SpreadValidation
-from dask_train.engines.harness.stats import StatsReporter
 from dask_train.runtime._plugin import worker_state
 
 
@@ -65,7 +65,7 @@ def run_scorer(
     # A fixed rate, not a fixed pause: a score every score_every seconds, or back to back when
     # one evaluation takes longer (a large model), never score_every plus the evaluation time;
     # and never more CPU than the budget (a slow metric spaces the scores out).
-    clock = ScoreSchedule(every=config.score_every, budget=config.scorer_budget,
+    clock = ScoreSchedule(every=config.trains.score_every, budget=config.trains.scorer_budget,
                           start=time.monotonic())
     stats = StatsReporter(worker, topic=config.topic, role="scorer", index=0)
     step = 0
@@ -135,5 +135,6 @@ class _Scorer:
                 return None
         else:
             x, y = self.validation
-            scores = self.model.evaluate(x, y, loss=self.config.loss, metrics=self.config.metrics)
+            train = self.config.trains
+            scores = self.model.evaluate(x, y, loss=train.loss, metrics=train.metrics)
         return score_event(step=exchange.version, samples=exchange.samples, scores=scores)

@@ -161,7 +161,7 @@ class SpreadValidation:
                 reply = await self.worker.rpc(address).dask_train_evaluate(
                     job=self.job, keys=keys, params=to_serialize(params),
                     buffers=None if buffers is None else to_serialize(buffers),
-                    loss=to_serialize(config.loss), outputs=outputs, **kwargs)
+                    loss=to_serialize(config.trains.loss), outputs=outputs, **kwargs)
                 self.has_module.add(address)
                 if not reply.get("need_module"):
                     return reply
@@ -183,7 +183,7 @@ class SpreadValidation:
         score finds them)."""
         from dask_train.models._evaluate import extra_metrics
 
-        metrics = {k: m for k, m in (self.config.metrics or {}).items()
+        metrics = {k: m for k, m in (self.config.trains.metrics or {}).items()
                    if not isinstance(m, str)}
         replies = self._call(self._evaluate(params, buffers, bool(metrics)))
         self.cpu_s += sum(float(r.get("cpu_s", 0.0)) for r in replies or [])
@@ -201,7 +201,7 @@ class SpreadValidation:
             held = [r for r in replies if "outputs" in r]  # a holder of no rows sends none
             scores.update(extra_metrics(metrics, [r["outputs"] for r in held],
                                         [np.asarray(r["targets"]) for r in held]))
-        for name, builtin in (self.config.metrics or {}).items():  # aliases
+        for name, builtin in (self.config.trains.metrics or {}).items():  # aliases
             if isinstance(builtin, str) and builtin in scores:
                 scores[name] = scores[builtin]
         return scores

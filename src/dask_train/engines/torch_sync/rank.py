@@ -35,12 +35,12 @@ import torch.distributed as dist
 from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._spec import WorkerConfig
-from dask_train.engines.harness.role import TrainerRole, role_task
-from dask_train.engines.holders.optim import FlatOptimizer
-from dask_train.engines.holders.params import ShardRef
-from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.collectives.host_sum import HostSum
 from dask_train.engines.collectives.reducer import GradientReducer
+from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.harness.stats import StatsReporter
+from dask_train.engines.holders.optim import FlatOptimizer
+from dask_train.engines.holders.params import ShardRef
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
@@ -126,8 +126,8 @@ def run_rank(
     model.train_mode()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
     reducer = GradientReducer(model)
-    server = FlatOptimizer(model.flat, optimizer=config.optimizer, lr=config.lr,
-                           options=config.optimizer_options, max_step=config.max_step,
+    server = FlatOptimizer(model.flat, optimizer=config.trains.optimizer, lr=config.trains.lr,
+                           options=config.trains.optimizer_options, max_step=config.max_step,
                            grad=reducer.grad)
     restore = config.restore
     if restore is not None:
@@ -174,7 +174,7 @@ class _RankLoop:
                  stats: StatsReporter) -> None:
         self.role, self.model, self.server, self.reducer = role, model, server, reducer
         self.feed, self.buffers, self.stats = feed, buffers, stats
-        self.loss_fn = model.loss_fn(role.config.loss)
+        self.loss_fn = model.loss_fn(role.config.trains.loss)
         self.comm_s, self.samples = 0.0, 0
         self.stop_vote = False
         # A model without autograd (Keras): its whole gradient comes from one GradientTape call,
@@ -220,7 +220,7 @@ class _RankLoop:
     def _accumulate(self, scale: float) -> int:
         """This step's batches into the reducer's buffer (votes written before the last one's
         backward starts the all-reduce); the samples they hold."""
-        every = self.role.config.grad_accumulation
+        every = self.role.config.trains.grad_accumulation
         k, count, reduced = 0, 0, False
         while k < every:
             batch = self.feed.next()
