@@ -16,7 +16,7 @@ from dask_train.api._plan import FitPlan
 from dask_train.api._run import check_run
 from dask_train.api._settings import Settings
 from dask_train.engines._registry import ENGINES, engine_entry
-from dask_train.engines._spec import JobSpec, TrainSettings, WorkerConfig
+from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
 from dask_train.policy._settings import DataSettings, per_trainer_batch
 
 
@@ -107,7 +107,7 @@ def test_the_job_spec_is_frozen_and_the_worker_config_typed() -> None:
     assert isinstance(spec.train, TrainSettings) and spec.n_params == 10
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.train.lr = 1.0  # type: ignore[misc]
-    config = WorkerConfig.from_spec(spec, topic="t", restore={"rng": {"0": "abc"}})
+    config = RoleConfig.from_spec(spec, topic="t", restore={"rng": {"0": "abc"}})
     assert config.batch_size == 32 and config.max_step == 10 and config.rng == {"0": "abc"}
     assert config.trains.module is None  # the module reaches each worker once, not per role
     assert config.trains.optimizer is torch.optim.SGD and config.device_for("tcp://w:1") is None
@@ -124,7 +124,7 @@ def test_a_job_without_a_given_model_records_no_optimizer() -> None:
     assert spec.train is None and spec.n_params == 0
     assert spec.manifest_config() == {"batch_size": 8, "seed": 1, "epochs": 3}
     assert "optimizer" not in spec.summary()
-    assert WorkerConfig.from_spec(spec, topic="t").train is None
+    assert RoleConfig.from_spec(spec, topic="t").train is None
 
 
 def test_engines_are_found_by_strategy() -> None:

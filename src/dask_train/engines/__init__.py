@@ -23,6 +23,6 @@ What the engines share, by concern:
 * :mod:`.collectives`: the sync gradient reducers.
 * :mod:`.measure`: what ``strategy="auto"`` and ``ps="auto"`` measure on the cluster.
 
-The job's settings are :mod:`._spec` (``JobSpec``, and the ``WorkerConfig`` the roles receive).
+The job's settings are :mod:`._spec` (``JobSpec``, and the ``RoleConfig`` the roles receive).
 Modules load when an engine is used.
 """

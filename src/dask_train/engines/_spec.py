@@ -6,7 +6,7 @@ conditions, callbacks, checkpoints, failures, devices). An engine that trains a 
 scoring. A ``dt.run`` job has none, since the user's function owns its model and optimizer: its
 engine carries its own settings (:class:`~dask_train.engines.run.context.RunSettings`). What goes
 into a checkpoint's manifest is said by each part (:meth:`JobSpec.manifest_config`), so a
-``dt.run`` manifest names no optimizer. :class:`WorkerConfig` is the part of a spec every role on
+``dt.run`` manifest names no optimizer. :class:`RoleConfig` is the part of a spec every role on
 a worker receives.
 """
 
@@ -31,7 +31,7 @@ class TrainSettings:
     Validated by the Trainer before it is built (``api._settings``).
     """
 
-    module: Any  # a torch.nn.Module, a Keras model or an ArrayModel; None in a WorkerConfig
+    module: Any  # a torch.nn.Module, a Keras model or an ArrayModel; None in a RoleConfig
     n_params: int
     loss: Any  # a name, an nn.Module or a callable (models._torch.resolve_loss)
     optimizer: Any  # a name ("adam") or a torch.optim.Optimizer subclass
@@ -117,7 +117,7 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class RoleConfig:
     """The settings every trainer, rank and scorer of one generation receives.
 
     Built by the engine from the :class:`JobSpec` (:meth:`from_spec`); it travels to the workers
@@ -147,7 +147,7 @@ class WorkerConfig:
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, topic: str,
-                  restore: Mapping[str, Any] | None = None) -> WorkerConfig:
+                  restore: Mapping[str, Any] | None = None) -> RoleConfig:
         """The roles' view of ``spec``; ``restore`` is the checkpoint the generation starts from."""
         train = None if spec.train is None else dataclasses.replace(
             spec.train, module=None, optimizer_options=dict(spec.train.optimizer_options))

@@ -21,7 +21,7 @@ from distributed import get_worker, secede
 
 from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import room_below_target
@@ -52,7 +52,7 @@ class TrainerRole:
         The generation's key on the workers.
     index : int
         The trainer's index (a sync job's rank).
-    config : WorkerConfig
+    config : RoleConfig
     kind : str
         How the role names itself in errors ("worker" or "rank").
 
@@ -69,7 +69,7 @@ class TrainerRole:
         return role.result(steps=steps, samples=samples, allreduce_s=comm_s)
     """
 
-    def __init__(self, *, job: str, index: int, config: WorkerConfig, kind: str = "worker") -> None:
+    def __init__(self, *, job: str, index: int, config: RoleConfig, kind: str = "worker") -> None:
         self.worker = get_worker()
         worker_state(self.worker).configure_torch()
         self.state = worker_state(self.worker).job(job)
@@ -149,7 +149,7 @@ class TrainerRole:
                 **self.memory()}
 
 
-def model_for(module: Any, address: str, config: WorkerConfig, device: str | None = None) -> Any:
+def model_for(module: Any, address: str, config: RoleConfig, device: str | None = None) -> Any:
     """The model adapter a role on ``address`` trains or scores with: a copy of ``module`` on the
     device the controller chose for that worker (or ``device``), in the job's precision."""
     from dask_train.models._flat import flat_model

@@ -8,7 +8,7 @@ import logging
 import secrets
 from collections.abc import Mapping
 
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.params import ShardRef
@@ -40,7 +40,7 @@ class AsyncPSEngine(RoleEngine):
                          segment=f"{host_memory.PREFIX}{token}-{s.index}")
                 for s in split_shards(self.spec.n_params, len(servers))]
 
-    def trainer_config(self) -> WorkerConfig:
+    def trainer_config(self) -> RoleConfig:
         """The trainers also get the generation's push secret (see ``holders.push_socket``)."""
         return dataclasses.replace(super().trainer_config(), push_secret=self.push_secret)
 

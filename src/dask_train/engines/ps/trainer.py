@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dask_train.data._feed import FeedItem, batches
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.models._buffers import BufferSet
@@ -34,7 +34,7 @@ def run_trainer(
     job: str,
     index: int,
     shards: Sequence[ShardRef],
-    config: WorkerConfig,
+    config: RoleConfig,
 ) -> dict[str, Any]:
     """Dask task: one trainer's loop. Pull, compute gradients, push, until the feed ends or stop.
 

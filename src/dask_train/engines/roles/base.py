@@ -21,7 +21,7 @@ from distributed.comm import CommClosedError
 from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
 from dask_train.engines._events import Block, Epochs, Exit, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
-from dask_train.engines._spec import JobSpec, TrainSettings, WorkerConfig
+from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.holders.reach import pull_params_task
@@ -85,7 +85,7 @@ class RoleEngine(Engine):
         self.scorer_future: Future | None = None
         self.scorer_restarts = 0
         self.module_f: Future | None = None
-        self.config: WorkerConfig | None = None
+        self.config: RoleConfig | None = None
         self.finished_at = 0.0
         self.last_heartbeat = 0.0
         self.pauses: dict[int, dict[int, Paused]] = {}
@@ -109,9 +109,9 @@ class RoleEngine(Engine):
         assert self.spec.train is not None, f"{type(self).__name__} trains a given model"
         return self.spec.train
 
-    def trainer_config(self) -> WorkerConfig:
+    def trainer_config(self) -> RoleConfig:
         """Settings every trainer (and the scorer) receives."""
-        return WorkerConfig.from_spec(self.spec, topic=self.topic, restore=self.restore)
+        return RoleConfig.from_spec(self.spec, topic=self.topic, restore=self.restore)
 
     # -- starting ---------------------------------------------------------------------------------
     def pinned(self, fn: Any, *args: Any, address: str, key: str, **kwargs: Any) -> Future:

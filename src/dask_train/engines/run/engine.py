@@ -32,7 +32,7 @@ from dask_train.engines._events import (
     from_message,
 )
 from dask_train.engines._protocol import Emit, Ending
-from dask_train.engines._spec import JobSpec, WorkerConfig
+from dask_train.engines._spec import JobSpec, RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.run.context import RunSettings
@@ -181,7 +181,7 @@ class RunEngine(TorchSyncEngine):
         """As reported: the ranks wait at their report while a checkpoint is written."""
         return self.reported_step()
 
-    def trainer_config(self) -> WorkerConfig:
+    def trainer_config(self) -> RoleConfig:
         """As the sync engine's, with where a sharded checkpoint's parts are."""
         config = super().trainer_config()
         sharded = None if self.restore is None else self.restore.get("sharded")

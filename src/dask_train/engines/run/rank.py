@@ -9,7 +9,7 @@ from typing import Any
 
 import cloudpickle
 
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.run.context import RunContext, RunSettings
 
@@ -20,7 +20,7 @@ def run_user_rank(
     *,
     job: str,
     index: int,
-    config: WorkerConfig,
+    config: RoleConfig,
     run: RunSettings,
     user_config: Mapping[str, Any],
 ) -> dict[str, Any]:

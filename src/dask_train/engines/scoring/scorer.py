@@ -23,7 +23,7 @@ import numpy as np
 from distributed import get_worker, secede
 
 from dask_train.engines._events import Score
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import model_for, role_task
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.params import PSClient, ShardRef, write_params
@@ -39,7 +39,7 @@ def run_scorer(
     *,
     job: str,
     shards: Sequence[ShardRef],
-    config: WorkerConfig,
+    config: RoleConfig,
 ) -> dict[str, Any]:
     """Dask task: every ``score_every`` seconds evaluate the latest parameters and publish the score.
 
@@ -110,7 +110,7 @@ class _Scorer:
     """One score of the current parameters, on local or spread validation data."""
 
     def __init__(self, ps: PSClient, model: Any, validation: Any, spread: Any,
-                 config: WorkerConfig) -> None:
+                 config: RoleConfig) -> None:
         self.ps, self.model, self.validation, self.spread = ps, model, validation, spread
         self.config = config
         self.buffers = model.buffers()

@@ -28,7 +28,7 @@ from dask_train.runtime._compat import worker_data
 from dask_train.runtime._plugin import register_handler, worker_state
 
 if TYPE_CHECKING:
-    from dask_train.engines._spec import WorkerConfig
+    from dask_train.engines._spec import RoleConfig
 
 
 class Evaluator:
@@ -118,12 +118,12 @@ class SpreadValidation:
         The persisted validation blocks (see ``data.persist_pairs``).
     module : object
         The job's model, sent once to each holder.
-    config : WorkerConfig
+    config : RoleConfig
         The job's settings (loss, metrics, devices, precision, timeout).
     """
 
     def __init__(self, worker: Any, *, job: str, keys: Sequence[str], module: Any,
-                 config: WorkerConfig) -> None:
+                 config: RoleConfig) -> None:
         self.worker, self.job, self.keys, self.module = worker, job, list(keys), module
         self.config = config
         self.holders: dict[str, list[str]] = {}

@@ -9,7 +9,7 @@ import functools
 import logging
 from typing import Any
 
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.roles.base import RoleEngine
 from dask_train.engines.torch_sync.rank import run_rank
@@ -37,7 +37,7 @@ class TorchSyncEngine(RoleEngine):
                                  backend=backend, timeout=self.spec.timeout)
         self.group = await asyncio.get_running_loop().run_in_executor(None, call)
 
-    def trainer_config(self) -> WorkerConfig:
+    def trainer_config(self) -> RoleConfig:
         """Every rank loads the checkpoint itself: each applies the same updates with its own
         optimizer, so each needs the optimizer state, not only the parameters."""
         restore = self.restore

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
-from dask_train.engines._spec import WorkerConfig
+from dask_train.engines._spec import RoleConfig
 from dask_train.engines.collectives.host_sum import HostSum
 from dask_train.engines.collectives.reducer import GradientReducer
 from dask_train.engines.harness.role import TrainerRole, role_task
@@ -111,7 +111,7 @@ def run_rank(
     job: str,
     index: int,
     shards: Sequence[ShardRef],
-    config: WorkerConfig,
+    config: RoleConfig,
 ) -> dict[str, Any]:
     """Dask task: one rank of a synchronous job, until every rank is out of data or told to stop."""
     role = TrainerRole(job=job, index=index, config=config, kind="rank")
