@@ -4,7 +4,7 @@ Calls are coroutines on the worker's event loop, started from the role's thread 
 ``run_coroutine_threadsafe`` so the next batch's computation overlaps the exchange. A shard on the
 role's own worker is called directly, skipping serialization; its update or copy still runs off
 the event loop when the shard is large (see ``FlatOptimizer.run``). A small remote shard gets its
-pushes over a direct connection from the role's thread (:mod:`._ps_socket`), where a round trip
+pushes over a direct connection from the role's thread (:mod:`.push_socket`), where a round trip
 costs a fraction of Dask's RPC.
 """
 

@@ -5,7 +5,7 @@ never a Queue). It reads the parameters the way a trainer does: from the paramet
 
 It scores a copy: the parameters pulled are written into the scorer's own model
 (``write_params`` copies them), so an evaluation never reads memory a trainer or server is
-updating, and never holds one up. It keeps within its CPU budget (``scoring.ScoreSchedule``):
+updating, and never holds one up. It keeps within its CPU budget (``keeper.ScoreSchedule``):
 the CPU each score takes (this thread's, plus the evaluating threads' where the validation
 blocks are spread) is measured with ``time.thread_time``, a score that would exceed the budget
 is skipped, and what it spent is published with its stats (role ``"scorer"``) and returned.
@@ -44,7 +44,7 @@ def run_scorer(
     """Dask task: every ``score_every`` seconds evaluate the latest parameters and publish the score.
 
     Scores go out with ``worker.log_event`` (5,000 events in 0.12 s here), never through a Queue.
-    The last few scored parameter snapshots are kept (:class:`.scoring.ScoreKeeper`): when a score
+    The last few scored parameter snapshots are kept (:class:`.keeper.ScoreKeeper`): when a score
     stopped the job, the model that earned it is returned (``{"record", "params", "buffers"}``),
     not the one a few asynchronous steps later. Otherwise it scores the final parameters once more
     and returns that record alone. The model is evaluated with the buffers pulled with the

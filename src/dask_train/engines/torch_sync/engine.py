@@ -1,5 +1,6 @@
 """The synchronous torch engine, client side: a torch process group over the trainers' workers,
-one rank per worker. Worker code: :mod:`.rank` (ranks), :mod:`.reducer` (bucketed all-reduce)."""
+one rank per worker. Worker code: :mod:`.rank` (ranks); their gradients are combined by
+:mod:`dask_train.engines.collectives`."""
 
 from __future__ import annotations
 
