@@ -17,7 +17,7 @@ from dask_train.runtime._compat import start_workers_without_main
 from dask_train.runtime._fork import fork_workers
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, quiet_batched_close
 from dask_train.runtime._roles import remember_handlers
-from dask_train.runtime._versions import check_versions
+from dask_train.runtime._versions import check_once, check_versions, mark_checked
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,10 @@ def default_client(*, quiet: bool = False) -> Client:
     >>> client = default_client()                      # doctest: +SKIP
     """
     try:
-        return get_client()
+        client = get_client()
     except ValueError:  # no client anywhere: the embedded default
         return connect(quiet=quiet)
+    return check_once(client)  # a client made otherwise: its scheduler and workers, once
 
 
 def _embedded(
@@ -177,6 +178,7 @@ def _embedded(
     # scheduler forgets the client's keys first, and the end of every script is quiet (not a
     # "lose already computed task(s)" warning and a "lose scattered data" error per worker).
     atexit.register(_close_at_exit, weakref.ref(client))
+    mark_checked(client)  # its scheduler runs here and its workers from this Python
     return client
 
 
@@ -258,4 +260,5 @@ def _remote(address: str, *, timeout: float, security: Any = None) -> Client:
     except BaseException:
         client.close()
         raise
+    mark_checked(client)
     return client

@@ -9,6 +9,7 @@ from dask_train.policy._placement import Roles, check_role_counts, plan_roles
 from dask_train.policy._scope import in_scope
 from dask_train.runtime._calls import live_workers
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, handler_names
+from dask_train.runtime._versions import check_once
 
 
 def start_roles(client: Client, *, ps: int = 1, worker: int = 1, scorer: int = 1) -> Roles:
@@ -54,6 +55,7 @@ def ensure_plugin(client: Client) -> None:
     Engines register their RPC handlers when their module is imported (in the client), so a
     plugin installed at ``connect`` may lack a handler of an engine used later: register again.
     """
+    check_once(client)  # a client the user made: its scheduler and workers, before any role
     need = handler_names()
     if set(need) <= getattr(client, _KNOWN, set()):
         return  # this client registered them all (workers that join or restart get them too)
