@@ -20,8 +20,8 @@ from typing import Any
 
 from distributed import Client
 
-from dask_train.controller._callbacks import CallbackThread, job_failed
 from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase

@@ -1,4 +1,7 @@
-"""The job's callbacks, run in order on a thread of their own, off the client's event loop.
+"""The thread that calls a job's callbacks in order, off the client's event loop. The callbacks
+themselves are the user's objects: their base class is a policy
+(:class:`~dask_train.policy.callbacks.Callback`), the ready-made ones are in
+:mod:`dask_train.callbacks` (TensorBoard, MLflow).
 
 The controller runs on the client's event loop, which also carries every message of the job
 (scores, grants, stop signals). A callback run there could neither block (a tracking server, a
