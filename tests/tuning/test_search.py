@@ -16,6 +16,7 @@ import pytest
 import torch
 from _sampler import FixedSampler
 from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.linear_model import LogisticRegression
 
@@ -239,9 +240,40 @@ def test_xgboost_trials_train_on_their_gangs(client4: Client, digits: Any) -> No
     assert result.best_score > 0.7
 
 
+class _NewWork(SchedulerPlugin):
+    """On the scheduler: the graphs submitted after it is added, and the keys that were not
+    there then (a task of a submitted graph, or scattered data) seen in a transition or still
+    held. Tasks of earlier tests released meanwhile are not new work (counting the scheduler's
+    live tasks did count them: 4 -> 0 in a full run)."""
+
+    name = "dt-test-new-work"
+
+    def __init__(self, known: set[Any]) -> None:
+        self.known = known
+        self.graphs: list[list[str]] = []
+        self.new: set[str] = set()
+
+    def update_graph(self, scheduler: Any, *, keys: set[Any], **kwargs: Any) -> None:
+        self.graphs.append(sorted(map(str, keys)))
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if key not in self.known:
+            self.new.add(str(key))
+
+
+def _watch_new_work(dask_scheduler: Any) -> None:
+    dask_scheduler.add_plugin(_NewWork(set(dask_scheduler.tasks)), name=_NewWork.name)
+
+
+def _new_work(dask_scheduler: Any) -> dict[str, list[Any]]:
+    plugin = dask_scheduler.plugins.pop(_NewWork.name)
+    held = {str(k) for k in dask_scheduler.tasks if k not in plugin.known}
+    return {"graphs": plugin.graphs, "keys": sorted(plugin.new | held)}
+
+
 def test_bad_arguments_are_refused_before_any_work(client4: Client, digits: Any) -> None:
     X, y, Xv, yv = digits
-    tasks = client4.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+    client4.run_on_scheduler(_watch_new_work)
     with pytest.raises(InvalidInput) as info:
         dt.search(dt.Trainer(mlp, workers=2), {"lrr": [0.1], "lr": dt.loguniform(0.0, 1.0)}, X,
                   y, validation=(Xv, yv), n_trials=0, pruner="hyperband", client=client4)
@@ -258,4 +290,8 @@ def test_bad_arguments_are_refused_before_any_work(client4: Client, digits: Any)
     with pytest.raises(InvalidInput, match="metric='acc' is not a score"):
         dt.search(dt.Trainer(mlp, workers=2), {"hidden": [8]}, X, y, validation=(Xv, yv),
                   metric="acc", client=client4)
-    assert client4.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == tasks
+    # A graph of the test's own, submitted last and waited for, comes after any graph the calls
+    # above sent (the scheduler reads a client's graphs in order), and shows the watch sees one.
+    assert client4.submit(int, key="refused-calls-marker").result(timeout=30) == 0
+    new_work = client4.run_on_scheduler(_new_work)
+    assert new_work == {"graphs": [["refused-calls-marker"]], "keys": ["refused-calls-marker"]}
