@@ -1,4 +1,5 @@
-"""Shared fixtures: one real LocalCluster (processes) for the whole session, and a fixed seed."""
+"""Shared fixtures: real LocalClusters (processes) for the whole session, of 2 workers and of 4,
+and a fixed seed."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def cluster() -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def client(cluster: LocalCluster) -> Iterator[Client]:
     with Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def client4() -> Iterator[Client]:
+    """A cluster of four worker processes, for tests of several groups or trials at once
+    (tests/runtime/test_torch_group.py, tests/tuning): one for the session, not one per module
+    (each cost a start and a close of four processes). Its users may kill its workers: the
+    nannies restart them, and each test that needs all four waits for them first."""
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
         yield client
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import Client, Event, LocalCluster, Nanny, Scheduler, SpecCluster
+from distributed import Client, Event, Nanny, Scheduler, SpecCluster
 from distributed.comm import get_address_host
 
 import dask_train as dt
@@ -217,15 +217,9 @@ def test_missing_rank_times_out_and_names_it(client: Client, blocked: int, stage
     assert all(not g for g in _groups(client).values())
 
 
-@pytest.fixture(scope="module")
-def client4() -> Iterator[Client]:
-    # Four processes: two groups of two ranks each (one rank per process).
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
-        with Client(cluster) as client:
-            yield client
-
-
 def test_two_groups_at_once(client4: Client) -> None:
+    # Four processes (conftest's client4): two groups of two ranks each (one rank per process).
+    client4.wait_for_workers(4, timeout=60)  # a worker another module killed is back
     ga = dt.start_torch(client4, workers=2, timeout=30)
     gb = dt.start_torch(client4, workers=2, timeout=30)  # the two workers that ga left free
     with ga, gb:

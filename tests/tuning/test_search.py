@@ -1,5 +1,6 @@
-"""dt.search on a cluster of its own with 4 worker processes: gang-reserved distributed trials
-running at once, pruning, failures, a worker lost mid-trial, Ctrl-C, XGBoost and GLM trials."""
+"""dt.search on a cluster of 4 worker processes (conftest's client4, shared with other modules):
+gang-reserved distributed trials running at once, pruning, failures, a worker lost mid-trial,
+Ctrl-C, XGBoost and GLM trials."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import optuna
 import pytest
 import torch
 from _sampler import FixedSampler
-from distributed import Client, LocalCluster
+from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.linear_model import LogisticRegression
@@ -24,11 +24,9 @@ import dask_train as dt
 from dask_train.errors import InvalidInput
 
 
-@pytest.fixture(scope="module")
-def client4() -> Iterator[Client]:
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
-        yield client
+@pytest.fixture(autouse=True)
+def _whole_cluster(client4: Client) -> None:
+    client4.wait_for_workers(4, timeout=60)  # a worker an earlier test killed is back
 
 
 @pytest.fixture(scope="module")

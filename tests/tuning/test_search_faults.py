@@ -15,7 +15,7 @@ import optuna
 import pytest
 import torch
 from _sampler import FixedSampler
-from distributed import Client, LocalCluster
+from distributed import Client
 from sklearn.base import BaseEstimator, ClassifierMixin
 
 import dask_train as dt
@@ -23,23 +23,19 @@ from dask_train.errors import InvalidInput
 
 
 @pytest.fixture(scope="module")
-def client3() -> Iterator[Client]:
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def digits(client3: Client) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+def digits(client4: Client) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     X, y = dt.datasets.digits(n_samples=4_000, chunks=500, seed=0)
     Xv, yv = dt.datasets.digits_test()
     return X, y, Xv, yv
 
 
 @pytest.fixture(autouse=True)
-def _whole_cluster(client3: Client) -> Iterator[None]:
+def _whole_cluster(client4: Client) -> Iterator[None]:
+    # conftest's four workers, shared with other modules: whole before, and again after (the
+    # nanny brings a killed worker back).
+    client4.wait_for_workers(4, timeout=60)
     yield
-    client3.wait_for_workers(3, timeout=60)  # the nanny brings a killed worker back
+    client4.wait_for_workers(4, timeout=60)
 
 
 def _first_time(marker: Path) -> bool:
@@ -73,17 +69,17 @@ class KillAtFirstScore(dt.Callback):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("retries", [0, 1])
-def test_a_trainer_trial_whose_worker_is_killed(client3: Client, digits: Any,
+def test_a_trainer_trial_whose_worker_is_killed(client4: Client, digits: Any,
                                                 retries: int) -> None:
     X, y, Xv, yv = digits
-    killer = KillAtFirstScore(client3.run(os.getpid))
+    killer = KillAtFirstScore(client4.run(os.getpid))
     # Trial 0 trains long enough to be scored before it ends; 1 and 2 are short.
     trainer = dt.Trainer(mlp, workers=1, ps=1, batch_size=64, score_every=0.3, timeout=60,
                          callbacks=[killer])
     sampler = FixedSampler([{"epochs": 60}, {"epochs": 2}, {"epochs": 2}])
     result = dt.search(trainer, {"epochs": dt.intuniform(1, 60)}, X, y, validation=(Xv, yv),
                        n_trials=3, max_concurrent=1, sampler=sampler, pruner=None,
-                       retries=retries, progress=False, client=client3)
+                       retries=retries, progress=False, client=client4)
     trials = result.trials
     assert killer.killed
     assert list(trials["state"][1:]) == ["complete", "complete"]  # the others finish
@@ -105,7 +101,7 @@ def test_a_trainer_trial_whose_worker_is_killed(client3: Client, digits: Any,
 
 @pytest.mark.timeout(240)
 def test_in_memory_data_beyond_the_embedding_limit_is_sent_again(
-        client3: Client, caplog: pytest.LogCaptureFixture) -> None:
+        client4: Client, caplog: pytest.LogCaptureFixture) -> None:
     """In-memory search data over 64 MiB is scattered, which Dask cannot recompute: the worker
     holding the first trial (and a share of the data) is killed mid-trial, and the client sends
     that share again, so the retried trial and the later ones train (they all failed on 'lost
@@ -117,14 +113,14 @@ def test_in_memory_data_beyond_the_embedding_limit_is_sent_again(
     y = (X[:, :10] @ rng.normal(size=(10, 10))).argmax(axis=1)
     assert X.nbytes + y.nbytes > EMBED_SEARCH_BYTES  # the scattered path, at its real size
     Xv, yv = X[:2_000].copy(), y[:2_000].copy()
-    killer = KillAtFirstScore(client3.run(os.getpid))
+    killer = KillAtFirstScore(client4.run(os.getpid))
     # Steps enough that the first score (0.3 s) comes well inside the first trial.
     trainer = dt.Trainer(mlp, workers=1, ps=1, batch_size=64, score_every=0.3, timeout=60,
                          stop=[dt.StopAtStep(2_000)], callbacks=[killer])
     sampler = FixedSampler([{"lr": 1e-2}, {"lr": 3e-3}, {"lr": 1e-3}])
     result = dt.search(trainer, {"lr": dt.loguniform(1e-3, 1e-2)}, X, y, validation=(Xv, yv),
                        n_trials=3, max_concurrent=1, sampler=sampler, pruner=None, retries=1,
-                       progress=False, client=client3)
+                       progress=False, client=client4)
     assert killer.killed
     trials = result.trials
     # The trial hit survives in its own job (a new generation) or runs again (retries=1).
@@ -155,7 +151,7 @@ def _xgb_killer(marker: Path) -> Any:
 
 
 @pytest.mark.timeout(240)
-def test_an_xgboost_trial_whose_worker_is_killed_runs_again(client3: Client, digits: Any,
+def test_an_xgboost_trial_whose_worker_is_killed_runs_again(client4: Client, digits: Any,
                                                             tmp_path: Path) -> None:
     import xgboost.dask
 
@@ -164,9 +160,11 @@ def test_an_xgboost_trial_whose_worker_is_killed_runs_again(client3: Client, dig
     model = xgboost.dask.DaskXGBClassifier(tree_method="hist", n_estimators=40,
                                            callbacks=[_xgb_killer(marker)])
     sampler = FixedSampler([{"max_depth": 3}, {"max_depth": 2}])
+    # One trial at a time, as on three workers (one gang of two): the kill at round 10 of the
+    # first rank 1 to reach it is then trial 0's.
     result = dt.search(model, {"max_depth": [2, 3]}, X, y, validation=(Xv, yv), n_trials=2,
-                       sampler=sampler, pruner=None, retries=1, timeout=30, progress=False,
-                       client=client3)
+                       max_concurrent=1, sampler=sampler, pruner=None, retries=1, timeout=30,
+                       progress=False, client=client4)
     assert marker.exists()
     first, second = result.records
     assert first.state == second.state == "complete", result.trials[["state", "error"]]
@@ -197,7 +195,7 @@ class KillOnceClassifier(ClassifierMixin, BaseEstimator):
 
 
 @pytest.mark.timeout(180)
-def test_an_estimator_trial_whose_worker_is_killed_runs_again(client3: Client, digits: Any,
+def test_an_estimator_trial_whose_worker_is_killed_runs_again(client4: Client, digits: Any,
                                                               tmp_path: Path) -> None:
     X, y, Xv, yv = digits
     marker = tmp_path / "killed"
@@ -206,7 +204,7 @@ def test_an_estimator_trial_whose_worker_is_killed_runs_again(client3: Client, d
     result = dt.search(KillOnceClassifier(marker=str(marker)),
                        {"kill": [True, False], "fail": [True, False]}, X, y,
                        validation=(Xv, yv), n_trials=3, max_concurrent=1, sampler=sampler,
-                       retries=1, progress=False, client=client3)
+                       retries=1, progress=False, client=client4)
     assert marker.exists()
     killed, failing, plain = result.records
     assert killed.state == "complete" and killed.attempts == 2, result.trials[["state", "error"]]
