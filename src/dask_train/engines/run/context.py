@@ -46,7 +46,8 @@ class RunSettings:
     its host) and ``master`` (the group's store, ``host:port``) are what torchrun would tell it.
     ``sharded_root``: where the ranks write a sharded state (``report(sharded=True)``) before
     the controller adopts it into its checkpoint (a ``StoragePath`` with the checkpoint's
-    ``storage_options``, if it has any).
+    ``storage_options``, if it has any). ``block_rows``: the rows of each block of the streamed
+    set (filled in by the engine), for :meth:`RunContext.steps_per_epoch`.
     """
 
     train: str | None
@@ -58,6 +59,7 @@ class RunSettings:
     local_ranks: tuple[int, ...] = ()
     master: str = ""
     sharded_root: str = ""
+    block_rows: tuple[int, ...] = ()
 
 
 class _Cursor:
@@ -309,6 +311,25 @@ class RunContext:
         if self._stats is not None:
             self._stats.report(step=self.step, force=force, samples=cursor.samples,
                                steps=self.step, feed_wait_s=cursor.wait_s, server_wait_s=0.0)
+
+    def steps_per_epoch(self, batch_size: int | None = None) -> int:
+        """The batches every rank takes in one epoch of ``ctx.batches(batch_size=...,
+        even=True)`` when the ledger splits the blocks evenly over the ranks (each block's rows
+        in batches of ``batch_size``, the last one of a block short): what a learning-rate
+        schedule over epochs needs (``OneCycleLR(steps_per_epoch=...)``, Hugging Face's
+        ``max_steps``). An estimate: the ledger places blocks where they live, and a rank that
+        runs out takes one from another, so an epoch may take a few steps more. 0 without data.
+        """
+        size = self._run.batch_size if batch_size is None else int(batch_size)
+        if size < 1:
+            raise InvalidInput([f"ctx.steps_per_epoch(batch_size={batch_size!r}): use an "
+                                "integer >= 1."])
+        loads, steps = [0] * self.world_size, [0] * self.world_size
+        for rows in sorted(self._run.block_rows, reverse=True):  # each to the least-loaded rank
+            rank = min(range(self.world_size), key=lambda r: (loads[r], r))
+            loads[rank] += rows
+            steps[rank] += -(-rows // size)
+        return max(steps, default=0)
 
     def dataset(self, name: str) -> Any:
         """A small named data set of ``dt.run(data=)`` whole, as tensors on :attr:`device`:

@@ -102,7 +102,8 @@ class RunEngine(TorchSyncEngine):
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
         ranks = self.roles["worker"]
         run = RunSettings(**{**self.run.__dict__, "local_ranks": tuple(local_ranks(ranks)),
-                             "master": self.group.master if self.group is not None else ""})
+                             "master": self.group.master if self.group is not None else "",
+                             "block_rows": tuple(b.rows for b in self.blocks.blocks)})
         for i, address in enumerate(ranks):
             self.trainer_futures.append(self.pinned(
                 run_user_rank, self.fn_blob, address=address, key=f"dt-rank-{i}", job=self.job,

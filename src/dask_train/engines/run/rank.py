@@ -39,6 +39,7 @@ def run_user_rank(
     host, _, port = run.master.rpartition(":")
     os.environ.update({"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
                        **({"MASTER_ADDR": host, "MASTER_PORT": port} if host else {})})
+    _forget_accelerate_state()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if config.device_kind == "cuda"
                           else "cpu")
     restore = _restore_info(config.restore)
@@ -68,6 +69,19 @@ def run_user_rank(
     return {**role.result(steps=ctx.step, samples=0 if cursor is None else cursor.samples,
                           feed_wait_s=0.0 if cursor is None else cursor.wait_s),
             "returned": returned}
+
+
+def _forget_accelerate_state() -> None:
+    """Make accelerate read this rank's group afresh (an earlier job in this worker process, or
+    the generation before a restart, left its ranks in accelerate's process-wide state, which
+    ``TrainingArguments`` and ``Accelerator`` would otherwise reuse). Nothing when accelerate was
+    never imported here."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 def _release_elsewhere(*objects: Any) -> None:
