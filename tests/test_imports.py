@@ -49,6 +49,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * callbacks (public callbacks: TensorBoard, MLflow): imports errors, policy and checkpoint
 #     (MLflow logs the model as safetensors); used by users;
 #   * lightning (PyTorch Lightning inside dt.run): imports errors only; used by users;
+#   * huggingface (transformers' Trainer inside dt.run): imports errors, and from engines the names
+#     ctx.report checks (the history's own columns, the reductions); used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
@@ -72,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
     "monitor": _BASE,
     "callbacks": _BASE | {"policy", "checkpoint"},
     "lightning": _BASE,
+    "huggingface": _BASE | {"engines"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
     "tensorflow": _BASE | {"policy", "runtime"},

@@ -70,6 +70,8 @@ _LAZY = {
     "callbacks": ".callbacks",
     # PyTorch Lightning inside dt.run (Lightning loads only when used)
     "lightning": ".lightning",
+    # Hugging Face's Trainer and accelerate inside dt.run (transformers loads only when used)
+    "huggingface": ".huggingface",
     # prediction and hyper-parameter search
     "predict": ".prediction",
     "search": ".tuning",
@@ -121,6 +123,7 @@ __all__ = [
     "datasets",
     "distributed_loss_grad",
     "from_npy",
+    "huggingface",
     "intuniform",
     "lightning",
     "loguniform",
@@ -137,7 +140,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is imported at run time
-    from dask_train import callbacks, datasets, lightning
+    from dask_train import callbacks, datasets, huggingface, lightning
     from dask_train.api import FitResult, RunResult, Trainer, run
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.classical import (
