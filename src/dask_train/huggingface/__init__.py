@@ -18,8 +18,9 @@ Four parts connect the ``Trainer`` to the job:
   newest checkpoint as the directory ``trainer.train(resume_from_checkpoint=...)`` takes.
 
 :func:`from_dataset` turns a ``datasets.Dataset`` into ``dt.run`` training data read on the
-workers. Importing this module imports transformers (``pip install dask-train[huggingface]``);
-``import dask_train`` does not.
+workers. The parts load when first used: :func:`from_dataset`, in the client, imports neither
+torch nor transformers; the others import transformers (``pip install dask-train[huggingface]``).
+``import dask_train`` imports none of them.
 
 Examples
 --------
@@ -37,7 +38,8 @@ Examples
 
 from __future__ import annotations
 
-from dask_train.huggingface._data import dataset, from_dataset, prepare_trainer
-from dask_train.huggingface._report import Report, checkpoint_path
+from dask_train._lazy import attach
 
-__all__ = ["Report", "checkpoint_path", "dataset", "from_dataset", "prepare_trainer"]
+__getattr__, __dir__, __all__ = attach(__name__, {
+    "Report": "._report", "checkpoint_path": "._report", "dataset": "._data",
+    "prepare_trainer": "._data", "from_dataset": "._datasets"})

@@ -1,15 +1,14 @@
-"""The job's data for Hugging Face's ``Trainer``: the streamed set as this rank's share, batch by
-batch (:func:`dataset`, :func:`prepare_trainer`), the small sets as map-style datasets, and a
-Hugging Face ``datasets.Dataset`` as ``dt.run`` training data (:func:`from_dataset`)."""
+"""The job's data for Hugging Face's ``Trainer``, on the ranks: the streamed set as this rank's
+share, batch by batch (:func:`dataset`, :func:`prepare_trainer`), and the small sets as map-style
+datasets."""
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import TrainerCallback
@@ -221,101 +220,3 @@ class _LastEpoch(TrainerCallback):
         if self.data.last_epoch:
             control.should_training_stop = True
         return control
-
-
-def from_dataset(ds: Any, *, labels: str | None = "label", inputs: Sequence[str] | None = None,
-                 rows_per_block: int | None = None) -> tuple[Any, Any]:
-    """A Hugging Face ``datasets.Dataset`` as ``dt.run`` training data: ``(X, y)`` dask arrays
-    whose blocks are read on the workers.
-
-    A dataset on disk (``load_dataset``, ``load_from_disk``: memory-mapped Arrow files) travels
-    to each block's task as its file paths and is read there; an in-memory one is converted in
-    this process. Columns must be fixed-width (a tokenizer's ``padding="max_length"``).
-
-    Parameters
-    ----------
-    ds : datasets.Dataset
-    labels : str or None
-        The targets' column (None: no targets).
-    inputs : sequence of str, optional
-        The input columns; every other column by default. One column gives ``X`` as an array
-        (read as ``input_ids`` by :func:`dataset`), several a dict of arrays by name.
-    rows_per_block : int, optional
-        Rows per block; by default about 16 MiB of rows.
-
-    Examples
-    --------
-    >>> X, y = dt.huggingface.from_dataset(tokenized, inputs=["input_ids", "attention_mask"])
-    >>> dt.run(train, data={"train": (X, y)})                                 # doctest: +SKIP
-    """
-    import dask
-    import dask.array as da
-
-    import datasets
-
-    if not isinstance(ds, datasets.Dataset):
-        raise InvalidInput([f"from_dataset(ds={type(ds).__name__}): pass a datasets.Dataset "
-                            "(an IterableDataset streams without rows known: save it first)."])
-    names = list(inputs) if inputs is not None else [c for c in ds.column_names if c != labels]
-    wanted = names + ([labels] if labels is not None else [])
-    missing = [c for c in wanted if c not in ds.column_names]
-    if missing or not names:
-        raise InvalidInput([f"from_dataset: columns {missing or names} are not in the dataset's "
-                            f"columns {ds.column_names}."])
-    n = len(ds)
-    if n == 0:
-        raise InvalidInput(["from_dataset: the dataset has no rows."])
-    first = _read_rows(ds, 0, 1, wanted)
-    ragged = _ragged(ds, wanted)
-    if ragged:
-        raise InvalidInput([f"from_dataset: columns {ragged} hold rows of different lengths; "
-                            "pad them (a tokenizer's padding='max_length') so each is an array."])
-    if not ds.cache_files:  # in memory: nothing on disk for a worker to read
-        whole = _read_rows(ds, 0, n, wanted)
-        arrays = {c: da.from_array(whole[c], chunks=(rows_per_block or
-                                                    _block_rows(first, n),) + whole[c].shape[1:])
-                  for c in wanted}
-    else:
-        step = rows_per_block or _block_rows(first, n)
-        parts: dict[str, list[Any]] = {c: [] for c in wanted}
-        read = dask.delayed(_read_rows, pure=True)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            # One task reads every column of a block where it is computed; the dataset pickles
-            # as its Arrow files' paths (a memory-mapped table), not its rows.
-            block = read(ds, start, stop, wanted,
-                         dask_key_name=f"dt-hf-read-{ds._fingerprint}-{start}-{stop}")
-            for c in wanted:
-                shape = (stop - start,) + first[c].shape[1:]
-                parts[c].append(da.from_delayed(block[c], shape=shape, dtype=first[c].dtype))
-        arrays = {c: da.concatenate(parts[c]) for c in wanted}
-    X = arrays[names[0]] if len(names) == 1 else {c: arrays[c] for c in names}
-    return X, (arrays[labels] if labels is not None else None)
-
-
-def _ragged(ds: Any, columns: Sequence[str]) -> list[str]:
-    """The list columns whose rows differ in length (read from the Arrow offsets only)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    out = []
-    for c in columns:
-        column = ds.data.column(c)
-        while pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            lengths = pc.min_max(pc.list_value_length(column))
-            if lengths["min"].as_py() != lengths["max"].as_py():
-                out.append(c)
-                break
-            column = pc.list_flatten(column)
-    return out
-
-
-def _block_rows(first: Mapping[str, np.ndarray], n: int) -> int:
-    row_bytes = max(1, sum(a[0].nbytes for a in first.values()))
-    return int(min(n, max(1_000, (16 << 20) // row_bytes)))
-
-
-def _read_rows(ds: Any, start: int, stop: int, columns: Sequence[str]) -> dict[str, np.ndarray]:
-    """Rows ``start:stop`` of ``columns`` as numpy arrays."""
-    part = ds.with_format("numpy", columns=list(columns))[start:stop]
-    return {c: np.asarray(part[c]) for c in columns}
