@@ -134,6 +134,10 @@ def sweep() -> int:
     return removed
 
 
+#: Longest wait of :meth:`HostSegment.close` for an update of this process to end.
+CLOSE_WAIT_S = 5.0
+
+
 class HostSegment:
     """One shard's file in host memory, mapped in this process.
 
@@ -347,10 +351,26 @@ class HostSegment:
 
     def close(self) -> None:
         """Unmap what can be (arrays still in use keep the mapping), close the descriptor, and
-        remove the file if this process created it."""
-        if self.owner:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.fd = -1
+        remove the file if this process created it.
+
+        Never while a thread of this process holds the update lock: the mapping keeps a
+        duplicate of the descriptor (``mmap`` dups it), and with it the ``flock``, for as long as
+        an array views it, and every other process's next update would wait for it forever (a
+        job dropped by Ctrl-C while a trainer here was inside an update left the trainer of the
+        other worker waiting). An update holds it for milliseconds; after :data:`CLOSE_WAIT_S` it is
+        let go of anyway, and a thread of this process inside an update then fails its release.
+        """
+        held = self.thread_lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            if self.owner:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            if self.fd >= 0:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+            self.fd = -1
+        finally:
+            if held:
+                self.thread_lock.release()
