@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+import pytest
 import torch
 from distributed import Client, Worker, wait
 
 from dask_train.data._cluster import live_workers
+from dask_train.runtime import _compat
 from dask_train.runtime._compat import (
     drop_topic_handler,
     pause_profiler,
@@ -125,8 +127,10 @@ def _profiler_becomes(client: Client, address: str, running: bool) -> bool:
 _NO_FORGET = "make a client forget an event handler (unsubscribe_topic keeps it)"
 
 
-def test_event_handlers_follow_subscribe_and_drop(client: Client) -> None:
+def test_event_handlers_follow_subscribe_and_drop(client: Client,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     topic = "dask-train-compat-test"
+    monkeypatch.setattr(_compat, "LATE_EVENTS_S", 0.05)
 
     def handler(event: Any) -> None:  # never called: nothing is logged to the topic
         pass
@@ -146,6 +150,11 @@ def test_event_handlers_follow_subscribe_and_drop(client: Client) -> None:
         # Today the handler stays after unsubscribe (the leak drop_topic_handler fixes); a release
         # that removes it is fine: dropping then does nothing.
         drop_topic_handler(client, topic)
+        # At once a no-op takes the events still on their way; the topic goes soon after.
+        assert client._event_handlers.get(topic) in (None, _compat._late_event)
+        deadline = time.monotonic() + 10
+        while topic in client._event_handlers and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert topic not in client._event_handlers, _changed(
             "drop_topic_handler left the handler in Client._event_handlers", _NO_FORGET, _DISTRIBUTED
         )

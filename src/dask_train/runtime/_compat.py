@@ -62,16 +62,39 @@ def pause_profiler(worker: Any) -> Callable[[], None] | None:
     return resume
 
 
+#: Seconds a dropped topic's late events are still taken, and ignored (``drop_topic_handler``).
+LATE_EVENTS_S = 5.0
+
+
+def _late_event(event: Any) -> None:
+    """Take an event that was on its way when its topic was dropped: nothing to do."""
+
+
 def drop_topic_handler(client: Any, topic: str) -> None:
     """Forget ``client``'s handler of event ``topic`` after ``unsubscribe_topic``.
 
     Missing public API: ``Client.unsubscribe_topic`` tells the scheduler but keeps the handler in
     ``Client._event_handlers``, and with it the controller and every future it references, for
-    as long as the client lives (found by the throughput benchmark's memory growth).
+    as long as the client lives (found by the throughput benchmark's memory growth). Events the
+    scheduler sent before it heard of the unsubscribe still arrive, and distributed answers one
+    whose topic has no handler by raising in its stream handler (an ERROR, "No event handler
+    known for topic", with a traceback: roles stopped by Ctrl-C log as they end): for
+    :data:`LATE_EVENTS_S` seconds a no-op takes them, then the topic is forgotten.
     """
     handlers = getattr(client, "_event_handlers", None)
-    if isinstance(handlers, dict):
-        handlers.pop(topic, None)
+    if not isinstance(handlers, dict) or topic not in handlers:
+        return
+    handlers[topic] = _late_event
+
+    def forget() -> None:
+        if handlers.get(topic) is _late_event:
+            del handlers[topic]
+
+    loop: Any = getattr(client, "loop", None)
+    try:
+        loop.add_callback(loop.call_later, LATE_EVENTS_S, forget)  # thread-safe, then on the loop
+    except Exception:  # no loop to wait on (a closed client): no event arrives any more
+        forget()
 
 
 def reset_torch_group_count() -> None:
