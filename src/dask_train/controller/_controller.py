@@ -22,6 +22,7 @@ from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._hook_thread import CallbackThread, job_failed
+from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
@@ -106,9 +107,15 @@ class Controller:
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
         """:meth:`run` from the caller's thread (the one that called ``fit``). When the job
-        raises (Ctrl-C included), the callbacks hear of it first (``on_fit_error``)."""
+        raises (Ctrl-C included), the callbacks hear of it first (``on_fit_error``). Ctrl-C
+        stops the roles before it is raised, and says where the job can resume (``_interrupt``)."""
+        guard = RunGuard(cleaning=lambda: self.state.phase is Phase.ERRORED)
         try:
-            return self.client.sync(self.run, resume=resume)
+            return self.client.sync(guard.run, lambda: self.run(resume=resume))
+        except KeyboardInterrupt:
+            error = interrupted(self, guard)
+            job_failed(self.spec.callbacks, error, self)
+            raise error from None
         except BaseException as exc:
             job_failed(self.spec.callbacks, exc, self)
             raise
@@ -141,7 +148,9 @@ class Controller:
                 ending = finished
             except BaseException as exc:
                 self.state.enter(Phase.ERRORED)
-                self.publisher.publish({"kind": "end", "error": f"{type(exc).__name__}: {exc}"})
+                self.publisher.publish({"kind": "end", "error": "interrupted (Ctrl-C)" if
+                                        isinstance(exc, asyncio.CancelledError) else
+                                        f"{type(exc).__name__}: {exc}"})
                 self.callbacks.close()
                 await engine.close()
                 raise

@@ -1,0 +1,219 @@
+"""Ctrl-C during a fit, as a user presses it: the job ends at once, its roles stop, one line says
+where it can resume, and the cluster's workers are free for the next fit.
+
+A script file runs with ``python script.py`` and gets SIGINT mid-training, on the embedded
+cluster and on ``dask scheduler`` / ``dask worker`` processes. The child gets SIGINT's default
+back before Python starts: a background job of a non-interactive shell (a CI runner's) starts
+with SIGINT ignored, and Python would then never raise ``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+
+import dask_train as dt
+from dask_train.controller._interrupt import job_tasks_running
+
+SCRIPT = textwrap.dedent('''
+    import sys
+
+    import numpy as np
+    import torch
+
+    import dask_train as dt
+
+
+    class SayTraining(dt.Callback):
+        said = False
+
+        def on_stats(self, stats):
+            if not self.said:
+                self.said = True
+                print("training", flush=True)
+
+
+    def main():
+        address, path = sys.argv[1], sys.argv[2]
+        client = dt.connect(n_workers=2, quiet=True) if address == "embedded" else \\
+            dt.connect(address, quiet=True)
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(20_000, 16)).astype("float32")
+        y = (X[:, 0] > 0).astype("int64")
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        trainer = dt.Trainer(net, loss="cross_entropy", workers=2, batch_size=32, epochs=10_000,
+                             checkpoint=dt.CheckpointConfig(path, every_seconds=0.5),
+                             callbacks=[SayTraining()], progress=False, client=client)
+        trainer.fit(X, y)
+        print("fit returned")
+
+
+    if __name__ == "__main__":
+        main()
+''')
+
+LINE = re.compile(r"^dask-train: interrupted \(Ctrl-C\).*; resume=True continues from checkpoint "
+                  r"(?P<path>\S+) \(step (?P<step>\d+)\)$")
+
+
+def _restore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt_script(tmp_path: Path, address: str) -> tuple[int, str, float]:
+    """Run the script, press Ctrl-C once it trains and has a checkpoint; (exit status, output,
+    seconds from Ctrl-C to the line)."""
+    script, ckpt = tmp_path / "train.py", tmp_path / "ckpt"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), address, str(ckpt)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_restore_sigint)
+    lines: list[tuple[float, str]] = []
+    training = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+            if line.startswith("training"):
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(60), "\n".join(line for _, line in lines)
+        deadline = time.monotonic() + 20
+        while not list(ckpt.glob("*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pressed = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    said = [t for t, line in lines if line.startswith("dask-train: interrupted")]
+    return status, "\n".join(line for _, line in lines), (said[0] - pressed) if said else -1.0
+
+
+def _check_output(status: int, output: str, took: float) -> None:
+    assert status == -signal.SIGINT, output  # as any Python program that Ctrl-C ends
+    interrupted = [line for line in output.splitlines() if line.startswith("dask-train:")]
+    assert len(interrupted) == 1, output
+    match = LINE.match(interrupted[0])
+    assert match is not None, output
+    assert (Path(match["path"]) / "manifest.json").exists()
+    for word in ("Traceback", "ERROR", "CancelledError", "CommClosedError", "fit returned"):
+        assert word not in output, output
+    assert 0 <= took < 5, (took, output)  # the roles stopped and the line came in well under
+
+
+@contextmanager
+def _dask_cluster(tmp_path: Path) -> Iterator[str]:
+    """``dask scheduler`` and ``dask worker`` (two worker processes) from this environment."""
+    dask = str(Path(sys.executable).parent / "dask")
+    info = tmp_path / "scheduler.json"
+    log = (tmp_path / "cluster.log").open("w")
+    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                                  "--no-dashboard", "--scheduler-file", str(info)],
+                                 stdout=log, stderr=log)
+    workers = None
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        address = json.loads(info.read_text())["address"]
+        workers = subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1",
+                                    "--host", "127.0.0.1", "--no-dashboard"],
+                                   stdout=log, stderr=log)
+        yield address
+    finally:
+        for process in (workers, scheduler):  # workers first: a quiet end
+            if process is not None:
+                process.terminate()
+                process.wait(30)
+        log.close()
+
+
+def test_ctrl_c_in_a_script_on_the_embedded_cluster(tmp_path: Path) -> None:
+    _check_output(*_interrupt_script(tmp_path, "embedded"))
+
+
+def test_ctrl_c_in_a_script_on_a_dask_scheduler_leaves_its_workers_free(tmp_path: Path) -> None:
+    with _dask_cluster(tmp_path) as address:
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=30)
+            before = set(client.scheduler_info()["workers"])
+        status, output, took = _interrupt_script(tmp_path, address)
+        with Client(address) as client:
+            workers = set(client.scheduler_info()["workers"])
+            busy = client.run(job_tasks_running, "dt-")
+            X = np.random.default_rng(1).normal(size=(2_000, 16)).astype("float32")
+            result = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2,
+                                epochs=1, progress=False,
+                                client=client).fit(X, (X[:, 0] > 0).astype("int64"))
+    _check_output(status, output, took)
+    assert workers == before  # the same worker processes, none restarted
+    assert not any(busy.values()), busy  # no role of the interrupted job still runs
+    assert result.stopped_by == "epochs=1" and result.samples == 2_000
+
+
+class _PressCtrlC(dt.Callback):
+    """Sends this process SIGINT once the job trains, as Ctrl-C in a notebook does."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self.error: BaseException | None = None
+
+    def on_stats(self, stats: Any) -> None:
+        if not self.pressed:
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def on_fit_error(self, error: BaseException, partial: Any) -> None:
+        self.error = error
+
+
+def test_ctrl_c_in_a_notebook_leaves_the_client_ready_for_the_next_fit(
+        client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT does not raise KeyboardInterrupt in this process")
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    X = np.random.default_rng(0).normal(size=(4_000, 16)).astype("float32")
+    y = (X[:, 0] > 0).astype("int64")
+    press = _PressCtrlC()
+    trainer = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=10_000,
+                         callbacks=[press], progress=False, client=client)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        trainer.fit(X, y)
+    took = time.monotonic() - started
+    busy = client.run(job_tasks_running, "dt-")
+    result = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=1,
+                        progress=False, client=client).fit(X, y)
+    assert press.error is raised.value  # on_fit_error heard of it
+    assert raised.value.checkpoint is None  # type: ignore[attr-defined]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("dask-train: interrupted (Ctrl-C)")
+    assert line.endswith("; no checkpoint to resume from (checkpoint= keeps one)")
+    assert not any(busy.values()), busy
+    assert took < 30
+    assert result.stopped_by == "epochs=1" and result.samples == 4_000
