@@ -262,10 +262,43 @@ def test_an_accelerator_inside_run_works_as_under_accelerate_launch(client, tmp_
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas equal
     assert all(r["last"] < r["first"] / 10 for r in ranks)
     assert all(r["restored"] for r in ranks)
+    # The job's own streamed rows, in blocks: each row once per epoch, the replicas equal.
+    x = np.random.default_rng(0).normal(size=(1_000, 8)).astype(np.float32)
+    y = (x @ np.arange(1.0, 9.0, dtype=np.float32) + 0.5).astype(np.float32)
+    import dask.array as da
+
+    blocks = dt.run(train_accelerate_on_blocks, workers=2, client=client, timeout=60,
+                    data={"train": (da.from_array(x, chunks=125), da.from_array(y, chunks=125))})
+    assert blocks.returns[0] == blocks.returns[1]
+    losses = blocks.history["loss"]
+    assert len(losses) == 2 and losses.iloc[1] < losses.iloc[0]
+    consumed = blocks.ledger.groupby("epoch")["consumed"].sum()
+    assert consumed[0] == consumed[1] == 1_000, consumed.to_dict()
     # A job of one rank in the same worker processes: accelerate reads its group afresh, not the
     # two ranks an earlier job left in its process-wide state.
     [alone] = dt.run(processes, workers=1, client=client, timeout=60).returns
     assert alone == (1, 0)
+
+
+def train_accelerate_on_blocks(ctx, epochs=2):
+    """The job's streamed rows in a loop with accelerate: ctx.batches(even=True) (already split
+    over the ranks, so not passed through accelerator.prepare; as many batches on every rank,
+    since DDP's backward is a collective), accumulation, and the job's reports."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 1)
+    model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    for _epoch in ctx.epochs(epochs):
+        for xb, yb in ctx.batches(batch_size=16, even=True):
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        ctx.report({"loss": accelerator.gather(loss.detach()[None]).mean().item()})
+    return accelerator.unwrap_model(model).weight.detach().flatten().tolist()
 
 
 def processes(ctx):

@@ -30,7 +30,8 @@ def from_dataset(ds: Any, *, labels: str | None = "label", inputs: Sequence[str]
         The input columns; every other column by default. One column gives ``X`` as an array
         (read as ``input_ids`` by :func:`dataset`), several a dict of arrays by name.
     rows_per_block : int, optional
-        Rows per block; by default about 16 MiB of rows.
+        Rows per block; by default a sixteenth of the rows, at most about 16 MiB, a multiple of
+        512.
 
     Examples
     --------
@@ -100,8 +101,13 @@ def _ragged(ds: Any, columns: Sequence[str]) -> list[str]:
 
 
 def _block_rows(first: Mapping[str, np.ndarray], n: int) -> int:
+    """Rows per block: a sixteenth of the rows (enough blocks that dt.run need not split them
+    again for a few ranks), at most about 16 MiB, rounded up to a multiple of 512 rows so that
+    batches of any power of two up to 512 fill each block (``ctx.batches`` cuts each block's
+    rows into batches: a block of 1,250 rows ends in a batch of 2 at 32 a batch)."""
     row_bytes = max(1, sum(a[0].nbytes for a in first.values()))
-    return int(min(n, max(1_000, (16 << 20) // row_bytes)))
+    rows = min(-(-n // 16), max(1, (16 << 20) // row_bytes))
+    return int(min(n, -(-rows // 512) * 512))
 
 
 def _read_rows(ds: Any, start: int, stop: int, columns: Sequence[str]) -> dict[str, np.ndarray]:
