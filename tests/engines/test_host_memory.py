@@ -9,9 +9,13 @@ import gc
 import multiprocessing
 import os
 import signal
+import sys
 import time
+import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import dask.array as da
 import numpy as np
@@ -39,6 +43,52 @@ def _grads(n: int, count: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.normal(size=n).astype(np.float32) for _ in range(count)]
 
 
+@pytest.fixture(scope="module")
+def helper() -> Iterator[concurrent.futures.ProcessPoolExecutor]:
+    """One spawned process for the module's tests that need processes of their own: it imports
+    this module (torch, dask_train) once, and forks each process a test asks for (it runs no
+    threads, so it may fork). Spawning each of them paid that import every time: up to 15
+    processes, seconds each on a loaded machine."""
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread) as pool:
+        yield pool
+
+
+def _one_thread() -> None:
+    # One OpenMP thread in the helper and in what it forks, as in a Dask worker (nannies set
+    # OMP_NUM_THREADS=1): libgomp is not fork-safe, and a child forked after the helper ran an
+    # OpenMP team (attaching a 100,000-value shard does) hung in its first parallel region.
+    torch.set_num_threads(1)
+
+
+def _fork(target: Callable[..., Any], *args: Any) -> int:
+    """In the helper: start a process running ``target(*args)``; its pid (exit code 0 when
+    ``target`` returns, 1 when it raises)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            target(*args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    """In the helper: wait for a process :func:`_fork` started; its exit code (-N: signal N)."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _run(target: Callable[..., Any], *args: Any) -> int:
+    """In the helper: run ``target(*args)`` in a process of its own; its exit code."""
+    return _wait(_fork(target, *args))
+
+
 def _apply_in_child(paths: list[str], grads: list[np.ndarray], trainer: int) -> None:
     for path in paths:
         shard = ShardServer.attach(path)
@@ -53,7 +103,8 @@ _OPTIMIZERS = {"adam": ("Adam", {}), "sgd": ("SGD", {"momentum": 0.9}),
                "adagrad": ("Adagrad", {}), "rmsprop": ("RMSprop", {"momentum": 0.5})}
 
 
-def test_updates_from_other_processes_equal_one_optimizer_in_order() -> None:
+def test_updates_from_other_processes_equal_one_optimizer_in_order(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
     """The server's own pushes and those of two other processes, one after the other, give the
     parameters, counters and positions of a single torch optimizer taking the same steps (each
     optimizer offered whose state can live in host memory)."""
@@ -71,13 +122,9 @@ def test_updates_from_other_processes_equal_one_optimizer_in_order() -> None:
         server.apply(grads[0], 2, (0, 0, 0, 2))  # state made in this process, then moved
         assert server.to_host_memory(_path(name), optimizer=name, lr=1e-2, options=options)
         servers[name] = server
-    ctx = multiprocessing.get_context("spawn")
     paths = [_path(name) for name in servers]
     for trainer, part in ((1, grads[1:5]), (2, grads[5:8])):
-        child = ctx.Process(target=_apply_in_child, args=(paths, part, trainer))
-        child.start()
-        child.join(120)
-        assert child.exitcode == 0
+        assert helper.submit(_run, _apply_in_child, paths, part, trainer).result(timeout=120) == 0
     for name, server in servers.items():
         server.apply(grads[8], 2, (0, 0, 1, 2))
         params, version, samples, _ = server.pull()
@@ -98,7 +145,8 @@ def _update_forever(path: str) -> None:
         shard.apply(grad, 1, (1, 0, 0, 1))
 
 
-def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
+def test_a_process_killed_inside_updates_leaves_readers_whole(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
     """SIGKILL a process that does nothing but update a large shard, several times: each time
     the lock is free again at once, a torn update is counted when it died inside one, and every
     reader sees finite values, counters that never go back, and can update further."""
@@ -106,7 +154,6 @@ def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
     path = _path("killed")
     server = ShardServer(np.zeros(n, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
     assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
-    ctx = multiprocessing.get_context("spawn")
     seg = server.host
     assert seg is not None
     last_version, torn = 0, 0
@@ -115,14 +162,13 @@ def test_a_process_killed_inside_updates_leaves_readers_whole() -> None:
     # Three kills, and more until one has landed inside an update (about two in three do).
     while kills < 3 or (torn == 0 and kills < 12):
         kills += 1
-        child = ctx.Process(target=_update_forever, args=(path,))
-        child.start()
+        pid = helper.submit(_fork, _update_forever, path).result(timeout=60)
         deadline = time.monotonic() + 60
         while server.version < last_version + 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(float(rng.uniform(0, 0.05)))
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(10)
+        os.kill(pid, signal.SIGKILL)
+        helper.submit(_wait, pid).result(timeout=10)
         died_inside = bool(seg.header[host_memory.WRITER])
         t0 = time.monotonic()
         with seg.locked():  # released by the kernel with the process: no wait
@@ -185,7 +231,8 @@ def _kill_pushers(path: str, kills: int, seed: int, view: bool = False, *,
     return wrong, inside
 
 
-def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded() -> None:
+def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
     """SIGKILL processes pushing small updates, at random moments: after each kill the shard's
     sample count and the trainer's recorded position agree, so the rows the controller re-feeds
     after the loss are exactly those the count left out.
@@ -195,12 +242,10 @@ def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded
     path = _path("positions")
     server = ShardServer(np.zeros(1000, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
     assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
-    with concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        # About a third of the kills land inside a push (97 of 300 once): more kills until
-        # 100 have, rather than a count that chance decides.
-        wrong, inside = pool.submit(_kill_pushers, path, 300, 1, inside_at_least=100,
-                                    most=1_000).result(timeout=240)
+    # About a third of the kills land inside a push (97 of 300 once): more kills until 100
+    # have, rather than a count that chance decides.
+    wrong, inside = helper.submit(_kill_pushers, path, 300, 1, inside_at_least=100,
+                                  most=1_000).result(timeout=240)
     assert not wrong, wrong[:5]
     assert inside >= 100, "few kills landed inside a push: the test did not test it"
     params, version, samples, _ = server.pull()
@@ -216,12 +261,10 @@ def test_a_shard_stays_in_its_process_when_its_optimizer_state_cannot_be_laid_ou
     assert not server.in_host_memory
 
 
-def test_stale_segments_of_dead_servers_are_removed() -> None:
+def test_stale_segments_of_dead_servers_are_removed(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
     path = _path("stale")
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_create_and_die, args=(path,))
-    child.start()
-    child.join(60)
+    helper.submit(_run, _create_and_die, path).result(timeout=60)
     assert os.path.exists(path)  # killed before it could remove its file
     host_memory.sweep()
     assert not os.path.exists(path)
@@ -370,7 +413,8 @@ def test_a_rank_whose_code_raises_releases_its_peer_waiting_in_host_memory(
     assert not client.futures
 
 
-def test_a_trainer_killed_in_its_own_unlocked_step_leaves_counts_and_values_whole() -> None:
+def test_a_trainer_killed_in_its_own_unlocked_step_leaves_counts_and_values_whole(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
     """The same kills, pushing as a trainer of the shard's host does (``view``: the optimizer's
     arithmetic outside the lock, Hogwild's way): a kill in the arithmetic leaves its rows
     counted once with part of the step written, every value finite, the counters together."""
@@ -378,9 +422,7 @@ def test_a_trainer_killed_in_its_own_unlocked_step_leaves_counts_and_values_whol
     server = ShardServer(np.zeros(100_000, dtype=np.float32), optimizer="adam", lr=1e-3,
                          options={})
     assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
-    with concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        wrong, _ = pool.submit(_kill_pushers, path, 150, 2, True).result(timeout=240)
+    wrong, _ = helper.submit(_kill_pushers, path, 150, 2, True).result(timeout=240)
     assert not wrong, wrong[:5]
     params, version, samples, _ = server.pull()
     assert np.isfinite(params).all() and samples == version and version > 150 * 20
