@@ -28,12 +28,19 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 from _models import DiesAt, mlp  # noqa: E402
 
 
-@pytest.fixture()
-def own_client() -> Iterator[Client]:
-    # A cluster of its own: these tests kill its workers (the nanny restarts them).
+@pytest.fixture(scope="module")
+def cluster_client() -> Iterator[Client]:
+    # A cluster of its own: these tests kill its workers (the nanny restarts them). One for the
+    # module: one per test cost a start and a close of two processes, nine times.
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             yield client
+
+
+@pytest.fixture()
+def own_client(cluster_client: Client) -> Client:
+    cluster_client.wait_for_workers(2, timeout=60)  # the last test's victim is back
+    return cluster_client
 
 
 def _data(n: int = 12_000, chunks: int = 1000, n_in: int = 8, n_out: int = 3):
