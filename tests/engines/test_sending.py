@@ -18,11 +18,19 @@ from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_m
 from dask_train.models._transport import travelling
 
 
-@pytest.fixture()
-def own_client() -> Iterator[Client]:
+@pytest.fixture(scope="module")
+def cluster_client() -> Iterator[Client]:
+    # Its own cluster: these tests kill its workers. One for the module (one per test cost a
+    # start and a close more).
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         yield client
+
+
+@pytest.fixture()
+def own_client(cluster_client: Client) -> Client:
+    cluster_client.wait_for_workers(2, timeout=60)  # the last test's victim is back
+    return cluster_client
 
 
 def _kill_holder(client: Client, key: str) -> str:
