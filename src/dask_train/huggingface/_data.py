@@ -40,6 +40,7 @@ class JobDataset(IterableDataset):  # type: ignore[type-arg]
     def __init__(self, ctx: Any, name: str | None, *, inputs: str, labels: str) -> None:
         self.ctx, self.name, self.inputs, self.labels = ctx, name, inputs, labels
         self._epochs: Iterator[int] | None = None
+        self.bound: int | None = None  # the epochs to read (None: the job's own bound)
         self.last_epoch = False  # the epoch being read is the last one HF asked for
         self.collate: Any = None
 
