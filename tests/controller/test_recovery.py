@@ -206,7 +206,10 @@ class _EvalBomb(torch.nn.Module):
 
 def test_a_raising_scorer_is_replaced_until_max_failures(client: Client) -> None:
     X, Y, validation = _data(n=8000)
-    trainer = dt.Trainer(_EvalBomb(), lr=1e-3, ps=1, workers=2, batch_size=16, epochs=50,
+    # Epochs enough to outlast three scorer failures (a replacement takes about a second each):
+    # 50 epochs took under 3 s once training got faster, and the job ended (its final score
+    # raising) before the third failure was decided in a loaded full-suite run.
+    trainer = dt.Trainer(_EvalBomb(), lr=1e-3, ps=1, workers=2, batch_size=16, epochs=2000,
                          score_every=0.1, timeout=30, progress=False, client=client,
                          failure=dt.FailureConfig(max_failures=2))
     started = time.monotonic()
