@@ -96,7 +96,8 @@ class XGBoostTrials(TrialRunner):
         from sklearn.base import is_classifier
 
         if is_classifier(self.estimator):
-            self.n_classes = int(da.max(self.data.y).compute()) + 1
+            # On the search's client: the default one may be another cluster's.
+            self.n_classes = int(self.client.compute(da.max(self.data.y)).result()) + 1
 
     def _eval_metric(self) -> tuple[str, Any]:
         """XGBoost's name of the search metric, and how to turn its value into the metric."""
