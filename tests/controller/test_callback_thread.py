@@ -22,7 +22,7 @@ def count_up(ctx, pause=0.05):
 
 
 class Slow(dt.Callback):
-    """Sleeps 2 s in each of its first three scores (6 s behind a job of 4 s)."""
+    """Sleeps 1 s in each of its first three scores (3 s behind a job of 2 s)."""
 
     def __init__(self) -> None:
         self.events: list[Any] = []
@@ -31,7 +31,7 @@ class Slow(dt.Callback):
     def on_score(self, record):
         self.threads.add(threading.current_thread().name)
         if len(self.events) < 3:
-            time.sleep(2.0)
+            time.sleep(1.0)
         self.events.append(record["i"])
 
     def on_fit_end(self, result):
@@ -41,9 +41,10 @@ class Slow(dt.Callback):
 def test_a_slow_callback_holds_up_neither_the_scores_nor_the_stop(client):
     slow = Slow()
     result = dt.run(count_up, workers=2, client=client, callbacks=[slow],
-                    stop=[dt.StopAfter(seconds=4)])
+                    stop=[dt.StopAfter(seconds=2)])
     assert result.stopped_by.startswith("StopAfter")
-    # Run on the loop, the three 2 s sleeps would have let at most 3 reports through in 4 s.
+    # Run on the loop, the three 1 s sleeps would have let at most 3 reports through in 2 s (a
+    # report every 0.05 s lets about 40 through).
     assert len(result.history) >= 6, result.history
     # Every score reached the hook, in order, and on_fit_end only after the last of them.
     assert slow.events == [*result.history["i"].astype(int), "end"]
