@@ -82,18 +82,19 @@ def test_a_server_that_cannot_start_fails_within_the_timeout(tf_client: Client) 
     workers = sorted(_workers(tf_client))
     placement = plan_roles(_workers(tf_client), ps=1, worker=2, scorer=1)
     blocked = placement["worker"][1]
-    # Holds the blocked worker's only thread, so its roles' tasks never start.
-    busy = tf_client.submit(_busy, 8, workers=[blocked], pure=False)
+    # Holds the blocked worker's only thread past the start's timeout (3 s), so its roles' tasks
+    # never start in time.
+    busy = tf_client.submit(_busy, 5, workers=[blocked], pure=False)
     while not tf_client.processing(workers=[blocked])[blocked]:
         time.sleep(0.05)
     started = time.monotonic()
     with pytest.raises(dt.TrainingTimeout) as info:
-        dt.start_tensorflow(tf_client, ps=1, worker=2, scorer=1, timeout=5)
+        dt.start_tensorflow(tf_client, ps=1, worker=2, scorer=1, timeout=3)
     elapsed = time.monotonic() - started
     message = str(info.value)
-    assert elapsed < 5 + 15  # the timeout, plus tearing down what had started
+    assert elapsed < 3 + 15  # the timeout, plus tearing down what had started
     assert blocked in message and "worker-1" in message and "scorer-0" in message
-    assert "within 5 s" in message
+    assert "within 3 s" in message
     busy.result(timeout=60)
     # The tasks of the abandoned start that ran late started nothing, so nothing was restarted.
     assert sorted(_workers(tf_client)) == workers
