@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,16 +27,6 @@ from dask_train.errors import InvalidInput
 @pytest.fixture(autouse=True)
 def _whole_cluster(client4: Client) -> None:
     client4.wait_for_workers(4, timeout=60)  # a worker an earlier test killed is back
-
-
-@pytest.fixture(scope="module")
-def client4(client4: Client) -> Iterator[Client]:
-    """A client of this module on conftest's 4-worker cluster: the newest client, so Dask's
-    default one while the module runs. dt.search's XGBoost trials compute the number of classes
-    with the default client, not the client passed to it (src/dask_train/tuning/_xgb.py,
-    prepare), and another module's client made later than conftest's was the default."""
-    with Client(client4.cluster) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

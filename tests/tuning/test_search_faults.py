@@ -23,16 +23,6 @@ from dask_train.errors import InvalidInput
 
 
 @pytest.fixture(scope="module")
-def client4(client4: Client) -> Iterator[Client]:
-    """A client of this module on conftest's 4-worker cluster: the newest client, so Dask's
-    default one while the module runs. dt.search's XGBoost trials compute the number of classes
-    with the default client, not the client passed to it (src/dask_train/tuning/_xgb.py,
-    prepare), and another module's client made later than conftest's was the default."""
-    with Client(client4.cluster) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def digits(client4: Client) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     X, y = dt.datasets.digits(n_samples=4_000, chunks=500, seed=0)
     Xv, yv = dt.datasets.digits_test()
