@@ -61,8 +61,13 @@ def _kill_mid_prediction(client: Client, p: da.Array) -> np.ndarray:
     got = p.compute()
     assert sum(f.status == "finished" for f in futures) == len(futures)
     assert victim not in client.scheduler_info(n_workers=-1)["workers"]
-    client.wait_for_workers(2, timeout=60)  # the nanny brings it back for the next test
     return np.asarray(got)
+
+
+@pytest.fixture(autouse=True)
+def _whole_cluster(client2: Client) -> None:
+    # Before each test, not after: the last test's victim need not come back to be closed.
+    client2.wait_for_workers(2, timeout=60)  # the nanny brings the last victim back
 
 
 @pytest.mark.timeout(180)
