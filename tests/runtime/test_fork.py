@@ -40,7 +40,11 @@ _INFO = textwrap.dedent("""
         raise TimeoutError(f"{n} workers did not come back")
 """)
 
-_CLEAN = _INFO + textwrap.dedent("""
+# One program for both tests below (a program's start, its fork server's and its cluster's cost
+# seconds each): a 2-worker embedded cluster trains, then loses a worker; a 1-worker cluster
+# started after the environment changed. The loss's own log lines (a lost worker's warnings)
+# are marked on stderr, where the logs go, so the clean run's check can leave them out.
+_JOB = _INFO + textwrap.dedent("""
     client = dt.connect(n_workers=2, quiet=True)
     first = client.run(info)
     X, y = dt.datasets.digits(4_000, seed=0, chunks=1_000)
@@ -48,20 +52,7 @@ _CLEAN = _INFO + textwrap.dedent("""
                                             torch.nn.Linear(32, 10)),
                         ps=1, workers=2, lr=3e-3, batch_size=64, epochs=10, progress=False,
                         client=client).fit(X, y, validation=dt.datasets.digits_test())
-    client.close()
-    # Set after the fork server started: a new embedded cluster must still see it.
-    os.environ["DT_FORK_MARK"] = "set later"
-    client = dt.connect(n_workers=1, quiet=True)
-    later = client.run(info)
-    client.close()
-    print("RESULT", json.dumps({"main": os.getpid(), "first": list(first.values()),
-                                "later": list(later.values()),
-                                "accuracy": float(result.history["accuracy"].iloc[-1])}))
-""")
-
-_LOSS = _INFO + textwrap.dedent("""
-    client = dt.connect(n_workers=2, quiet=True)
-    first = client.run(info)
+    print("LOSS-START", file=sys.stderr, flush=True)
     lost = sorted(first)[0]
     # Only there: the task waits for that worker, never runs on the one coming back.
     killer = client.submit(os._exit, 1, workers=[lost], pure=False)
@@ -69,8 +60,15 @@ _LOSS = _INFO + textwrap.dedent("""
     killer.cancel()
     after = client.run(info)
     client.close()
+    print("LOSS-END", file=sys.stderr, flush=True)
+    # Set after the fork server started: a new embedded cluster must still see it.
+    os.environ["DT_FORK_MARK"] = "set later"
+    client = dt.connect(n_workers=1, quiet=True)
+    later = client.run(info)
+    client.close()
     print("RESULT", json.dumps({"main": os.getpid(), "first": list(first.values()),
-                                "after": list(after.values())}))
+                                "after": list(after.values()), "later": list(later.values()),
+                                "accuracy": float(result.history["accuracy"].iloc[-1])}))
 """)
 
 
@@ -84,14 +82,22 @@ def _run(tmp_path: Path, source: str) -> tuple[dict, str]:
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), log
+    before, _, rest = proc.stderr.partition("LOSS-START")
+    _, _, after = rest.partition("LOSS-END")
+    return json.loads(line[len("RESULT "):]), proc.stdout + before + after
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The program's results, and its log without the loss's lines."""
+    return _run(tmp_path_factory.mktemp("fork"), _JOB)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
 @pytest.mark.timeout(300)
 def test_forked_workers_start_with_torch_train_and_a_later_environment_is_seen(
-        tmp_path: Path) -> None:
-    got, log = _run(tmp_path, _CLEAN)
+        job: tuple[dict, str]) -> None:
+    got, log = job
     first, later = got["first"], got["later"]
     # Both workers are children of one fork server (not of this program, whose nannies spawn),
     # and had torch the moment the cluster was up.
@@ -105,8 +111,9 @@ def test_forked_workers_start_with_torch_train_and_a_later_environment_is_seen(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
 @pytest.mark.timeout(300)
-def test_a_worker_spawned_after_a_loss_hashes_strings_as_the_forked_ones(tmp_path: Path) -> None:
-    got, _ = _run(tmp_path, _LOSS)
+def test_a_worker_spawned_after_a_loss_hashes_strings_as_the_forked_ones(
+        job: tuple[dict, str]) -> None:
+    got, _ = job
     first, after = got["first"], got["after"]
     assert all(w["ppid"] != got["main"] for w in first)
     assert sum(w["ppid"] == got["main"] for w in after) == 1  # the nanny spawned the lost one
