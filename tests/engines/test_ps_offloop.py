@@ -157,10 +157,12 @@ def test_event_loop_stays_responsive_during_large_updates(client: Client, path: 
         # Not checked for pushes over RPC: Dask's comm reads and writes the 64 MiB gradient and
         # reply on the loop, stalling it for about as long as an update on a quiet machine.
         return
-    # Were the updates on the loop, each would leave a gap between ticks as long as itself: at
-    # least `pushes` such gaps. The third longest, not the longest: on a loaded 2-core machine the
-    # loop's thread now and then waits for a core for a while, whatever the loop does.
-    assert sorted(gaps)[-3] < apply_s / 2, (
-        f"the worker's event loop stalled for {sorted(gaps)[-3:]} s (3 longest) while one update "
-        f"takes {apply_s:.3f} s"
+    # Were the updates on the loop, each would leave a gap between ticks about as long as itself:
+    # one per push. Counted, not the longest gap: on a loaded 2-core machine the loop's thread now
+    # and then waits for a core whatever the loop does (a few gaps of 13-17 ms beside updates of
+    # 22 ms once, in a fresh-clone run beside other work), never once per update.
+    long_gaps = [g for g in gaps if g >= 0.8 * apply_s]
+    assert len(long_gaps) < pushes / 2, (
+        f"the worker's event loop stalled {len(long_gaps)} times for {sorted(gaps)[-3:]} s "
+        f"(3 longest) over {pushes} updates of {apply_s:.3f} s each"
     )
