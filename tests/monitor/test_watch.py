@@ -107,8 +107,11 @@ def job(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jo
     net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     watched = Job(base=client.dashboard_link.rsplit("/", 1)[0],
                   tensorboard=tmp_path_factory.mktemp("runs") / "exp1", stopper=StopWhenAsked())
+    # Epochs it never reaches: the module stops it, StopAfter bounds it. Fifty (5M samples) took
+    # under 10 s once training got faster, and the live page then waited 120 s for new scores of
+    # a job that had ended.
     trainer = dt.Trainer(
-        net, ps=1, workers=2, scorer=1, batch_size=128, epochs=50, score_every=0.25,
+        net, ps=1, workers=2, scorer=1, batch_size=128, epochs=10_000, score_every=0.25,
         stop=[dt.StopAfter(seconds=600)], progress=False, client=client,
         callbacks=[dt.callbacks.TensorBoard(watched.tensorboard), watched.stopper])
 
