@@ -192,7 +192,9 @@ def test_each_row_is_a_zero_filled_shift_of_a_training_image_with_its_label() ->
 def test_generated_rows_teach_a_classifier(
     client: Client, model: ClassifierMixin, augmentation: dict
 ) -> None:
-    X, y = digits(20_000, chunks=5_000, seed=7, **augmentation)
+    # 10,000 rows: logistic regression 0.96-0.97 and nearest neighbours 0.97 on them (0.96-0.99
+    # on 20,000), with half the fitting.
+    X, y = digits(10_000, chunks=5_000, seed=7, **augmentation)
     X_np, y_np = client.compute([X, y], sync=True)
     X_test, y_test = digits_test()
 
