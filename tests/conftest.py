@@ -6,14 +6,17 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import weakref
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import dask
+import distributed.client
 import numpy as np
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, default_client
 
 # A LocalCluster closes for good a nanny whose killed worker has not come back within this time
 # (distributed's default 15 s): on a loaded CI machine a restart took 18 s, and every later test
@@ -77,3 +80,19 @@ def s3() -> Iterator[dict[str, Any]]:
         yield options
     finally:
         server.stop()
+
+
+@pytest.fixture
+def own_client(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Client]:
+    """A client of the session cluster made with ``set_as_default=False``, in a process with no
+    default client, as in a program that keeps its clients to itself: Dask's default-client
+    lookups (``distributed.wait``, ``as_completed`` without ``loop=``) fail during the test. The
+    session's own client, if another test made it, is hidden (the global ones and the current
+    one ``with Client(...)`` sets) until the test ends."""
+    monkeypatch.setattr(distributed.client, "_global_clients", weakref.WeakValueDictionary())
+    monkeypatch.setattr(distributed.client, "_current_client",
+                        ContextVar("_current_client", default=None))
+    with Client(cluster, set_as_default=False) as client:
+        with pytest.raises(ValueError, match="No clients found"):
+            default_client()
+        yield client

@@ -81,6 +81,13 @@ def test_all_reduce_through_run(client: Client) -> None:
     assert all(not g for g in _groups(client).values())
 
 
+def test_a_client_that_is_not_the_default_one(own_client: Client) -> None:
+    # The group waits through the client it was given, in a process with no default client.
+    with dt.start_torch(own_client, workers=2, timeout=30) as group:
+        results = group.gather(group.run(_all_reduce, 1.0))
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+
+
 def test_ranks_follow_the_given_worker_order(client: Client) -> None:
     a, b = _workers(client)
     with dt.start_torch(client, workers=[b, a], timeout=30) as group:

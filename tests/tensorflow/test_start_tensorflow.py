@@ -16,6 +16,7 @@ from distributed import Client
 import dask_train as dt
 from dask_train.policy import plan_roles
 from dask_train.tensorflow import _server
+from dask_train.tensorflow._start import _wait
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensorflow_digits.py"
 
@@ -106,6 +107,18 @@ def test_bad_arguments_are_refused_before_anything_runs(tf_client: Client) -> No
         dt.start_tensorflow(tf_client, ps=-1, worker=0, scorer=2, timeout=0)
     text = str(info.value)
     assert "ps=-1" in text and "workers=0" in text and "scorer=2" in text and "timeout=0" in text
+
+
+def test_the_start_waits_through_the_given_client(own_client: Client) -> None:
+    # In a process with no default client, where distributed.wait would find none. Plain tasks
+    # stand in for the servers' (the wait is the same, without TensorFlow's start-up).
+    on = {"a": [("worker", 0)], "b": [("worker", 1)]}
+    fine = {k: own_client.submit(abs, -1, pure=False) for k in on}
+    _wait(own_client, fine, timeout=30, what="start", on=on, where=str)
+    failing = {"a": fine["a"], "b": own_client.submit(divmod, 1, 0, pure=False)}
+    with pytest.raises(dt.RoleFailed) as info:
+        _wait(own_client, failing, timeout=30, what="start", on=on, where=str)
+    assert "worker-1 on b: could not start: ZeroDivisionError" in str(info.value)
 
 
 def test_the_example_reproduces_the_original_workflow(tf_client: Client) -> None:

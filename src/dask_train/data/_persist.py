@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from distributed import Client, wait
+from distributed import Client
 
 from dask_train.data._blocks import (
     BlockSet,
@@ -28,6 +28,7 @@ from dask_train.data._blocks import (
 )
 from dask_train.data._cluster import live_workers
 from dask_train.data._inputs import is_collection
+from dask_train.data._stall import wait_futures
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope, in_scope
 
@@ -139,7 +140,9 @@ def map_blocks_inplace(data: BlockSet, fn: Callable[..., Any], *args: Any) -> No
     """
     assert data.client is not None, "made by persist_data, which sets the client"
     new = data.client.map(fn, data.futures, *[[a] * len(data.futures) for a in args], pure=False)
-    wait(new)
+    # Through the data's own client: distributed.wait uses the default one, which may be
+    # another client or none (a client made with set_as_default=False).
+    data.client.sync(wait_futures, new)
     failed = [f for f in new if f.status == "error"]
     if failed:
         failed[0].result()

@@ -256,7 +256,7 @@ def warm_worker() -> str:
 
 def warm_workers(client: Any, addresses: Sequence[str], *, timeout: float) -> None:
     """Run :func:`warm_worker` on every address (pinned tasks) and wait at most ``timeout`` s."""
-    from distributed import wait
+    from distributed import as_completed
 
     from dask_train.errors import TrainingTimeout
 
@@ -264,7 +264,10 @@ def warm_workers(client: Any, addresses: Sequence[str], *, timeout: float) -> No
                              key=f"dt-import-tensorflow-{i}-{os.urandom(4).hex()}")
                for i, a in enumerate(addresses)]
     try:
-        wait(futures, timeout=timeout)
+        # On this client's loop: distributed.wait (and as_completed without loop=) uses the
+        # default client, which may be another one or none (set_as_default=False).
+        for _ in as_completed(futures, loop=client.loop, timeout=timeout):
+            pass
     except TimeoutError:
         late = [a for a, f in zip(addresses, futures) if not f.done()]
         client.cancel(futures)

@@ -165,7 +165,9 @@ class TorchGroup:
         limit = self.timeout if timeout == "group" else timeout
         failed: list[Future] = []
         try:
-            for fut in as_completed(futures, timeout=limit):
+            # The group's own client's loop: without loop=, as_completed waits through the
+            # process's default client, which may be another one or none at all.
+            for fut in as_completed(futures, loop=self.client.loop, timeout=limit):
                 if fut.status == "finished":
                     continue
                 if not failed:
@@ -328,7 +330,8 @@ def _wait_ranks(client: Client, ranks: dict[int, str], futures: list[Future], ti
         if not waiting or left <= 0:
             return None, []
         try:
-            for fut in as_completed(waiting, timeout=min(1.0, left)):
+            # loop=: this client's loop, not the default client's (see TorchGroup.gather).
+            for fut in as_completed(waiting, loop=client.loop, timeout=min(1.0, left)):
                 if fut.status != "finished":
                     return _outcome(fut), []
         except TimeoutError:

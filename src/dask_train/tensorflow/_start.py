@@ -18,9 +18,10 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from distributed import Client, Future, wait
+from distributed import Client, Future
 from distributed.utils import get_ip
 
+from dask_train.data._stall import wait_futures
 from dask_train.errors import InvalidInput, RoleFailed, TrainingTimeout
 from dask_train.policy._placement import KINDS, check_role_counts, plan_roles
 from dask_train.runtime._calls import live_workers
@@ -255,7 +256,9 @@ def _wait(client: Client, futures: Mapping[Any, Future], *, timeout: float, what
     """Wait for one task per key; past ``timeout`` or on an error, raise naming roles and workers."""
     deadline = time.monotonic() + timeout
     try:
-        wait(list(futures.values()), timeout=timeout)
+        # Through this client: distributed.wait uses the default one, which may be another
+        # client or none (a client made with set_as_default=False).
+        client.sync(wait_futures, list(futures.values()), timeout=timeout)
     except TimeoutError:
         pass
     late = [key for key, f in futures.items() if not f.done()]
