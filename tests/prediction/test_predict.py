@@ -116,6 +116,19 @@ def test_array_models_and_estimators_on_arrays(client: Client, X: da.Array) -> N
                                clf.predict_proba(Xn), rtol=1e-5)
 
 
+def test_an_xarray_object_is_cut_into_rows_as_training_cuts_it(client: Client) -> None:
+    xr = pytest.importorskip("xarray")
+    rng = np.random.default_rng(2)
+    values = da.from_array(rng.normal(size=(300, 2, 4)), chunks=(100, 2, 4))
+    cube = xr.DataArray(values, dims=("time", "lat", "lon"))
+    rows = values.reshape(300, 8).compute()  # one row per time, lat x lon features
+    clf = LogisticRegression().fit(rows, (rows[:, 0] > 0).astype(int))
+    predicted = dt.predict(clf, cube, method="predict_proba")
+    assert isinstance(predicted, da.Array)
+    assert predicted.chunks == ((100, 100, 100), (2,))
+    np.testing.assert_allclose(predicted.compute(), clf.predict_proba(rows))
+
+
 def test_bad_arguments_are_refused_before_anything_runs(client: Client, X: da.Array) -> None:
     net = CountingNet()
     with pytest.raises(InvalidInput) as info:

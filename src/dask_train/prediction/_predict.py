@@ -26,7 +26,7 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 
-from dask_train.data._blocks import as_dask_array
+from dask_train.data._training import TrainingData
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.prediction._worker import PredictSpec, predict_block, predict_partition, predict_rows
@@ -46,9 +46,11 @@ def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 
         :class:`~dask_train.ArrayModel` (its ``predict``), or any object with the method
         ``method`` taking rows: scikit-learn estimators, dask-train's GLMs, XGBoost models
         (``xgboost.dask`` models are converted to their local XGBoost class once, here).
-    X : dask.array.Array, dask.dataframe.DataFrame or array-like
-        Rows to predict. In-memory arrays are wrapped into a dask array (pandas frames into a
-        dask DataFrame).
+    X : dask.array.Array, dask.dataframe.DataFrame, xarray object or array-like
+        Rows to predict, read as ``Trainer.fit`` reads its ``X``: in-memory arrays wrapped
+        into a dask array, an xarray ``DataArray`` or ``Dataset`` cut into rows along its first
+        dimension (its other dimensions flattened into features), a dict or tuple of arrays as
+        several inputs. Frames stay frames (pandas frames become a dask DataFrame).
     method : str, optional
         Torch modules: ``"forward"`` (default: the outputs), ``"argmax"`` (class labels) or
         ``"softmax"`` (class probabilities). Estimators: the method to call, default
@@ -66,10 +68,11 @@ def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 
     Returns
     -------
     dask.array.Array, dask.dataframe.Series or dask.dataframe.DataFrame
-        Lazy. For a dask array, an array with X's row chunks (one output block per input block)
-        and the model's output columns in one chunk. For a dask DataFrame, a Series (1-D
-        outputs) or a DataFrame (2-D outputs, e.g. ``predict_proba``) with X's partitions and
-        index, so it can be assigned as a column of the frame X came from.
+        Lazy. For an array (or an xarray object), an array with X's row chunks (one output
+        block per input block) and the model's output columns in one chunk. For a dask
+        DataFrame, a Series (1-D outputs) or a DataFrame (2-D outputs, e.g.
+        ``predict_proba``) with X's partitions and index, so it can be assigned as a column of
+        the frame X came from.
 
     Raises
     ------
@@ -89,7 +92,7 @@ def predict(model: Any, X: Any, *, method: str | None = None, batch_size: int = 
     if problems:
         raise InvalidInput(problems)
     frame = _as_frame(X)
-    data = frame if frame is not None else _as_array(X)
+    data = frame if frame is not None else _as_rows(X)
     spec = _spec(local, data, kind=kind, method=method, batch_size=batch_size, device=device,
                  output=output)
     blob = _dumps(local, kind)
@@ -159,18 +162,28 @@ def _problems(model: Any, *, kind: str, method: str, batch_size: Any, device: An
 
 
 def _as_frame(X: Any) -> Any:
-    """X as a dask DataFrame if it is a (dask or pandas) DataFrame or Series, else None."""
+    """X as a dask DataFrame if it is a (dask or pandas) DataFrame or Series, else None.
+
+    Frames keep a road of their own, which training has no counterpart for:
+    ``TrainingData.of`` reads a frame as an array of its values (training needs no index),
+    while predict returns one output partition per partition of X, with X's index, so that it
+    can be assigned as a column of the frame X came from (a Parquet table written back with its
+    predictions), and an estimator fitted on a frame gets the columns it checks by name.
+    """
     import dask.dataframe as dd
 
     if isinstance(X, (pd.DataFrame, pd.Series)):
+        # As many rows a partition as as_dask_array puts in a block of an in-memory array.
         X = dd.from_pandas(X, chunksize=100_000)
     if isinstance(X, dd.Series):
         return X.to_frame()
     return X if isinstance(X, dd.DataFrame) else None
 
 
-def _as_array(X: Any) -> da.Array:
-    X = as_dask_array(X)
+def _as_rows(X: Any) -> da.Array:
+    """Any other X as a dask array of rows, made as training makes its ``X``: the same road
+    (:meth:`TrainingData.of`) for dask and numpy arrays, xarray objects and several inputs."""
+    X = TrainingData.of(X).X
     # Whole rows per block: every output block is computed from one input block.
     return X.rechunk({axis: -1 for axis in range(1, X.ndim)}) if X.ndim > 1 else X
 
