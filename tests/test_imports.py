@@ -49,8 +49,9 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * callbacks (public callbacks: TensorBoard, MLflow): imports errors, policy and checkpoint
 #     (MLflow logs the model as safetensors); used by users;
 #   * lightning (PyTorch Lightning inside dt.run): imports errors only; used by users;
-#   * huggingface (transformers' Trainer inside dt.run): imports errors, and from engines the names
-#     ctx.report checks (the history's own columns, the reductions); used by users;
+#   * huggingface (transformers' Trainer inside dt.run): imports errors, from engines the names
+#     ctx.report checks (the history's own columns, the reductions), and from data the reading of
+#     a datasets.Dataset in blocks (from_dataset and dt.run(data=) read it one way); used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
@@ -74,7 +75,7 @@ ALLOWED: dict[str, set[str]] = {
     "monitor": _BASE,
     "callbacks": _BASE | {"policy", "checkpoint"},
     "lightning": _BASE,
-    "huggingface": _BASE | {"engines"},
+    "huggingface": _BASE | {"data", "engines"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
     "tensorflow": _BASE | {"policy", "runtime"},
@@ -311,7 +312,8 @@ def test_classical_never_imports_torch() -> None:
 
 # --- what loads: fresh interpreters -------------------------------------------------------------
 
-HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras", "lightning", "mlflow")
+HEAVY = ("torch", "sklearn", "scipy", "matplotlib", "tensorflow", "keras", "lightning", "mlflow",
+         "datasets", "transformers")
 
 
 def _run_fresh(code: str, timeout: float = 240) -> Any:

@@ -20,6 +20,7 @@ from dask_train.api._run_result import RunResult
 from dask_train.api._settings import RecoverySettings
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.data._blocks import BlockSet
+from dask_train.data._hf_datasets import as_arrays, kind_of
 from dask_train.data._inputs import is_lazy
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
@@ -63,8 +64,10 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         RunContext`. Defined anywhere (a script, a notebook): it travels by value.
     data : dict, optional
         Named data sets: the first (``{"train": (X, y)}`` or ``X`` alone; dask or numpy arrays,
-        DataFrames, dicts of them) is read with ``ctx.batches()``, each row once per epoch over
-        the ranks; the others go whole to every rank (``ctx.dataset(name)``, 64 MiB at most).
+        DataFrames, dicts of them, or a Hugging Face ``datasets.Dataset``, its columns by name,
+        read in blocks on the workers) is read with ``ctx.batches()``, each row once per epoch
+        over the ranks; the others go whole to every rank (``ctx.dataset(name)``, 64 MiB at
+        most).
     config : dict, optional
         Keyword arguments of ``fn`` (also ``ctx.config``).
     workers : int or (int, int), optional
@@ -119,7 +122,7 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     problems = job.problems()
     if problems:
         raise InvalidInput(problems)
-    fn_blob, small = _pickled(fn), _small_sets(data)
+    fn_blob, small = _pickled(fn), _small_sets(job.sets)
     from dask_train.runtime import default_client
     from dask_train.runtime._versions import check_once
 
@@ -150,9 +153,10 @@ class RunJob:
 
     @classmethod
     def of(cls, s: Mapping[str, Any]) -> RunJob:
-        """The records of ``dt.run``'s keyword arguments ``s`` (by name, as given)."""
+        """The records of ``dt.run``'s keyword arguments ``s`` (by name, as given; the named
+        data sets as every later step reads them, see :func:`_data_sets`)."""
         return cls(
-            fn=s["fn"], config=s["config"], sets=s["data"],
+            fn=s["fn"], config=s["config"], sets=_data_sets(s["data"]),
             data=DataSettings(batch_size=s["batch_size"], epochs=s["epochs"],
                               shuffle=s["shuffle"], seed=s["seed"],
                               blocks_ahead=s["blocks_ahead"]),
@@ -209,9 +213,31 @@ def _check_fn(fn: Any, config: Any) -> list[str]:
     return []
 
 
+def _data_sets(data: Any) -> Any:
+    """``data=`` with each Hugging Face ``datasets.Dataset`` as its columns, one dask array of
+    records read in blocks on the workers (:func:`~dask_train.data._hf_datasets.as_arrays`):
+    from here on it is several inputs like any other, for the checks, the small sets and the
+    streamed set alike. A value that cannot be read so is kept as given, for
+    :func:`_check_data` to name its problems."""
+    if not isinstance(data, Mapping) or kind_of(data) is not None:
+        return data
+    sets = {}
+    for name, value in data.items():
+        try:
+            sets[name] = as_arrays(value, name=f"data[{name!r}]")
+        except InvalidInput:
+            sets[name] = value
+    return sets
+
+
 def _check_data(data: Any) -> list[str]:
     if data is None:
         return []
+    kind = kind_of(data)
+    if kind is not None:
+        return [f"data is a datasets.{kind}: pass its splits by name, data={{'train': "
+                "dd['train'], 'val': dd['test']} (the first is streamed to the ranks, the others "
+                "go whole to every rank)."]
     if not isinstance(data, Mapping) or not data or not all(isinstance(k, str) for k in data):
         return [f"data={type(data).__name__} is invalid: pass a dict of named data sets, "
                 "{'train': (X, y)} (the first is streamed to the ranks)."]
@@ -220,6 +246,11 @@ def _check_data(data: Any) -> list[str]:
 
     problems = []
     for name, value in data.items():
+        try:  # a datasets object _data_sets could not read: its problems
+            value = as_arrays(value, name=f"data[{name!r}]")
+        except InvalidInput as exc:
+            problems += exc.problems
+            continue
         x, y = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
         if isinstance(value, (tuple, list)) and not (isinstance(value, tuple) and len(value) == 2):
             problems.append(f"data[{name!r}] is a {type(value).__name__} of {len(value)}: pass "

@@ -15,10 +15,19 @@ from transformers import TrainerCallback
 
 from dask_train.errors import InvalidInput
 
+#: A dataset's target columns that HF's ``default_data_collator`` passes to the model as ``labels``.
+_TARGET_COLUMNS = ("label", "label_ids")
+
 
 def _batch(x: Any, y: Any, *, inputs: str, labels: str) -> dict[str, Any]:
     """A batch as HF's models take it: the inputs by name, the targets as ``labels``."""
     batch = dict(x) if isinstance(x, Mapping) else {inputs: x}
+    if y is None and labels not in batch:
+        # A datasets.Dataset given to dt.run holds its targets as a column, often "label"
+        # (load_dataset's): renamed as HF's default_data_collator renames it, since
+        # prepare_trainer's batches skip that collator.
+        column = next((c for c in _TARGET_COLUMNS if c in batch), None)
+        y = None if column is None else batch.pop(column)
     if y is not None:
         # Classification heads take int64 class indices; the data may hold narrower integers.
         if not torch.is_floating_point(y) and y.dtype != torch.int64:
@@ -123,8 +132,10 @@ def dataset(ctx: Any, name: str | None = None, *, inputs: str = "input_ids",
     predictions).
 
     Rows are dicts of the model's inputs: ``X`` under ``inputs`` (``input_ids``), or a dict of
-    inputs under their own names (``{"input_ids": ..., "attention_mask": ...}``), and the
-    targets under ``labels``, as HF's models take them (integer targets as int64).
+    inputs under their own names (``{"input_ids": ..., "attention_mask": ...}``: a
+    ``datasets.Dataset`` given to ``dt.run`` is its columns so), and the targets under
+    ``labels``, as HF's models take them (integer targets as int64; a ``label`` or ``label_ids``
+    column is renamed ``labels``, as HF's ``default_data_collator`` does).
 
     Parameters
     ----------
