@@ -55,7 +55,7 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
-#     policy and runtime;
+#     policy, runtime, and from data the one wait on futures that needs no default client;
 #   * bench (the multi-host harness, the throughput grid): above api, below the cli; runs Trainers
 #     on datasets and probes with the engines;
 #   * cli and the root package (the lazy facade): the top; may import everything.
@@ -78,7 +78,7 @@ ALLOWED: dict[str, set[str]] = {
     "huggingface": _BASE | {"data", "engines"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
-    "tensorflow": _BASE | {"policy", "runtime"},
+    "tensorflow": _BASE | {"policy", "data", "runtime"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report", "monitor"},
     # dt.predict: a model's outputs over dask collections, one task per block.
