@@ -31,6 +31,7 @@ class JobResult:
     roles: Roles
     failures: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    departures: list[dict[str, Any]] = field(default_factory=list)
     generations: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0
@@ -52,7 +53,7 @@ def job_fields(outcome: Outcome, *, wall_s: float, clock: Mapping[str, float]) -
                 epochs_completed=outcome.epochs_completed, wall_s=wall_s,
                 ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
                 failures=list(log.failures), checkpoints=list(log.checkpoints),
-                generations=log.generations, timings=phase_timings(clock, log),
+                departures=list(log.departures), generations=log.generations, timings=phase_timings(clock, log),
                 started_at=log.started)
 
 

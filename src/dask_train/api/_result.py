@@ -52,6 +52,11 @@ class FitResult(JobResult):
         the checkpoint it restarts from (or since the start), which are trained again.
     checkpoints : list of dict
         Each checkpoint written: directory, step, seconds to write.
+    departures : list of dict
+        Each worker that left with notice (retired, scaled down, its ``--lifetime`` over) while
+        it held roles: which worker and roles, the step the job handed over at, the seconds from
+        the notice to the next generation's start (``hand_over_s``) and ``redone`` (0). Not a
+        failure: ``max_failures`` does not count it. See :doc:`recovery`.
     nonfinite : list of dict
         Non-finite losses and scores seen (role, step).
     model_step : int

@@ -40,6 +40,9 @@ class RunResult(JobResult):
         Each rank's counts and where its time went.
     failures, checkpoints : list of dict
         Each lost rank (when, which worker, the cause, what the job did), each checkpoint written.
+    departures : list of dict
+        Each worker that left with notice while it held a rank, as
+        :attr:`FitResult.departures <dask_train.FitResult.departures>`.
     generations : int
         1, plus one per restart.
     timings : dict

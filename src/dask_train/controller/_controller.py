@@ -21,6 +21,7 @@ from typing import Any
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._departures import Departure, HandOvers
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
@@ -103,6 +104,9 @@ class Controller:
         # The user's hooks run off this loop, in order: they may block and use the client.
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
+        self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
+                                    publisher=self.publisher, checkpoints=self.checkpoints,
+                                    manifest=self._manifest)
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -125,6 +129,12 @@ class Controller:
         for condition in self.spec.stop:  # a fit starts from fresh stop conditions
             condition.reset()
         await self.publisher.start(self.spec, self.roles, self.rows)
+        try:
+            return await self._generations(resume=resume)
+        finally:
+            self.hand_overs.close()
+
+    async def _generations(self, *, resume: bool) -> Outcome:
         if resume and self.checkpoints is not None:
             self.restore = self.checkpoints.load(n_params=self.spec.n_params,
                                                  strategy=self.spec.strategy)
@@ -136,12 +146,15 @@ class Controller:
             self.engine = engine
             self.log.generations = self.state.generation + 1
             try:
-                failure = await self._start(engine)
+                failure: Failure | Departure | None = await self._start(engine)
                 if failure is None:
                     self.log.roles_up_at = self.log.roles_up_at or time.time()
                     self.state.enter(Phase.RUNNING)
                     failure = await self._run_generation(engine)
                 finished = await self._finish(engine) if failure is None else failure
+                if isinstance(finished, Departure):
+                    await self._hand_over_restart(engine, finished)
+                    continue
                 if isinstance(finished, Failure):
                     await self._restart(engine, finished)
                     continue
@@ -165,8 +178,9 @@ class Controller:
                            model_step=int(self.state.stop_step) if kept and
                            self.state.stop_step is not None else ending.steps)
 
-    async def _run_generation(self, engine: Engine) -> Failure | None:
-        """Drive a generation until it stops (None) or must restart (the failure that caused it)."""
+    async def _run_generation(self, engine: Engine) -> Failure | Departure | None:
+        """Drive a generation until it stops (None) or must restart (the failure that caused
+        it, or the departure of a worker that left with notice)."""
         next_liveness = 0.0
         while not self.state.stopped_by:
             try:
@@ -186,6 +200,12 @@ class Controller:
                     self._stop(self._natural_end(engine))
                 await self._checkpoint_step(engine, now)
                 await self._report_step(engine)
+            if self.state.phase is Phase.RUNNING and not self.state.stopped_by and \
+                    self.hand_overs.pending(engine):
+                departure = await self.hand_overs.hand_over(
+                    engine, await alive_workers(self.client))
+                if departure is not None:
+                    return departure
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
                 failure = await self._check_roles(engine)
@@ -392,6 +412,13 @@ class Controller:
         alive = await alive_workers(self.client)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
+        gone = {f.worker for f in failures if f.worker not in alive}
+        if gone - engine.leaving():
+            await self.hand_overs.wait_for_notices(engine, gone)
+        # A worker leaving with notice is handed over (see _run_generation), not lost; once its
+        # hand-over was tried and failed, its loss is decided as any other.
+        leaving = self.hand_overs.pending(engine)
+        failures = [f for f in failures if f.worker not in leaving]
         restart = await self.losses.act(engine, failures, alive,
                                         has_checkpoint=self.has_checkpoint)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,
@@ -425,14 +452,35 @@ class Controller:
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
-        alive = await alive_workers(self.client)
+        alive = await alive_workers(self.client, placeable=True)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
         # counted a worker the nanny had already restarted twice and waited the whole 10 s. A
         # job on reserved workers (a search's trial) never sees the new one: no wait.
         size = self.cluster_size if current_scope() is None else 0
         while len(alive) < size and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            alive = await alive_workers(self.client)
+            alive = await alive_workers(self.client, placeable=True)
+        self._next_generation(alive, redone=redone)
+        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
+                       "samples applied since are trained again", self.state.generation,
+                       self.restore.directory if self.restore else "the initial parameters",
+                       self.roles, time.time() - t0, failure.role, redone)
+
+    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
+        """End this generation (the leaving workers' roles stop, their hold ends) and place the
+        next on the live workers, from the state just handed over."""
+        self.state.enter(Phase.RESTARTING)
+        self.pending_report = None
+        await engine.close()
+        self.restore = departure.restore
+        alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
+                 if a not in departure.workers}  # a SIGTERMed one is still listed, closing
+        self.cluster_size = len(alive)  # a retired worker does not come back: no wait for it
+        self._next_generation(alive, redone=0)
+        self.hand_overs.record(departure, roles=self.roles.placement)
+
+    def _next_generation(self, alive: Mapping[str, int], *, redone: int) -> None:
+        """Place the next generation's roles on ``alive`` and enter its start."""
         self.roles = self.plan(alive)
         self.state.generation += 1
         # Pause ids count per generation: its roles are new and start from the first.
@@ -440,10 +488,6 @@ class Controller:
         self.state.enter(Phase.STARTING)
         self.publisher.publish({"kind": "generation", "generation": self.state.generation,
                                 "roles": dict(self.roles.placement), "redone": redone})
-        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
-                       "samples applied since are trained again", self.state.generation,
-                       self.restore.directory if self.restore else "the initial parameters",
-                       self.roles, time.time() - t0, failure.role, redone)
 
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending | Failure:

@@ -45,6 +45,8 @@ class JobLog:
 
     records: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
+    # Workers that left with notice and whose roles were handed over (not failures).
+    departures: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)

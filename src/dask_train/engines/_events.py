@@ -213,12 +213,22 @@ class ReportReady(_Event):
     checkpoint: bool
 
 
+@dataclass(frozen=True)
+class Leaving(_Event):
+    """The worker at ``address`` is leaving with notice (retired, scaled down, its lifetime
+    over) and is held, for a bounded time, until the job has taken what it holds (sent by
+    dask-train's worker plugin, :func:`~dask_train.runtime._plugin.hold_for_hand_over`)."""
+
+    kind: ClassVar[str] = "leaving"
+    address: str
+
+
 Event = (Started | Block | Paused | Exit | Score | NonFinite | Stats | Epochs | Progress | Reported
-         | ShareDone | ReportReady)
+         | ShareDone | ReportReady | Leaving)
 
 _KINDS: dict[str, type[_Event]] = {
     cls.kind: cls for cls in (Started, Block, Paused, Exit, Score, NonFinite, Stats, Epochs, Progress,
-                              Reported, ShareDone, ReportReady)
+                              Reported, ShareDone, ReportReady, Leaving)
 }
 _SCORE_FIELDS = ("kind", "step", "samples", "wall", "nonfinite", "worker")
 

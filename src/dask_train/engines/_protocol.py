@@ -126,6 +126,15 @@ class Engine(ABC):
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
         """Give workers that joined a role, where the engine can use them."""
 
+    def leaving(self) -> set[str]:
+        """Workers of this generation's roles that announced they are leaving with notice, held
+        until the controller has handed their state over (an engine that cannot hand over
+        returns none: their departure is then a loss)."""
+        return set()
+
+    def left(self, workers: set[str]) -> None:
+        """Forget that ``workers`` were leaving: their hand-over failed, they are lost."""
+
     # -- checkpoints ------------------------------------------------------------------------------
     @abstractmethod
     def running(self) -> bool:

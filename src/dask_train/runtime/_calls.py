@@ -3,30 +3,60 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from distributed import Client
+from distributed.protocol.pickle import dumps
 
 # Asked of the scheduler by the data layer too: defined there, one function for both.
 from dask_train.data._cluster import live_workers as live_workers
 from dask_train.policy._scope import in_scope
 
 
-async def alive_workers(client: Client) -> dict[str, int]:
+#: Worker states in which a worker is on its way out: still listed, never given a new role.
+LEAVING_STATES = frozenset({"closing", "closing_gracefully", "closed", "failed"})
+
+
+async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str, int]:
     """Live Dask workers and their thread counts, as the scheduler sees them now (those of the
-    current job's scope, see :func:`~dask_train.policy._scope.use_workers`)."""
+    current job's scope, see :func:`~dask_train.policy._scope.use_workers`).
+
+    ``placeable``: only those that may take a new role, not those on their way out (retiring,
+    closing after a SIGTERM), which the scheduler still lists for a moment.
+    """
     info = (await client.scheduler.identity()).get("workers", {})
-    return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
+    return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()
+                     if not (placeable and w.get("status") in LEAVING_STATES)})
 
 
 #: How often a call to the workers looks whether one of them died meanwhile.
 CHECK_S = 0.5
 
 
+async def run_direct(client: Client, fn: Any, *args: Any, address: str, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` on the worker at ``address`` straight through its own RPC
+    server, not through the scheduler; ``fn`` gets ``dask_worker=`` when it takes one.
+
+    Why: a worker that is leaving with notice (``retire_workers``, ``--lifetime``, a scale-down)
+    is already removed from the scheduler while it closes, so ``client.run`` no longer reaches
+    it; its server still answers while dask-train's worker plugin holds it for a hand-over
+    (:mod:`dask_train.runtime._plugin`). Raises the function's error, or ``OSError`` when the
+    worker is gone.
+    """
+    response = await client.rpc(address).run(function=dumps(fn), args=dumps(args),
+                                              kwargs=dumps(kwargs), wait=True)
+    if response.get("status") != "OK":
+        raise RuntimeError(f"on the leaving worker {address}: {response.get('exception_text')}")
+    return response.get("result")
+
+
 async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str],
-                      **kwargs: Any) -> Any:
+                      leaving: Collection[str] = (), **kwargs: Any) -> Any:
     """``client.run`` on those of ``workers`` still alive.
+
+    Those of ``workers`` in ``leaving`` (removed from the scheduler but held for a hand-over)
+    are called directly (:func:`run_direct`); a failed direct call is left out of the answer.
 
     A call to a dead worker's address waits for the 30 s connect timeout even with
     ``on_error="ignore"``: never send one. A worker killed just as the call goes out is still
@@ -34,17 +64,25 @@ async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str
     :data:`CHECK_S` seconds, and once a target has left, the call is sent again to the live
     ones (every function sent here may run twice: they set flags or read).
     """
+    direct: dict[str, Any] = {}
+    for address in [w for w in workers if w in leaving]:
+        try:
+            direct[address] = await asyncio.wait_for(
+                run_direct(client, fn, *args, address=address, **kwargs), timeout=10.0)
+        except Exception:  # gone meanwhile: a loss, for the caller's failure check
+            pass
+    workers = [w for w in workers if w not in leaving]
     while True:
         alive = await alive_workers(client)
         targets = [w for w in workers if w in alive]
         if not targets:
-            return {}
+            return direct
         call = asyncio.ensure_future(client.run(fn, *args, workers=targets, asynchronous=True,
                                                 on_error="ignore", **kwargs))
         while True:
             done, _ = await asyncio.wait({call}, timeout=CHECK_S)
             if done:
-                return call.result()
+                return {**call.result(), **direct}
             alive = await alive_workers(client)
             if any(w not in alive for w in targets):
                 call.cancel()

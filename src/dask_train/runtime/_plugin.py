@@ -11,6 +11,7 @@ a worker that never serves a parameter server never imports torch.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import gc
@@ -68,6 +69,9 @@ class WorkerJob:
         self.feeds: dict[int, queue.Queue[Any]] = {}
         self.stop = threading.Event()
         self.scorer_stop = threading.Event()
+        # Dropped (the generation closed under its roles, e.g. after a hand-over): its
+        # parameters are freed, and the roles still running end without touching them.
+        self.dropped = False
         self.scorer_keep: int | None = None
         # Checkpoint pauses: the controller raises pause_id; roles pause at their next consistent
         # point, report where they are, and wait until resume_id reaches the pause they took.
@@ -173,6 +177,11 @@ class WorkerState:
             if paused is not None:
                 paused()
 
+    def holding(self) -> bool:
+        """Whether a training role runs here or a job's parameters are held here."""
+        with self._lock:
+            return self._roles > 0 or any(job.params for job in self.jobs.values())
+
     def job(self, job_id: str) -> WorkerJob:
         """The state of ``job_id`` on this worker, created on first use."""
         with self._lock:
@@ -185,6 +194,7 @@ class WorkerState:
             self.evaluators.pop(job_id, None)
             self.ended.append(job_id)
         if state is not None:
+            state.dropped = True
             state.stop.set()
             state.scorer_stop.set()
             for holder in state.params.values():
@@ -286,11 +296,33 @@ _CLOSING = frozenset({"closing", "closed", "closing_gracefully", "failed"})
 _closing_heartbeat = _ClosingHeartbeat()
 
 
+class _RoleCancelled(logging.Filter):
+    """Leaves out distributed's WARNING that a role's task "ended with CancelledError" as its
+    worker closes.
+
+    A worker that leaves with notice cancels the coroutines awaiting its running tasks before
+    its plugins' teardown; a role runs as one task for the whole job, so every departure of a
+    role's worker logged it, though the role goes on until its hand-over ends (see
+    :func:`hold_for_hand_over`). Other tasks' cancellations are still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() if record.levelno == logging.WARNING else ""
+        return not (text.startswith("Async instruction for") and "execute('dt-" in text
+                    and text.endswith("ended with CancelledError"))
+
+
+_role_cancelled = _RoleCancelled()
+
+
 def _quiet_closing_heartbeat(worker: Worker) -> None:
     log = logging.getLogger("distributed.worker")
     if _closing_heartbeat not in log.filters:
         log.addFilter(_closing_heartbeat)
     _closing_heartbeat.workers.add(worker)
+    machine = logging.getLogger("distributed.worker.state_machine")
+    if _role_cancelled not in machine.filters:
+        machine.addFilter(_role_cancelled)
     quiet_batched_close()
 
 
@@ -320,6 +352,28 @@ def quiet_batched_close() -> None:
         log.addFilter(_batched_closed)
 
 
+async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
+    """Announce a leaving worker to the jobs it serves and wait, bounded, until they let go."""
+    if not state.holding():
+        return
+    import dask
+
+    hold = float(dask.config.get("dask-train.hand-over-hold", 60.0))
+    for job in list(state.jobs):
+        worker.log_event(f"dask-train-{job}", {"kind": "leaving", "address": worker.address})
+    logger.info("worker %s is leaving while it serves %s: held up to %g s for the hand-over",
+                worker.address, sorted(state.jobs), hold)
+    deadline = time.monotonic() + hold
+    while state.holding() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.holding():
+        logger.warning("worker %s leaves with its jobs %s not handed over after %g s "
+                       "(dask-train.hand-over-hold): they recover as from a lost worker",
+                       worker.address, sorted(state.jobs), hold)
+    else:
+        logger.info("worker %s: hand-over done", worker.address)
+
+
 class DaskTrainPlugin(WorkerPlugin):
     """Installs dask-train's RPC handlers and thread settings on every worker.
 
@@ -347,8 +401,17 @@ class DaskTrainPlugin(WorkerPlugin):
         self.handlers = dict(_HANDLERS if handlers is None else handlers)
         self.preload = tuple(preload)
 
-    def teardown(self, worker: Worker) -> None:
-        """On the worker's way out: skip the interpreter's last garbage collection.
+    async def teardown(self, worker: Worker) -> None:
+        """On the worker's way out: hold it for its jobs' hand-over, then skip the
+        interpreter's last garbage collection.
+
+        A worker that leaves with notice (``retire_workers``, ``dask worker --lifetime``, a
+        scale-down, an adaptive cluster) is closed by the scheduler after it was removed from
+        the scheduler's list; its roles' threads still run and its server still answers. While
+        it holds a training role or a job's parameters, it tells each job ("leaving" on the
+        job's event topic) and waits, at most ``dask-train.hand-over-hold`` seconds (60), until
+        the controller has taken its state and dropped the job here (see
+        :mod:`dask_train.controller._departures`).
 
         A worker process that imported torch spent 2-3 s (and more under load) in the final
         ``gc`` pass of its interpreter shutdown, past the 4 s the nanny waits before killing it
@@ -356,8 +419,10 @@ class DaskTrainPlugin(WorkerPlugin):
         objects alive now moves them out of the collector's reach; the process ends right after.
         Only when the worker is closing: a plugin is also torn down when it is registered again.
         """
-        if worker.status.name in _CLOSING:
-            gc.freeze()
+        if worker.status.name not in _CLOSING:
+            return
+        await hold_for_hand_over(worker, worker_state(worker))
+        gc.freeze()
 
     def setup(self, worker: Worker) -> None:
         if self.preload:

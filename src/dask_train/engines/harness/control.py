@@ -55,6 +55,16 @@ def save_shard_task(*, job: str, index: int, path: str, metadata: Mapping[str, s
     return result
 
 
+def save_shard_here(*, job: str, index: int, path: str, metadata: Mapping[str, str],
+                    dask_worker: Any = None) -> dict[str, Any]:
+    """Run on a leaving server's worker (called directly, out of the scheduler's reach): write
+    shard ``index`` as :func:`save_shard_task` does."""
+    state = worker_state(dask_worker).job(job)
+    result: dict[str, Any] = state.holder(index, address=dask_worker.address, job=job).save(
+        path, metadata=metadata)
+    return result
+
+
 def signal_stop(
     job: str, *, scorer: bool = False, keep_step: int | None = None, dask_worker: Any = None
 ) -> None:

@@ -75,7 +75,8 @@ class AsyncPSEngine(RoleEngine):
         already applied (they remember each trainer's last few blocks)."""
         ref = self.shards[0]
         positions = await run_on_live(self.client, worker_side.shard_positions, self.job,
-                                      ref.index, index, workers=[ref.address])
+                                      ref.index, index, workers=[ref.address],
+                                      leaving=self.leaving_workers)
         seen = positions.get(ref.address)
         applied = {(int(e), int(b)): int(rows) for e, b, rows in
                    (seen if isinstance(seen, list) else [])}

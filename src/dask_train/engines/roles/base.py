@@ -19,7 +19,7 @@ from distributed import Client, Future
 from distributed.comm import CommClosedError
 
 from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
-from dask_train.engines._events import Block, Epochs, Exit, Paused, Progress, from_message
+from dask_train.engines._events import Block, Epochs, Exit, Leaving, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
 from dask_train.engines.harness import control as worker_side
@@ -34,7 +34,7 @@ from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
 from dask_train.policy._placement import Roles
-from dask_train.runtime._calls import alive_workers, run_on_live
+from dask_train.runtime._calls import alive_workers, run_direct, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class RoleEngine(Engine):
         self.last_heartbeat = 0.0
         self.pauses: dict[int, dict[int, Paused]] = {}
         self.subscribed = False  # to this generation's topic (not yet when its start failed)
+        # Workers that announced they are leaving with notice (Leaving): removed from the
+        # scheduler, held by dask-train's plugin, reached directly until the hand-over ends.
+        self.leaving_workers: set[str] = set()
 
     @property
     def topic(self) -> str:
@@ -228,6 +231,8 @@ class RoleEngine(Engine):
             self.pauses.setdefault(event.id, {})[event.trainer] = event
         elif isinstance(event, Exit):
             self.exited.add(event.trainer)
+        elif isinstance(event, Leaving):
+            self.leaving_workers.add(event.address)
         else:  # started, score, nan, stats: the controller's
             self.emit(event)
 
@@ -249,7 +254,7 @@ class RoleEngine(Engine):
         when its worker is gone (the controller's failure check handles that next)."""
         ref = self.shards[0]
         counts = await run_on_live(self.client, worker_side.shard_version, self.job, ref.index,
-                                   workers=[ref.address])
+                                   leaving=self.leaving_workers, workers=[ref.address])
         count = counts.get(ref.address, -1)
         return count if isinstance(count, int) else -1
 
@@ -344,7 +349,7 @@ class RoleEngine(Engine):
         self.pauses[pause_id] = {}
         workers = sorted({self.roles["worker"][i] for i in self._running()})
         await run_on_live(self.client, worker_side.request_pause, self.job, pause_id,
-                          workers=workers)
+                          leaving=self.leaving_workers, workers=workers)
 
     def awaited(self, pause_id: int) -> list[int]:
         """The trainers pause ``pause_id`` waits for: every running one."""
@@ -364,21 +369,40 @@ class RoleEngine(Engine):
         """Let every trainer paused for ``pause_id`` go on."""
         self.pauses.pop(pause_id, None)
         await run_on_live(self.client, worker_side.resume, self.job, pause_id,
-                          workers=self.roles.addresses)
+                          leaving=self.leaving_workers, workers=self.roles.addresses)
+
+    def leaving(self) -> set[str]:
+        """Workers of this generation's roles that announced they are leaving with notice."""
+        return self.leaving_workers & set(self.roles.addresses)
+
+    def left(self, workers: set[str]) -> None:
+        """No more direct calls to ``workers``: a dead one's address would be retried until
+        Dask's connect timeout."""
+        self.leaving_workers -= workers
 
     async def save(self, *, directory: str, paths: Callable[[int], str],
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Each parameter holder writes its own file, in parallel, atomically."""
+        """Each parameter holder writes its own file, in parallel, atomically; a holder on a
+        leaving worker (out of the scheduler's reach) is asked directly."""
+        staying = [ref for ref in self.shards if ref.address not in self.leaving_workers]
+        meta = {ref.index: {**metadata, "start": str(ref.start), "stop": str(ref.stop)}
+                for ref in self.shards}
         futures = [
             self.pinned(worker_side.save_shard_task, address=ref.address,
                         key=f"dt-save-{time.monotonic_ns()}-{ref.index}", job=self.job,
-                        index=ref.index, path=paths(ref.index),
-                        metadata={**metadata, "start": str(ref.start), "stop": str(ref.stop)})
-            for ref in self.shards
+                        index=ref.index, path=paths(ref.index), metadata=meta[ref.index])
+            for ref in staying
         ]
-        results = await self.gather_from_holders(futures, what=f"writing checkpoint {directory}")
-        return [{**r, "index": ref.index, "start": ref.start, "stop": ref.stop}
-                for ref, r in zip(self.shards, results)]
+        leaving = [asyncio.wait_for(run_direct(
+            self.client, worker_side.save_shard_here, job=self.job, index=ref.index,
+            path=paths(ref.index), metadata=meta[ref.index], address=ref.address),
+            timeout=self.spec.timeout) for ref in self.shards if ref not in staying]
+        written = await asyncio.gather(*leaving)  # raises: the hand-over fails, a loss follows
+        results = dict(zip([r.index for r in staying], await self.gather_from_holders(
+            futures, what=f"writing checkpoint {directory}"))) if futures else {}
+        results.update(zip([r.index for r in self.shards if r not in staying], written))
+        return [{**results[ref.index], "index": ref.index, "start": ref.start, "stop": ref.stop}
+                for ref in self.shards]
 
     async def wait_for_holders(self, futures: list[Future], *, what: str,
                                holders: Mapping[str, str] | None = None) -> None:
@@ -422,11 +446,12 @@ class RoleEngine(Engine):
             # that earned the score (it keeps the last few; stopping slow trainers takes long
             # enough for newer scores to push it out).
             await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
-                              keep_step=keep_step, workers=self.roles["scorer"])
+                              keep_step=keep_step, leaving=self.leaving_workers,
+                              workers=self.roles["scorer"])
         for pause_id in list(self.pauses):
             await self.resume(pause_id)
         await run_on_live(self.client, worker_side.signal_stop, self.job,
-                          workers=self.roles.addresses)
+                          leaving=self.leaving_workers, workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
         trainers = await self.gather_from_holders(live, what="stopping the trainers", holders={
             self.roles["worker"][i]: f"worker-{i}" for i in self.live()})
@@ -435,7 +460,8 @@ class RoleEngine(Engine):
         if self.scorer_future is not None:
             if keep_step is None:  # the final parameters' score, once the trainers stopped
                 await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
-                                  keep_step=None, workers=self.roles["scorer"])
+                                  keep_step=None, leaving=self.leaving_workers,
+                                  workers=self.roles["scorer"])
             [final] = await self.gather_from_holders(
                 [self.scorer_future], what="the final score",
                 holders={self.roles["scorer"][0]: "scorer-0"})
@@ -489,4 +515,5 @@ class RoleEngine(Engine):
             who_has = await self.client.scheduler.who_has(keys=self.validation.keys)
             holders = [a for where in who_has.values() for a in where]
         await run_on_live(self.client, worker_side.drop_job, self.job,
+                          leaving=self.leaving_workers,
                           workers=sorted(set(self.roles.addresses) | set(holders)))

@@ -71,7 +71,12 @@ def run_scorer(
     step = 0
     while not state.scorer_stop.wait(clock.wait_s(time.monotonic())):
         started, cpu = time.monotonic(), time.thread_time()
-        record = scorer.score()
+        try:
+            record = scorer.score()
+        except Exception:
+            if state.dropped:  # its parameters were freed under this score: the job moved on
+                break
+            raise
         if record is not None and record.step not in keeper:
             step = record.step
             keeper.keep_snapshot(record.step,
@@ -86,6 +91,8 @@ def run_scorer(
                 {worker.address: len(validation[0]) if validation is not None else 0},
                 "cpu": clock.record(time.monotonic())}
 
+    if state.dropped:  # no final score: the generation was closed, its parameters freed
+        return {"record": None, "params": None, "buffers": None, **where()}
     kept = keeper.get(state.scorer_keep)
     if kept is not None:
         record, params, buffers = kept

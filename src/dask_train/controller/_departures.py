@@ -1,0 +1,216 @@
+"""What the controller does when a worker leaves with notice: hand its roles over, lose nothing.
+
+Most changes of a real cluster come with notice: ``client.retire_workers``, ``cluster.scale``
+down and adaptive clusters, ``dask worker --lifetime``. Dask removes such a worker from the
+scheduler and then closes it; dask-train's worker plugin holds the closing worker (bounded, see
+:func:`~dask_train.runtime._plugin.hold_for_hand_over`) and tells the job (a
+:class:`~dask_train.engines._events.Leaving` event). While it is held, the controller:
+
+1. pauses every trainer at its next consistent point, as for a checkpoint (the leaving worker is
+   reached directly, the scheduler no longer knows it);
+2. writes that state, the leaving holders' shards included, to the job's checkpoint store, or,
+   for a job without ``checkpoint=`` whose workers all run on this machine, to a scratch
+   directory removed at the job's end;
+3. ends the generation (the leaving worker's roles stop and its hold ends) and starts the next
+   one on the live workers from that state: nothing is trained again, and the departure is
+   recorded in ``result.departures``, not counted against ``max_failures``.
+
+A hand-over that cannot be completed (the leaving worker killed in the middle of it, no store
+to write to, a pause that does not come) is a loss like a crash: the failure policy decides on
+it at the next look at the roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client
+
+from dask_train.checkpoint import CheckpointConfig
+from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._publish import JobEvents
+from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.engines._protocol import Engine
+from dask_train.engines._spec import JobSpec
+from dask_train.errors import WorkerLost
+from dask_train.policy._placement import KINDS
+
+logger = logging.getLogger(__name__)
+
+#: The longest wait for every trainer to pause for a hand-over: well inside the 60 s a
+#: leaving worker is held by default.
+PAUSE_S = 30.0
+
+#: How often a hand-over looks whether the held workers still answer (seconds).
+LOOK_S = 0.25
+
+#: How long a lost worker's loss waits for its leaving notice: Dask removes a retired worker
+#: from the scheduler a few milliseconds before the worker (closing) sends the notice.
+NOTICE_S = 0.5
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Workers that left with notice, and the state their job was handed over at."""
+
+    workers: tuple[str, ...]
+    roles: tuple[str, ...]
+    restore: Restore
+    noticed_at: float  # time.monotonic() when the notice was acted on
+
+
+def _host(address: str) -> str:
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def on_this_machine(addresses: Iterable[str]) -> bool:
+    """Whether every worker address is on this machine (a directory here is theirs too)."""
+    here = set(_LOOPBACK)
+    try:
+        here.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return all(_host(a) in here for a in addresses)
+
+
+class HandOvers:
+    """The hand-overs of one job's leaving workers.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    spec : JobSpec
+    log : JobLog
+        Receives one record per departure (``result.departures``).
+    state : JobState
+    publisher : JobEvents
+    checkpoints : Checkpoints or None
+        The job's own store; None when it has no ``checkpoint=``.
+    manifest : callable
+        ``manifest(ledger, rng)``: the controller's manifest for a snapshot.
+    """
+
+    def __init__(self, client: Client, *, spec: JobSpec, log: JobLog, state: JobState,
+                 publisher: JobEvents, checkpoints: Checkpoints | None,
+                 manifest: Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]]) -> None:
+        self.client = client
+        self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
+        self.checkpoints, self.manifest = checkpoints, manifest
+        self.handled: set[str] = set()  # notices acted on, handed over or not
+        self._scratch: Checkpoints | None = None
+
+    def pending(self, engine: Engine) -> set[str]:
+        """Leaving workers of this generation's roles not acted on yet."""
+        return engine.leaving() - self.handled
+
+    async def wait_for_notices(self, engine: Engine, workers: set[str]) -> None:
+        """Give lost ``workers`` a moment (:data:`NOTICE_S`) to say they are leaving."""
+        deadline = time.monotonic() + NOTICE_S
+        while workers - engine.leaving() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def _store(self, engine: Engine, alive: Iterable[str]) -> Checkpoints | None:
+        """Where the hand-over's state goes: the job's store, else a scratch directory."""
+        if self.checkpoints is not None:
+            return self.checkpoints
+        if self._scratch is None and on_this_machine([*engine.roles.addresses, *alive]):
+            path = tempfile.mkdtemp(prefix=f"dask-train-hand-over-{self.spec.job_id}-")
+            self._scratch = Checkpoints(CheckpointConfig(path=path, keep=1),
+                                        timeout=self.spec.timeout)
+        return self._scratch
+
+    async def hand_over(self, engine: Engine, alive: Iterable[str]) -> Departure | None:
+        """Pause every trainer, write the state where the next generation starts from, and
+        return the departure; None when it could not be done (a loss follows)."""
+        leaving = self.pending(engine)
+        self.handled |= leaving
+        noticed = time.monotonic()
+        roles = tuple(f"{kind}-{i}" for kind in KINDS
+                      for i, a in enumerate(engine.roles.get(kind, [])) if a in leaving)
+        store = self._store(engine, alive)
+        if store is None:
+            logger.warning(
+                "%s is leaving with %s, and this job has no checkpoint= to hand them over "
+                "through (its workers are not all on this machine): handled as a lost worker. "
+                "Set checkpoint= to a path every worker reaches to hand over without loss.",
+                ", ".join(sorted(leaving)), ", ".join(roles))
+            return None
+        state = self.state
+        state.enter(Phase.CHECKPOINTING)
+        state.pause_id, state.next_pause_id = state.next_pause_id, state.next_pause_id + 1
+        state.pause_started = time.time()
+        try:
+            await engine.pause(state.pause_id)
+            deadline = time.monotonic() + min(PAUSE_S, self.spec.timeout)
+            next_look = time.monotonic() + LOOK_S
+            while (snapshot := engine.paused(state.pause_id)) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the trainers did not all pause within "
+                                       f"{min(PAUSE_S, self.spec.timeout):g} s")
+                if time.monotonic() > next_look:
+                    # A held worker killed meanwhile never pauses: found in a look, not a timeout.
+                    await self._still_there(leaving)
+                    next_look = time.monotonic() + LOOK_S
+                await asyncio.sleep(0.01)
+            step = await engine.exact_step()
+            info = await store.write(engine, state, self.manifest(snapshot.ledger, snapshot.rng),
+                                     step=step, generation=state.generation,
+                                     pause_s=time.time() - state.pause_started)
+            if info is None:
+                raise ValueError("the parameters are not finite")
+            restore = store.load(n_params=self.spec.n_params, strategy=self.spec.strategy)
+            if restore is None:
+                raise FileNotFoundError(f"the hand-over's checkpoint {info['directory']} "
+                                        "cannot be read back")
+        except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
+            logger.warning("the hand-over from %s failed (%s: %s): handled as a lost worker",
+                           ", ".join(sorted(leaving)), type(exc).__name__, exc)
+            engine.left(leaving)
+            await engine.resume(state.pause_id)
+            state.pause_id = 0
+            state.enter(Phase.RUNNING)
+            return None
+        if store is self.checkpoints:
+            self.log.checkpoints.append({**info, "hand_over": True})
+        return Departure(workers=tuple(sorted(leaving)), roles=roles, restore=restore,
+                         noticed_at=noticed)
+
+    async def _still_there(self, workers: Iterable[str]) -> None:
+        """Raise WorkerLost when one of the held ``workers`` no longer answers."""
+        for address in workers:
+            try:
+                await asyncio.wait_for(self.client.rpc(address).identity(), timeout=LOOK_S * 4)
+            except Exception as exc:
+                raise WorkerLost(f"the leaving worker {address} is gone "
+                                 f"({type(exc).__name__})", worker=address) from exc
+
+    def record(self, departure: Departure, *, roles: Mapping[str, list[str]]) -> None:
+        """Record and publish a departure once the next generation is placed."""
+        record = {
+            "time_s": self.log.elapsed(), "workers": list(departure.workers),
+            "roles": list(departure.roles), "step": departure.restore.step,
+            "generation": self.state.generation, "redone": 0,
+            "hand_over_s": round(time.monotonic() - departure.noticed_at, 3),
+        }
+        self.log.departures.append(record)
+        self.publisher.publish({"kind": "departure", **record})
+        logger.info("generation %d starts on %s from the state %s handed over at step %d "
+                    "(%.2f s after the notice); nothing is trained again", self.state.generation,
+                    dict(roles), ", ".join(departure.workers), departure.restore.step,
+                    record["hand_over_s"])
+
+    def close(self) -> None:
+        """Remove the scratch directory, if one was made."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch.config.path, ignore_errors=True)
+            self._scratch = None

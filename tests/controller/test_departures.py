@@ -1,0 +1,258 @@
+"""Workers that leave with notice (``retire_workers``, ``--lifetime``) while they hold roles.
+
+Each test retires (or lets expire) a real worker process of a real cluster in the middle of a
+job, and asserts what a user is promised: the job hands the worker's roles over instead of
+losing them (``result.departures``, no failure), every sample of every epoch is applied exactly
+once (the ledger and the servers' count), nothing is trained again, and the log has no error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
+from _models import mlp  # noqa: E402
+
+ROWS, BLOCK = 12_000, 1000
+
+
+@pytest.fixture()
+def three_workers() -> Iterator[Client]:
+    # A cluster per test: a retired worker does not come back.
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _data() -> tuple[Any, Any, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(axis=1)
+    return (da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK),
+            (x[:2000], y[:2000]))
+
+
+class _RetireAt(dt.Callback):
+    """Retires ``victim`` (as ``client.retire_workers`` does it for a user) once the job has
+    applied ``samples`` samples."""
+
+    def __init__(self, client: Client, victim: str, samples: int) -> None:
+        self.client, self.victim, self.samples = client, victim, samples
+        self.retired = False
+
+    def on_score(self, record: Any) -> None:
+        if not self.retired and record["samples"] >= self.samples:
+            self.retired = True
+            self.client.retire_workers([self.victim])
+
+
+def _assert_every_sample_once(result: Any, epochs: int) -> None:
+    per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert result.epochs_completed == epochs
+    assert len(per_block) == epochs * (ROWS // BLOCK) and (per_block == BLOCK).all()
+    assert result.samples == epochs * ROWS  # the servers applied each sample once
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("retired", ["ps-0", "worker-1"])
+def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, retired: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    client = three_workers
+    X, Y, validation = _data()
+    roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
+    kind, index = retired.rsplit("-", 1)
+    victim = roles[kind][int(index)]
+    retire = _RetireAt(client, victim, samples=16_000)  # in the second of 6 epochs
+    with caplog.at_level(logging.INFO, logger="dask_train"):
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=6,
+                            score_every=0.2, timeout=30, progress=False, client=client,
+                            callbacks=[retire]).fit(X, Y, validation=validation)
+    assert retire.retired
+    assert result.failures == []
+    [departure] = result.departures
+    assert departure["workers"] == [victim] and retired in departure["roles"]
+    assert departure["redone"] == 0 and departure["step"] > 0
+    assert result.generations == 2
+    _assert_every_sample_once(result, 6)
+    assert victim not in result.roles.addresses  # the next generation runs on the others
+    assert victim not in client.scheduler_info()["workers"]  # and the worker did leave
+    assert result.history["accuracy"].iloc[-1] > 0.85
+    assert not _errors(caplog)
+
+
+def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
+        three_workers: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    client = three_workers
+    X, Y, validation = _data()
+    roles = dt.start_roles(client, worker=3, scorer=1)
+    victim = roles["worker"][0]  # rank 0 holds the parameters the scorer reads
+    retire = _RetireAt(client, victim, samples=16_000)
+    with caplog.at_level(logging.INFO, logger="dask_train"):
+        # With checkpoint=: the hand-over is one of the job's checkpoints.
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy="sync", workers=3, batch_size=32,
+                            epochs=6, score_every=0.2, timeout=30, progress=False,
+                            client=client, callbacks=[retire],
+                            checkpoint=str(tmp_path / "ckpt")).fit(X, Y, validation=validation)
+    assert retire.retired and result.failures == []
+    [departure] = result.departures
+    assert departure["workers"] == [victim] and "worker-0" in departure["roles"]
+    handed = [c for c in result.checkpoints if c.get("hand_over")]
+    assert [c["step"] for c in handed] == [departure["step"]]
+    assert len(result.roles["worker"]) == 2  # two ranks went on
+    _assert_every_sample_once(result, 6)
+    assert result.history["accuracy"].iloc[-1] > 0.85
+    assert not _errors(caplog)
+
+
+def _kill_mid_hand_over(dask_worker: Any) -> None:
+    """Run on the victim: SIGKILL this process in the middle of its hand-over: once its worker
+    closes (held by the plugin) and the controller has asked its trainer to pause."""
+    from dask_train.runtime._plugin import worker_state
+
+    def watch() -> None:
+        while not (dask_worker.status.name == "closing" and any(
+                job.pause_id > 0 for job in list(worker_state(dask_worker).jobs.values()))):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    client = three_workers
+    X, Y, validation = _data()
+    roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
+    victim = roles["worker"][1]
+    assert victim not in roles["ps"]
+    client.run(_kill_mid_hand_over, workers=[victim])
+    retire = _RetireAt(client, victim, samples=16_000)
+    with caplog.at_level(logging.INFO, logger="dask_train"):
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=6,
+                            score_every=0.2, timeout=30, progress=False, client=client,
+                            callbacks=[retire]).fit(X, Y, validation=validation)
+    assert retire.retired and result.departures == []
+    assert any(r.getMessage().startswith(f"the hand-over from {victim} failed (WorkerLost")
+               for r in caplog.records)
+    # An async trainer lost: the survivor takes its rows (the policy's choice for a kill).
+    assert [f["role"] for f in result.failures if f["role"].startswith("worker")] == ["worker-1"]
+    _assert_every_sample_once(result, 6)
+
+
+class _StopAfterDeparture(dt.Callback):
+    """Stops the job two scores after the cluster shrank to ``workers``."""
+
+    def __init__(self, client: Client, workers: int) -> None:
+        self.client, self.workers, self.after = client, workers, -1
+
+    def on_score(self, record: Any) -> bool:
+        if self.after < 0 and len(self.client.scheduler_info()["workers"]) <= self.workers:
+            self.after = 0
+        elif self.after >= 0:
+            self.after += 1
+        return self.after >= 2
+
+
+@contextmanager
+def _dask_cluster(tmp_path: Path, *leaving: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``dask scheduler``, a ``dask worker`` of two processes, and one more ``dask worker``
+    started with the options ``leaving`` (the one that leaves), each as a user starts them."""
+    dask = str(Path(sys.executable).parent / "dask")
+    info = tmp_path / "scheduler.json"
+    log = (tmp_path / "cluster.log").open("w")
+    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                                  "--no-dashboard", "--scheduler-file", str(info)],
+                                 stdout=log, stderr=log)
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        address = json.loads(info.read_text())["address"]
+        common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
+        workers.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", *common],
+                                        stdout=log, stderr=log))
+        workers.append(subprocess.Popen([dask, "worker", address, *leaving, *common],
+                                        stdout=log, stderr=log))
+        yield address, workers[-1]
+    finally:
+        for process in (*workers, scheduler):
+            if process.poll() is None:
+                process.terminate()
+            process.wait(30)
+        log.close()
+
+
+def _train_until_one_left(client: Client, *callbacks: dt.Callback) -> Any:
+    """An async job that runs until the cluster has two workers, and two scores more; every
+    worker holds a role (the one that leaves holds one too)."""
+    client.wait_for_workers(3, timeout=30)
+    X, Y, validation = _data()
+    return dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=1000,
+                      score_every=0.2, timeout=30, progress=False, client=client,
+                      callbacks=[*callbacks, _StopAfterDeparture(client, 2)],
+                      stop=[dt.StopAfter(seconds=120)]).fit(X, Y, validation=validation)
+
+
+def _assert_handed_over(result: Any, output: str) -> None:
+    assert result.stopped_by == "callback", output
+    assert result.failures == [], output
+    [departure] = result.departures
+    assert departure["redone"] == 0 and departure["step"] > 0
+    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert (consumed <= BLOCK).all()
+    assert int(consumed.sum()) == result.samples  # each sample applied once
+    for word in ("Traceback", "ERROR"):
+        assert word not in output, output
+
+
+def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(tmp_path: Path) -> None:
+    # What dask-jobqueue recommends: `dask worker --lifetime` closes each worker before its
+    # batch job's walltime (Worker.close_gracefully: retired, then closed).
+    with _dask_cluster(tmp_path, "--lifetime", "12s") as (address, _), Client(address) as client:
+        result = _train_until_one_left(client)
+        output = (tmp_path / "cluster.log").read_text()  # the job's, not the cluster's end
+    _assert_handed_over(result, output)
+
+
+class _TerminateAt(dt.Callback):
+    """Sends ``process`` SIGTERM (as Kubernetes or a batch system does) at the third score."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process, self.scores = process, 0
+
+    def on_score(self, record: Any) -> None:
+        self.scores += 1
+        if self.scores == 3:
+            self.process.send_signal(signal.SIGTERM)
+
+
+def test_a_dask_worker_sent_sigterm_hands_its_roles_over(tmp_path: Path) -> None:
+    # SIGTERM to `dask worker` closes its nanny (10 s, then the process is killed), without
+    # retiring: the worker's close still holds for the hand-over, well inside those 10 s.
+    with _dask_cluster(tmp_path) as (address, leaving), Client(address) as client:
+        client.wait_for_workers(3, timeout=30)
+        result = _train_until_one_left(client, _TerminateAt(leaving))
+        output = (tmp_path / "cluster.log").read_text()
+    _assert_handed_over(result, output)
