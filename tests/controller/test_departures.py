@@ -24,6 +24,7 @@ from typing import Any
 import dask.array as da
 import numpy as np
 import pytest
+import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
@@ -256,3 +257,57 @@ def test_a_dask_worker_sent_sigterm_hands_its_roles_over(tmp_path: Path) -> None
         result = _train_until_one_left(client, _TerminateAt(leaving))
         output = (tmp_path / "cluster.log").read_text()
     _assert_handed_over(result, output)
+
+
+def _run_loop(ctx: Any) -> dict[str, Any]:
+    """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report."""
+    import torch.nn.functional as F
+
+    model = ctx.prepare(mlp(8, 16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = ctx.restore()
+    if state:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    seen = []
+    for epoch in ctx.epochs():
+        for xb, yb in ctx.batches("train", batch_size=32):
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+        seen.append(epoch)
+        ctx.report({"epoch_done": float(epoch)},
+                   checkpoint={"model": model.module.state_dict(), "opt": opt.state_dict(),
+                               "epoch": epoch})
+    return {"epochs": seen, "restored": None if state is None else state["epoch"]}
+
+
+class _RetireAtFirstScore(dt.Callback):
+    def __init__(self, client: Client, victim: str) -> None:
+        self.client, self.victim, self.retired = client, victim, False
+
+    def on_score(self, record: Any) -> None:
+        if not self.retired:
+            self.retired = True
+            self.client.retire_workers([self.victim])
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["checkpoint", "no-checkpoint"])
+def test_dt_run_hands_over_at_the_next_report(three_workers: Client, tmp_path: Path,
+                                              stored: bool) -> None:
+    client = three_workers
+    X, Y, _ = _data()
+    victim = sorted(client.scheduler_info()["workers"])[1]
+    retire = _RetireAtFirstScore(client, victim)
+    result = dt.run(_run_loop, workers=(2, 3), epochs=4, client=client, data={"train": (X, Y)},
+                    callbacks=[retire],
+                    checkpoint=str(tmp_path / "ck") if stored else None)
+    assert retire.retired and result.failures == []
+    [departure] = result.departures
+    assert departure["workers"] == [victim] and departure["redone"] == 0
+    # Retired after epoch 0's report: handed over at epoch 1's, the two others go on from it.
+    assert [r["restored"] for r in result.returns] == [1, 1]
+    assert all(r["epochs"] == [2, 3] for r in result.returns)
+    consumed = result.ledger.groupby("epoch")["consumed"].sum()
+    assert consumed.to_dict() == {e: ROWS for e in range(4)}
+    assert result.samples == 4 * ROWS

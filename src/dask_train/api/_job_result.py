@@ -53,8 +53,8 @@ def job_fields(outcome: Outcome, *, wall_s: float, clock: Mapping[str, float]) -
                 epochs_completed=outcome.epochs_completed, wall_s=wall_s,
                 ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
                 failures=list(log.failures), checkpoints=list(log.checkpoints),
-                departures=list(log.departures), generations=log.generations, timings=phase_timings(clock, log),
-                started_at=log.started)
+                departures=list(log.departures), generations=log.generations,
+                timings=phase_timings(clock, log), started_at=log.started)
 
 
 def phase_timings(clock: Mapping[str, float], log: Any) -> dict[str, float]:

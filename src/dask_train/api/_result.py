@@ -56,7 +56,7 @@ class FitResult(JobResult):
         Each worker that left with notice (retired, scaled down, its ``--lifetime`` over) while
         it held roles: which worker and roles, the step the job handed over at, the seconds from
         the notice to the next generation's start (``hand_over_s``) and ``redone`` (0). Not a
-        failure: ``max_failures`` does not count it. See :doc:`recovery`.
+        failure: ``max_failures`` does not count it. See :doc:`/cluster-changes`.
     nonfinite : list of dict
         Non-finite losses and scores seen (role, step).
     model_step : int

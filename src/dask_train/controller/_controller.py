@@ -199,13 +199,16 @@ class Controller:
                 if ended and not self.state.stopped_by and self.events.empty():
                     self._stop(self._natural_end(engine))
                 await self._checkpoint_step(engine, now)
-                await self._report_step(engine)
-            if self.state.phase is Phase.RUNNING and not self.state.stopped_by and \
-                    self.hand_overs.pending(engine):
-                departure = await self.hand_overs.hand_over(
-                    engine, await alive_workers(self.client))
+                departure = await self._report_step(engine)
                 if departure is not None:
                     return departure
+            if self.state.phase is Phase.RUNNING and not self.state.stopped_by:
+                if self.hand_overs.pending(engine):
+                    departure = await self.hand_overs.hand_over(
+                        engine, await alive_workers(self.client))
+                    if departure is not None:
+                        return departure
+                await self.hand_overs.overdue(engine)
             if now >= next_liveness:
                 next_liveness = now + _LIVENESS_EVERY_S
                 failure = await self._check_roles(engine)
@@ -358,14 +361,21 @@ class Controller:
         if info is not None:
             self.log.checkpoints.append(info)
 
-    async def _report_step(self, engine: Engine) -> None:
-        """Every rank reported (its score is in): write the checkpoint it carries, let them go on."""
+    async def _report_step(self, engine: Engine) -> Departure | None:
+        """Every rank reported (its score is in): write the checkpoint it carries, let them go
+        on; or, when a worker is leaving, hand the job over from it (the ranks stay at their
+        report until the generation ends)."""
         report, self.pending_report = self.pending_report, None
         if report is None:
-            return
+            return None
+        if report.checkpoint and self.hand_overs.awaiting is not None:
+            departure = await self.hand_overs.at_report(engine, report.id)
+            if departure is not None:
+                return departure
         if report.checkpoint:
             await self._write_report(engine, report)
         await engine.resume(report.id)
+        return None
 
     async def _write_report(self, engine: Engine, report: ReportReady) -> None:
         """Write the checkpoint the ranks reported (they wait, paused, until it is written)."""
@@ -416,8 +426,8 @@ class Controller:
         if gone - engine.leaving():
             await self.hand_overs.wait_for_notices(engine, gone)
         # A worker leaving with notice is handed over (see _run_generation), not lost; once its
-        # hand-over was tried and failed, its loss is decided as any other.
-        leaving = self.hand_overs.pending(engine)
+        # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
+        leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]
         restart = await self.losses.act(engine, failures, alive,
                                         has_checkpoint=self.has_checkpoint)

@@ -38,7 +38,7 @@ from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
-from dask_train.engines._protocol import Engine
+from dask_train.engines._protocol import Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._placement import KINDS
@@ -106,12 +106,15 @@ class HandOvers:
         self.client = client
         self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
         self.checkpoints, self.manifest = checkpoints, manifest
-        self.handled: set[str] = set()  # notices acted on, handed over or not
+        self.started: set[str] = set()  # notices acted on, handed over or not
+        # A dt.run job's hand-over waits for its ranks' next report with a checkpoint:
+        # (the leaving workers, when the notice came, the deadline), None when none waits.
+        self.awaiting: tuple[set[str], float, float] | None = None
         self._scratch: Checkpoints | None = None
 
     def pending(self, engine: Engine) -> set[str]:
-        """Leaving workers of this generation's roles not acted on yet."""
-        return engine.leaving() - self.handled
+        """Leaving workers of this generation's roles whose hand-over has not started."""
+        return engine.leaving() - self.started
 
     async def wait_for_notices(self, engine: Engine, workers: set[str]) -> None:
         """Give lost ``workers`` a moment (:data:`NOTICE_S`) to say they are leaving."""
@@ -129,21 +132,32 @@ class HandOvers:
                                         timeout=self.spec.timeout)
         return self._scratch
 
+    def _fail(self, engine: Engine, leaving: set[str], why: str) -> None:
+        """The hand-over cannot be done: the leaving workers become losses."""
+        logger.warning("the hand-over from %s failed (%s): handled as a lost worker",
+                       ", ".join(sorted(leaving)), why)
+        engine.left(leaving)
+
     async def hand_over(self, engine: Engine, alive: Iterable[str]) -> Departure | None:
-        """Pause every trainer, write the state where the next generation starts from, and
-        return the departure; None when it could not be done (a loss follows)."""
+        """Start the hand-over of the pending leaving workers. An engine that pauses on request
+        is paused now, its state written, and the departure returned; a ``dt.run`` job's is
+        taken at its ranks' next report with a checkpoint (:meth:`at_report`). None: not (yet)
+        handed over; a failed one is a loss at the next look at the roles."""
         leaving = self.pending(engine)
-        self.handled |= leaving
+        self.started |= leaving
         noticed = time.monotonic()
-        roles = tuple(f"{kind}-{i}" for kind in KINDS
-                      for i, a in enumerate(engine.roles.get(kind, [])) if a in leaving)
         store = self._store(engine, alive)
         if store is None:
-            logger.warning(
-                "%s is leaving with %s, and this job has no checkpoint= to hand them over "
-                "through (its workers are not all on this machine): handled as a lost worker. "
-                "Set checkpoint= to a path every worker reaches to hand over without loss.",
-                ", ".join(sorted(leaving)), ", ".join(roles))
+            self._fail(engine, leaving, "this job has no checkpoint= to hand them over through, "
+                       "and its workers are not all on this machine; set checkpoint= to a path "
+                       "every worker reaches to hand over without loss")
+            return None
+        if not engine.schedules_checkpoints:
+            # Its ranks pause only at their reports: the next one that carries a checkpoint.
+            waiting = self.awaiting[0] if self.awaiting else set()
+            self.awaiting = (waiting | leaving, noticed, noticed + PAUSE_S)
+            logger.info("%s is leaving: the job hands over at its next report with a "
+                        "checkpoint (within %g s)", ", ".join(sorted(leaving)), PAUSE_S)
             return None
         state = self.state
         state.enter(Phase.CHECKPOINTING)
@@ -162,26 +176,65 @@ class HandOvers:
                     await self._still_there(leaving)
                     next_look = time.monotonic() + LOOK_S
                 await asyncio.sleep(0.01)
-            step = await engine.exact_step()
-            info = await store.write(engine, state, self.manifest(snapshot.ledger, snapshot.rng),
-                                     step=step, generation=state.generation,
-                                     pause_s=time.time() - state.pause_started)
-            if info is None:
-                raise ValueError("the parameters are not finite")
-            restore = store.load(n_params=self.spec.n_params, strategy=self.spec.strategy)
-            if restore is None:
-                raise FileNotFoundError(f"the hand-over's checkpoint {info['directory']} "
-                                        "cannot be read back")
+            departure = await self._write(engine, store, leaving, snapshot, noticed=noticed,
+                                          step=await engine.exact_step())
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
-            logger.warning("the hand-over from %s failed (%s: %s): handled as a lost worker",
-                           ", ".join(sorted(leaving)), type(exc).__name__, exc)
-            engine.left(leaving)
+            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
             await engine.resume(state.pause_id)
             state.pause_id = 0
             state.enter(Phase.RUNNING)
             return None
+        return departure
+
+    async def overdue(self, engine: Engine) -> None:
+        """A ``dt.run`` hand-over whose report did not come in time (or whose held worker is
+        gone) fails: its workers become losses."""
+        if self.awaiting is None:
+            return
+        leaving, _, deadline = self.awaiting
+        try:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no report with a checkpoint within {PAUSE_S:g} s")
+            await self._still_there(leaving)
+        except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
+            self.awaiting = None
+            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+
+    async def at_report(self, engine: Engine, report_id: int) -> Departure | None:
+        """Every rank reported ``report_id`` with a checkpoint, the leaving ones too: write it
+        where the next generation starts from (the ranks wait at their report meanwhile)."""
+        if self.awaiting is None:
+            return None
+        leaving, noticed, _ = self.awaiting
+        self.awaiting = None
+        snapshot = engine.paused(report_id)
+        store = self._store(engine, [])
+        try:
+            if snapshot is None or store is None:
+                raise ValueError("the report holds no state")
+            return await self._write(engine, store, leaving, snapshot, noticed=noticed,
+                                     step=snapshot.step)
+        except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
+            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+            return None
+
+    async def _write(self, engine: Engine, store: Checkpoints, leaving: set[str],
+                     snapshot: Snapshot, *, noticed: float, step: int) -> Departure:
+        """Write the paused state to ``store`` and read it back as the next start."""
+        state = self.state
+        info = await store.write(engine, state, self.manifest(snapshot.ledger, snapshot.rng),
+                                 step=step, generation=state.generation,
+                                 pause_s=time.time() - state.pause_started)
+        if info is None:
+            raise ValueError("the parameters are not finite")
+        restore = store.load(n_params=self.spec.n_params, strategy=self.spec.strategy)
+        if restore is None:
+            raise FileNotFoundError(f"the hand-over's checkpoint {info['directory']} "
+                                    "cannot be read back")
         if store is self.checkpoints:
             self.log.checkpoints.append({**info, "hand_over": True})
+        roles = tuple(f"{kind}-{i}" for kind in KINDS
+                      for i, a in enumerate(engine.roles.get(kind, [])) if a in leaving)
         return Departure(workers=tuple(sorted(leaving)), roles=roles, restore=restore,
                          noticed_at=noticed)
 

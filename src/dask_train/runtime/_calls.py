@@ -13,7 +13,6 @@ from distributed.protocol.pickle import dumps
 from dask_train.data._cluster import live_workers as live_workers
 from dask_train.policy._scope import in_scope
 
-
 #: Worker states in which a worker is on its way out: still listed, never given a new role.
 LEAVING_STATES = frozenset({"closing", "closing_gracefully", "closed", "failed"})
 

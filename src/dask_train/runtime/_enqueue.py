@@ -37,6 +37,7 @@ def feed_block(
     seed: int,
     shuffle: bool,
     skip: int = 0,
+    dask_worker: Any = None,
 ) -> int:
     """Dask task: put one block (or, with ``pair=None``, the end marker) in a trainer's queue.
 
@@ -46,8 +47,9 @@ def feed_block(
     held only by the queue until the trainer has read it. ``block=-2`` with no pair is a
     heartbeat for a trainer waiting idle at the end of the data (it resets the trainer's wait,
     see :class:`~dask_train.data.FeedReader`). Returns the rows queued (-1: the job had ended).
+    Also called directly on a worker that is leaving (``dask_worker``: it gets no more tasks).
     """
-    state = worker_state()
+    state = worker_state(dask_worker)
     read_s = 0.0
     if isinstance(pair, BlockGraph):
         if job in state.ended:  # a straggler: reading would hold a block nobody takes

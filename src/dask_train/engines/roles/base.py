@@ -74,11 +74,15 @@ class RoleEngine(Engine):
         kwargs: dict[str, Any] = {"epochs": spec.epochs, "shuffle": spec.shuffle, "seed": spec.seed}
         self.ledger = (Ledger.from_state(blocks.blocks, trainers, state=restore["ledger"], **kwargs)
                        if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
+        # Workers that announced they are leaving with notice (Leaving): removed from the
+        # scheduler, held by dask-train's plugin, reached directly until the hand-over ends.
+        self.leaving_workers: set[str] = set()
         self.shards = self.make_shards()
         self.emit: Emit = lambda event: None
         self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job, seed=spec.seed,
                                shuffle=spec.shuffle, trainers=trainers, ahead=spec.blocks_ahead,
                                out_of_blocks=type(self).out_of_blocks, most_ahead=spec.blocks_ahead_max)
+        self.granter.leaving = self.leaving_workers
         self.exited: set[int] = set()  # trainers whose last event has arrived
         self.trainer_steps: dict[int, int] = {}
         self.trainer_futures: list[Future] = []
@@ -90,9 +94,6 @@ class RoleEngine(Engine):
         self.last_heartbeat = 0.0
         self.pauses: dict[int, dict[int, Paused]] = {}
         self.subscribed = False  # to this generation's topic (not yet when its start failed)
-        # Workers that announced they are leaving with notice (Leaving): removed from the
-        # scheduler, held by dask-train's plugin, reached directly until the hand-over ends.
-        self.leaving_workers: set[str] = set()
 
     @property
     def topic(self) -> str:
@@ -378,7 +379,7 @@ class RoleEngine(Engine):
     def left(self, workers: set[str]) -> None:
         """No more direct calls to ``workers``: a dead one's address would be retried until
         Dask's connect timeout."""
-        self.leaving_workers -= workers
+        self.leaving_workers -= workers  # the granter shares the set
 
     async def save(self, *, directory: str, paths: Callable[[int], str],
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:

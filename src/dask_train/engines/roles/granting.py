@@ -22,6 +22,7 @@ from distributed import Client, Future
 
 from dask_train.data._blocks import BlockSet
 from dask_train.policy._ledger import Ledger
+from dask_train.runtime._calls import run_direct
 from dask_train.runtime._enqueue import feed_block
 
 
@@ -83,6 +84,9 @@ class Granter:
         self.idle = [False] * len(self.addresses)  # out of blocks, waiting for the job's end
         self.sequence = [0] * len(self.addresses)
         self.retired: set[int] = set()
+        # Workers leaving with notice (the engine's set): out of the scheduler's reach, their
+        # trainers are fed directly until the hand-over, so they reach their next report.
+        self.leaving: set[str] = set()
         self.stopping = False
         # Persisted blocks are in memory already: more credit would only move them sooner.
         self.ahead, self.most_ahead = ahead, max(ahead, most_ahead) if blocks.streamed else ahead
@@ -145,6 +149,10 @@ class Granter:
         self.idle[trainer] = False
         address = self.addresses[trainer]
         common = self._common(trainer)
+        if address in self.leaving:
+            self.ended[trainer] = a is None
+            self._feed_leaving(address, a, common)
+            return
         if a is None:
             self.ended[trainer] = True
             fut = self.pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
@@ -251,6 +259,29 @@ class Granter:
         self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
         task.add_done_callback(self.direct_feeds.discard)
         return True
+
+    def _feed_leaving(self, address: str, a: Any, common: dict[str, Any]) -> None:
+        """Queue a block (None: the end marker) on a leaving worker's trainer: the block is
+        brought through the client (a streamed one is read there), then queued by a direct
+        call. Rare and bounded: only between a worker's notice and its hand-over."""
+
+        async def send() -> None:
+            pair: Any = None
+            where = {"epoch": -1, "block": -1}
+            if a is not None:
+                source = self.blocks.block_input(a.block)
+                pair = await self.client.gather(source, asynchronous=True) \
+                    if isinstance(source, Future) else source
+                where = {"epoch": a.epoch, "block": a.block, "skip": a.skip}
+            try:
+                await run_direct(self.client, feed_block, pair, address=address, **where,
+                                 **common)
+            except Exception:  # gone: the hand-over fails, and the loss is decided as any other
+                pass
+
+        task = asyncio.get_running_loop().create_task(send())
+        self.direct_feeds.add(task)
+        task.add_done_callback(self.direct_feeds.discard)
 
     def end_idle(self) -> None:
         """Send end markers to idle trainers once every block handed out has been consumed."""

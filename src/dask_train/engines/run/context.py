@@ -42,7 +42,8 @@ class RunSettings:
     ``train`` names the streamed data set (None without one); ``labels`` is False when it has no
     targets (``data={"train": X}``); ``small`` holds the other named sets, whole, as numpy;
     ``checkpointing`` is False without a ``CheckpointConfig`` (a checkpoint given to ``report``
-    is then dropped, said once in the log); ``local_ranks`` (each rank's index among the ranks on
+    is then not stored, said once in the log: it is kept until the next report, for a hand-over,
+    unless sharded); ``local_ranks`` (each rank's index among the ranks on
     its host) and ``master`` (the group's store, ``host:port``) are what torchrun would tell it.
     ``sharded_root``: where the ranks write a sharded state (``report(sharded=True)``) before
     the controller adopts it into its checkpoint (a ``StoragePath`` with the checkpoint's
@@ -390,19 +391,23 @@ class RunContext:
             state.params.pop(0, None)
 
     def _hold(self, checkpoint: Any) -> bool:
-        """Keep ``checkpoint`` where the controller's save finds it; False when none is written."""
+        """Keep ``checkpoint`` where the controller's save finds it: for the job's store, or,
+        without ``checkpoint=``, only until the next report, for a hand-over (a worker that
+        leaves with notice, see :mod:`dask_train.controller._departures`)."""
         if not self._run.checkpointing:
-            if not self._said_no_store:
-                self._said_no_store = True
-                logger.info("rank %d: ctx.report(checkpoint=...) is not written: the job has no "
-                            "checkpoint=dt.CheckpointConfig(path)", self.rank)
-            return False
+            self._say_no_store()
         from dask_train.checkpoint._state import flatten_state
 
         flatten_state(checkpoint)  # every problem named here, in the user's own call
         self._role.state.params[0] = StateHolder(
             checkpoint, steps=self.step, next_epoch=self._restart_epoch())
         return True
+
+    def _say_no_store(self) -> None:
+        if not self._said_no_store:
+            self._said_no_store = True
+            logger.info("rank %d: ctx.report(checkpoint=...) is not stored: the job has no "
+                        "checkpoint=dt.CheckpointConfig(path)", self.rank)
 
     def _write_sharded(self, checkpoint: Any) -> str:
         """Every rank writes its part of ``checkpoint`` (DCP, a collective) where the controller
@@ -421,7 +426,7 @@ class RunContext:
                                     "rank did: each rank passes its part of a sharded state."])
         if checkpoint is None or not self._run.checkpointing:
             if checkpoint is not None:
-                self._hold(checkpoint)  # says once that the job writes no checkpoint
+                self._say_no_store()
             return ""
         path = f"{self._run.sharded_root}/{self._role.job}-r{self._reports}"
         save_sharded(checkpoint, path, options_of(self._run.sharded_root, None))
