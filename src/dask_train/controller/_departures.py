@@ -73,6 +73,21 @@ def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
+async def _listens(address: str, timeout: float = 0.2) -> bool:
+    """Whether something still accepts connections at a worker's address (a held worker does;
+    a killed one's port refuses at once, a dead host's times out)."""
+    if "://" in address and not address.startswith(("tcp://", "tls://")):
+        return False
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
+                                           timeout)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 def on_this_machine(addresses: Iterable[str]) -> bool:
     """Whether every worker address is on this machine (a directory here is theirs too)."""
     here = set(_LOOPBACK)
@@ -117,9 +132,12 @@ class HandOvers:
         return engine.leaving() - self.started
 
     async def wait_for_notices(self, engine: Engine, workers: set[str]) -> None:
-        """Give lost ``workers`` a moment (:data:`NOTICE_S`) to say they are leaving."""
+        """Give lost ``workers`` that still listen (held, not killed) a moment
+        (:data:`NOTICE_S`) to say they are leaving. A killed worker's port refuses at once: its
+        loss is not delayed (meanwhile the survivors of a lost server would go on consuming)."""
+        listening = {w for w in workers if await _listens(w)}
         deadline = time.monotonic() + NOTICE_S
-        while workers - engine.leaving() and time.monotonic() < deadline:
+        while listening - engine.leaving() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     def _store(self, engine: Engine, alive: Iterable[str]) -> Checkpoints | None:
