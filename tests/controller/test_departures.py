@@ -311,3 +311,88 @@ def test_dt_run_hands_over_at_the_next_report(three_workers: Client, tmp_path: P
     consumed = result.ledger.groupby("epoch")["consumed"].sum()
     assert consumed.to_dict() == {e: ROWS for e in range(4)}
     assert result.samples == 4 * ROWS
+
+
+# -- workers that join --------------------------------------------------------------------------
+@pytest.fixture()
+def two_workers() -> Iterator[tuple[LocalCluster, Client]]:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+class _ScaleUpAt(dt.Callback):
+    """Adds a worker to the cluster (as a user's ``cluster.scale`` does) at the first score;
+    stops the job (returns True) five scores after it is there."""
+
+    def __init__(self, cluster: LocalCluster, client: Client, n: int) -> None:
+        self.cluster, self.client, self.n, self.done, self.after = cluster, client, n, False, 0
+
+    def on_score(self, record: Any) -> bool:
+        if not self.done:
+            self.done = True
+            self.cluster.scale(self.n)
+        elif len(self.client.scheduler_info()["workers"]) == self.n:
+            self.after += 1
+        return self.after >= 5
+
+
+class _ScaleDownThenUp(dt.Callback):
+    """``cluster.scale(2)`` at the first score (Dask retires a worker: a departure), then
+    ``cluster.scale(3)`` once the job runs on two ranks (a new worker joins); stops the job
+    (returns True) five scores after the third worker is there, long enough for the job to
+    have taken it in, whatever the machine's load."""
+
+    def __init__(self, cluster: LocalCluster, client: Client) -> None:
+        self.cluster, self.client, self.step, self.after = cluster, client, 0, 0
+
+    def on_score(self, record: Any) -> bool:
+        workers = len(self.client.scheduler_info()["workers"])
+        if self.step == 0:
+            self.step = 1
+            self.cluster.scale(2)
+        elif self.step == 1 and workers == 2:
+            self.step = 2
+            self.cluster.scale(3)
+        elif self.step == 2 and workers == 3:
+            self.after += 1
+        return self.after >= 5
+
+
+def _assert_each_row_at_most_once(result: Any) -> None:
+    """A job stopped mid-epoch: no block's rows consumed twice, every consumed row applied."""
+    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert (consumed <= BLOCK).all()
+    assert int(consumed.sum()) == result.samples
+
+
+def test_a_sync_job_shrinks_when_scaled_down_and_grows_when_scaled_up(
+        three_workers: Client) -> None:
+    client = three_workers
+    cluster = client.cluster
+    X, Y, validation = _data()
+    scaling = _ScaleDownThenUp(cluster, client)
+    result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy="sync", workers=3, batch_size=32,
+                        epochs=1000, score_every=0.2, timeout=30, progress=False, client=client,
+                        callbacks=[scaling]).fit(X, Y, validation=validation)
+    assert result.stopped_by == "callback" and result.failures == []
+    [departure], [arrival] = result.departures, result.arrivals
+    assert departure["redone"] == arrival["redone"] == 0
+    assert departure["step"] <= arrival["step"] and result.generations == 3
+    assert len(result.roles["worker"]) == 3  # three ranks again from the arrival on
+    _assert_each_row_at_most_once(result)
+
+
+def test_dt_run_takes_in_a_worker_that_joins_at_its_next_report(
+        two_workers: tuple[LocalCluster, Client]) -> None:
+    cluster, client = two_workers
+    X, Y, _ = _data()
+    scale = _ScaleUpAt(cluster, client, 3)
+    result = dt.run(_run_loop, workers=(2, 3), epochs=1000, client=client,
+                    data={"train": (X, Y)}, callbacks=[scale])
+    assert result.stopped_by == "callback" and result.failures == []
+    [arrival] = result.arrivals
+    assert arrival["redone"] == 0
+    restored = {r["restored"] for r in result.returns}
+    assert len(result.returns) == 3 and len(restored) == 1 and None not in restored
+    _assert_each_row_at_most_once(result)

@@ -32,6 +32,7 @@ class JobResult:
     failures: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     departures: list[dict[str, Any]] = field(default_factory=list)
+    arrivals: list[dict[str, Any]] = field(default_factory=list)
     generations: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0
@@ -53,7 +54,8 @@ def job_fields(outcome: Outcome, *, wall_s: float, clock: Mapping[str, float]) -
                 epochs_completed=outcome.epochs_completed, wall_s=wall_s,
                 ledger=ledger_frame(outcome.ledger), roles=outcome.roles,
                 failures=list(log.failures), checkpoints=list(log.checkpoints),
-                departures=list(log.departures), generations=log.generations,
+                departures=list(log.departures), arrivals=list(log.arrivals),
+                generations=log.generations,
                 timings=phase_timings(clock, log), started_at=log.started)
 
 

@@ -57,6 +57,9 @@ class FitResult(JobResult):
         it held roles: which worker and roles, the step the job handed over at, the seconds from
         the notice to the next generation's start (``hand_over_s``) and ``redone`` (0). Not a
         failure: ``max_failures`` does not count it. See :doc:`/cluster-changes`.
+    arrivals : list of dict
+        Each regroup of a sync job onto workers that joined (a scale-up), with the same fields:
+        the job paused, its state was written and its ranks started again on every worker.
     nonfinite : list of dict
         Non-finite losses and scores seen (role, step).
     model_step : int

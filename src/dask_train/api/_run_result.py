@@ -43,6 +43,9 @@ class RunResult(JobResult):
     departures : list of dict
         Each worker that left with notice while it held a rank, as
         :attr:`FitResult.departures <dask_train.FitResult.departures>`.
+    arrivals : list of dict
+        Each regroup onto workers that joined, up to ``workers=(least, most)``'s most, at a
+        report with a checkpoint (as :attr:`FitResult.arrivals <dask_train.FitResult.arrivals>`).
     generations : int
         1, plus one per restart.
     timings : dict

@@ -220,6 +220,9 @@ class Controller:
                         logger.info("the stop (%s) waits for the next generation: %s was lost "
                                     "in the same moment", withdrawn, failure.role)
                     return failure
+                arrival = await self._take_arrivals(engine)
+                if arrival is not None:
+                    return arrival
         return None
 
     async def _start(self, engine: Engine) -> Failure | None:
@@ -475,6 +478,25 @@ class Controller:
                        "samples applied since are trained again", self.state.generation,
                        self.restore.directory if self.restore else "the initial parameters",
                        self.roles, time.time() - t0, failure.role, redone)
+
+    async def _take_arrivals(self, engine: Engine) -> Departure | None:
+        """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
+        onto workers that joined, when its placement would give them ranks."""
+        if not engine.grows_by_regroup or self.state.phase is not Phase.RUNNING or \
+                self.state.stopped_by or self.hand_overs.awaiting is not None or \
+                engine.leaving() or not engine.running():
+            return None
+        alive = await alive_workers(self.client, placeable=True)
+        if not set(alive) - set(engine.roles.addresses):
+            return None
+        try:
+            roles = self.plan(alive)
+        except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
+            return None
+        if len(roles["worker"]) <= len(engine.roles["worker"]):
+            return None
+        joined = set(roles.addresses) - set(engine.roles.addresses)
+        return await self.hand_overs.hand_over(engine, alive, joined=joined)
 
     async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
         """End this generation (the leaving workers' roles stop, their hold ends) and place the

@@ -61,12 +61,24 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 @dataclass(frozen=True)
 class Departure:
-    """Workers that left with notice, and the state their job was handed over at."""
+    """Workers that left with notice (``workers``), or joined (``joined``), and the state the
+    job regroups from."""
 
     workers: tuple[str, ...]
     roles: tuple[str, ...]
     restore: Restore
     noticed_at: float  # time.monotonic() when the notice was acted on
+    joined: tuple[str, ...] = ()
+
+
+@dataclass
+class _Awaited:
+    """A ``dt.run`` regroup waiting for its ranks' next report with a checkpoint."""
+
+    leaving: set[str]
+    joined: set[str]
+    noticed: float
+    deadline: float
 
 
 def _host(address: str) -> str:
@@ -86,6 +98,12 @@ async def _listens(address: str, timeout: float = 0.2) -> bool:
         return False
     writer.close()
     return True
+
+
+def _what(leaving: set[str], joined: set[str]) -> str:
+    parts = ([f"{', '.join(sorted(leaving))} is leaving"] if leaving else []) + \
+        ([f"{', '.join(sorted(joined))} joined"] if joined else [])
+    return " and ".join(parts)
 
 
 def on_this_machine(addresses: Iterable[str]) -> bool:
@@ -122,10 +140,10 @@ class HandOvers:
         self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
         self.checkpoints, self.manifest = checkpoints, manifest
         self.started: set[str] = set()  # notices acted on, handed over or not
-        # A dt.run job's hand-over waits for its ranks' next report with a checkpoint:
-        # (the leaving workers, when the notice came, the deadline), None when none waits.
-        self.awaiting: tuple[set[str], float, float] | None = None
+        # A dt.run job's regroup waits for its ranks' next report with a checkpoint.
+        self.awaiting: _Awaited | None = None
         self._scratch: Checkpoints | None = None
+        self._said_no_store = False
 
     def pending(self, engine: Engine) -> set[str]:
         """Leaving workers of this generation's roles whose hand-over has not started."""
@@ -156,26 +174,35 @@ class HandOvers:
                        ", ".join(sorted(leaving)), why)
         engine.left(leaving)
 
-    async def hand_over(self, engine: Engine, alive: Iterable[str]) -> Departure | None:
-        """Start the hand-over of the pending leaving workers. An engine that pauses on request
-        is paused now, its state written, and the departure returned; a ``dt.run`` job's is
-        taken at its ranks' next report with a checkpoint (:meth:`at_report`). None: not (yet)
-        handed over; a failed one is a loss at the next look at the roles."""
-        leaving = self.pending(engine)
+    async def hand_over(self, engine: Engine, alive: Iterable[str], *,
+                        joined: Iterable[str] = ()) -> Departure | None:
+        """Regroup the job: hand the pending leaving workers' roles over, or take in workers
+        that ``joined``. An engine that pauses on request is paused now, its state written, and
+        the departure returned; a ``dt.run`` job's is taken at its ranks' next report with a
+        checkpoint (:meth:`at_report`). None: not (yet) regrouped; a failed hand-over is a
+        loss at the next look at the roles."""
+        leaving, joined = self.pending(engine), set(joined)
         self.started |= leaving
         noticed = time.monotonic()
         store = self._store(engine, alive)
         if store is None:
-            self._fail(engine, leaving, "this job has no checkpoint= to hand them over through, "
-                       "and its workers are not all on this machine; set checkpoint= to a path "
-                       "every worker reaches to hand over without loss")
+            if leaving:
+                self._fail(engine, leaving, "this job has no checkpoint= to hand them over "
+                           "through, and its workers are not all on this machine; set "
+                           "checkpoint= to a path every worker reaches to hand over without loss")
+            elif not self._said_no_store:
+                self._said_no_store = True
+                logger.info("%s joined: this job uses it at its next generation (it has no "
+                            "checkpoint= to regroup through now)", ", ".join(sorted(joined)))
             return None
         if not engine.schedules_checkpoints:
             # Its ranks pause only at their reports: the next one that carries a checkpoint.
-            waiting = self.awaiting[0] if self.awaiting else set()
-            self.awaiting = (waiting | leaving, noticed, noticed + PAUSE_S)
-            logger.info("%s is leaving: the job hands over at its next report with a "
-                        "checkpoint (within %g s)", ", ".join(sorted(leaving)), PAUSE_S)
+            if self.awaiting is None:
+                self.awaiting = _Awaited(set(), set(), noticed, noticed + PAUSE_S)
+            self.awaiting.leaving |= leaving
+            self.awaiting.joined |= joined
+            logger.info("%s: the job regroups at its next report with a checkpoint (within "
+                        "%g s)", _what(leaving, joined), PAUSE_S)
             return None
         state = self.state
         state.enter(Phase.CHECKPOINTING)
@@ -194,10 +221,14 @@ class HandOvers:
                     await self._still_there(leaving)
                     next_look = time.monotonic() + LOOK_S
                 await asyncio.sleep(0.01)
-            departure = await self._write(engine, store, leaving, snapshot, noticed=noticed,
-                                          step=await engine.exact_step())
+            departure = await self._write(engine, store, leaving, joined, snapshot,
+                                          noticed=noticed, step=await engine.exact_step())
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
-            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+            if leaving:
+                self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+            else:  # an arrival that could not be taken in now: used at the next generation
+                logger.info("%s joined, but the job could not regroup now (%s: %s)",
+                            ", ".join(sorted(joined)), type(exc).__name__, exc)
             await engine.resume(state.pause_id)
             state.pause_id = 0
             state.enter(Phase.RUNNING)
@@ -205,39 +236,41 @@ class HandOvers:
         return departure
 
     async def overdue(self, engine: Engine) -> None:
-        """A ``dt.run`` hand-over whose report did not come in time (or whose held worker is
-        gone) fails: its workers become losses."""
-        if self.awaiting is None:
+        """A ``dt.run`` regroup whose report did not come in time (or whose held worker is
+        gone) is given up: its leaving workers become losses."""
+        waiting = self.awaiting
+        if waiting is None:
             return
-        leaving, _, deadline = self.awaiting
         try:
-            if time.monotonic() > deadline:
+            if time.monotonic() > waiting.deadline:
                 raise TimeoutError(f"no report with a checkpoint within {PAUSE_S:g} s")
-            await self._still_there(leaving)
+            await self._still_there(waiting.leaving)
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
             self.awaiting = None
-            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+            if waiting.leaving:
+                self._fail(engine, waiting.leaving, f"{type(exc).__name__}: {exc}")
 
     async def at_report(self, engine: Engine, report_id: int) -> Departure | None:
         """Every rank reported ``report_id`` with a checkpoint, the leaving ones too: write it
         where the next generation starts from (the ranks wait at their report meanwhile)."""
-        if self.awaiting is None:
+        waiting, self.awaiting = self.awaiting, None
+        if waiting is None:
             return None
-        leaving, noticed, _ = self.awaiting
-        self.awaiting = None
         snapshot = engine.paused(report_id)
         store = self._store(engine, [])
         try:
             if snapshot is None or store is None:
                 raise ValueError("the report holds no state")
-            return await self._write(engine, store, leaving, snapshot, noticed=noticed,
-                                     step=snapshot.step)
+            return await self._write(engine, store, waiting.leaving, waiting.joined, snapshot,
+                                     noticed=waiting.noticed, step=snapshot.step)
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
-            self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
+            if waiting.leaving:
+                self._fail(engine, waiting.leaving, f"{type(exc).__name__}: {exc}")
             return None
 
     async def _write(self, engine: Engine, store: Checkpoints, leaving: set[str],
-                     snapshot: Snapshot, *, noticed: float, step: int) -> Departure:
+                     joined: set[str], snapshot: Snapshot, *, noticed: float,
+                     step: int) -> Departure:
         """Write the paused state to ``store`` and read it back as the next start."""
         state = self.state
         info = await store.write(engine, state, self.manifest(snapshot.ledger, snapshot.rng),
@@ -254,7 +287,7 @@ class HandOvers:
         roles = tuple(f"{kind}-{i}" for kind in KINDS
                       for i, a in enumerate(engine.roles.get(kind, [])) if a in leaving)
         return Departure(workers=tuple(sorted(leaving)), roles=roles, restore=restore,
-                         noticed_at=noticed)
+                         noticed_at=noticed, joined=tuple(sorted(joined)))
 
     async def _still_there(self, workers: Iterable[str]) -> None:
         """Raise WorkerLost when one of the held ``workers`` no longer answers."""
@@ -266,19 +299,21 @@ class HandOvers:
                                  f"({type(exc).__name__})", worker=address) from exc
 
     def record(self, departure: Departure, *, roles: Mapping[str, list[str]]) -> None:
-        """Record and publish a departure once the next generation is placed."""
+        """Record and publish a regroup once the next generation is placed: a departure
+        (``result.departures``), or an arrival (``result.arrivals``)."""
         record = {
-            "time_s": self.log.elapsed(), "workers": list(departure.workers),
+            "time_s": self.log.elapsed(), "workers": list(departure.workers or departure.joined),
             "roles": list(departure.roles), "step": departure.restore.step,
             "generation": self.state.generation, "redone": 0,
             "hand_over_s": round(time.monotonic() - departure.noticed_at, 3),
         }
-        self.log.departures.append(record)
-        self.publisher.publish({"kind": "departure", **record})
-        logger.info("generation %d starts on %s from the state %s handed over at step %d "
-                    "(%.2f s after the notice); nothing is trained again", self.state.generation,
-                    dict(roles), ", ".join(departure.workers), departure.restore.step,
-                    record["hand_over_s"])
+        kind = "departure" if departure.workers else "arrival"
+        (self.log.departures if departure.workers else self.log.arrivals).append(record)
+        self.publisher.publish({"kind": kind, **record})
+        logger.info("generation %d starts on %s from the state at step %d (%.2f s after %s); "
+                    "nothing is trained again", self.state.generation, dict(roles),
+                    departure.restore.step, record["hand_over_s"],
+                    _what(set(departure.workers), set(departure.joined)))
 
     def close(self) -> None:
         """Remove the scratch directory, if one was made."""

@@ -47,6 +47,8 @@ class JobLog:
     failures: list[dict[str, Any]] = field(default_factory=list)
     # Workers that left with notice and whose roles were handed over (not failures).
     departures: list[dict[str, Any]] = field(default_factory=list)
+    # Workers that joined and were given roles at a regroup (sync and dt.run jobs).
+    arrivals: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
     elapsed_before: float = 0.0  # seconds trained before this fit (a resumed checkpoint's)

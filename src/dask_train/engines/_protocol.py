@@ -77,6 +77,9 @@ class Engine(ABC):
     #: ``ctx.report(checkpoint=...)``, see :class:`~._events.ReportReady`): the controller then
     #: never pauses it on a schedule and writes no final checkpoint of its own.
     schedules_checkpoints: ClassVar[bool] = True
+    #: True for an engine that takes in workers that joined only in a new generation (sync
+    #: ranks, ``dt.run``): the controller regroups it when its placement would grow.
+    grows_by_regroup: ClassVar[bool] = False
 
     @abstractmethod
     async def start(self, emit: Emit) -> None:

@@ -23,6 +23,7 @@ class TorchSyncEngine(RoleEngine):
     """Ranks all-reduce their gradients every step; rank 0 publishes the parameters."""
 
     strategy = "sync"
+    grows_by_regroup = True  # a process group's size is fixed: joiners come in a new one
     run_trainer = staticmethod(run_rank)
     group: Any = None
 
