@@ -105,8 +105,7 @@ class Controller:
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
-                                    publisher=self.publisher, checkpoints=self.checkpoints,
-                                    manifest=self._manifest)
+                                    publisher=self.publisher, checkpoints=self.checkpoints)
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -205,7 +204,7 @@ class Controller:
             if self.state.phase is Phase.RUNNING and not self.state.stopped_by:
                 if self.hand_overs.pending(engine):
                     departure = await self.hand_overs.hand_over(
-                        engine, await alive_workers(self.client))
+                        engine, await alive_workers(self.client), manifest=self._manifest)
                     if departure is not None:
                         return departure
                 await self.hand_overs.overdue(engine)
@@ -372,7 +371,8 @@ class Controller:
         if report is None:
             return None
         if report.checkpoint and self.hand_overs.awaiting is not None:
-            departure = await self.hand_overs.at_report(engine, report.id)
+            departure = await self.hand_overs.at_report(engine, report.id,
+                                                        manifest=self._manifest)
             if departure is not None:
                 return departure
         if report.checkpoint:
@@ -496,7 +496,8 @@ class Controller:
         if len(roles["worker"]) <= len(engine.roles["worker"]):
             return None
         joined = set(roles.addresses) - set(engine.roles.addresses)
-        return await self.hand_overs.hand_over(engine, alive, joined=joined)
+        return await self.hand_overs.hand_over(engine, alive, manifest=self._manifest,
+                                               joined=joined)
 
     async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
         """End this generation (the leaving workers' roles stop, their hold ends) and place the

@@ -58,6 +58,9 @@ NOTICE_S = 0.5
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
+#: The controller's manifest of a snapshot: ``manifest(ledger, rng)``.
+Manifest = Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]]
+
 
 @dataclass(frozen=True)
 class Departure:
@@ -129,16 +132,17 @@ class HandOvers:
     publisher : JobEvents
     checkpoints : Checkpoints or None
         The job's own store; None when it has no ``checkpoint=``.
-    manifest : callable
-        ``manifest(ledger, rng)``: the controller's manifest for a snapshot.
+
+    The regroups take ``manifest``, the controller's ``manifest(ledger, rng)`` for a snapshot,
+    per call: held here, the controller's bound method would make a cycle that keeps the
+    generation's blocks alive until the next garbage collection.
     """
 
     def __init__(self, client: Client, *, spec: JobSpec, log: JobLog, state: JobState,
-                 publisher: JobEvents, checkpoints: Checkpoints | None,
-                 manifest: Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]]) -> None:
+                 publisher: JobEvents, checkpoints: Checkpoints | None) -> None:
         self.client = client
         self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
-        self.checkpoints, self.manifest = checkpoints, manifest
+        self.checkpoints = checkpoints
         self.started: set[str] = set()  # notices acted on, handed over or not
         # A dt.run job's regroup waits for its ranks' next report with a checkpoint.
         self.awaiting: _Awaited | None = None
@@ -174,7 +178,7 @@ class HandOvers:
                        ", ".join(sorted(leaving)), why)
         engine.left(leaving)
 
-    async def hand_over(self, engine: Engine, alive: Iterable[str], *,
+    async def hand_over(self, engine: Engine, alive: Iterable[str], *, manifest: Manifest,
                         joined: Iterable[str] = ()) -> Departure | None:
         """Regroup the job: hand the pending leaving workers' roles over, or take in workers
         that ``joined``. An engine that pauses on request is paused now, its state written, and
@@ -222,7 +226,8 @@ class HandOvers:
                     next_look = time.monotonic() + LOOK_S
                 await asyncio.sleep(0.01)
             departure = await self._write(engine, store, leaving, joined, snapshot,
-                                          noticed=noticed, step=await engine.exact_step())
+                                          manifest=manifest, noticed=noticed,
+                                          step=await engine.exact_step())
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
             if leaving:
                 self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")
@@ -250,7 +255,8 @@ class HandOvers:
             if waiting.leaving:
                 self._fail(engine, waiting.leaving, f"{type(exc).__name__}: {exc}")
 
-    async def at_report(self, engine: Engine, report_id: int) -> Departure | None:
+    async def at_report(self, engine: Engine, report_id: int, *,
+                        manifest: Manifest) -> Departure | None:
         """Every rank reported ``report_id`` with a checkpoint, the leaving ones too: write it
         where the next generation starts from (the ranks wait at their report meanwhile)."""
         waiting, self.awaiting = self.awaiting, None
@@ -262,18 +268,19 @@ class HandOvers:
             if snapshot is None or store is None:
                 raise ValueError("the report holds no state")
             return await self._write(engine, store, waiting.leaving, waiting.joined, snapshot,
-                                     noticed=waiting.noticed, step=snapshot.step)
+                                     manifest=manifest, noticed=waiting.noticed,
+                                     step=snapshot.step)
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
             if waiting.leaving:
                 self._fail(engine, waiting.leaving, f"{type(exc).__name__}: {exc}")
             return None
 
     async def _write(self, engine: Engine, store: Checkpoints, leaving: set[str],
-                     joined: set[str], snapshot: Snapshot, *, noticed: float,
-                     step: int) -> Departure:
+                     joined: set[str], snapshot: Snapshot, *, manifest: Manifest,
+                     noticed: float, step: int) -> Departure:
         """Write the paused state to ``store`` and read it back as the next start."""
         state = self.state
-        info = await store.write(engine, state, self.manifest(snapshot.ledger, snapshot.rng),
+        info = await store.write(engine, state, manifest(snapshot.ledger, snapshot.rng),
                                  step=step, generation=state.generation,
                                  pause_s=time.time() - state.pause_started)
         if info is None:
