@@ -321,9 +321,19 @@ def two_workers() -> Iterator[tuple[LocalCluster, Client]]:
         yield cluster, client
 
 
+def _ranks_running(client: Client) -> int:
+    """The job's ranks (or sync trainers) running now, as the scheduler sees their tasks."""
+
+    def count(dask_scheduler: Any) -> int:
+        return sum(1 for key, ts in dask_scheduler.tasks.items() if ts.state == "processing"
+                   and str(key).startswith(("dt-rank-", "dt-worker-")))
+
+    return int(client.run_on_scheduler(count))
+
+
 class _ScaleUpAt(dt.Callback):
     """Adds a worker to the cluster (as a user's ``cluster.scale`` does) at the first score;
-    stops the job (returns True) five scores after it is there."""
+    stops the job (returns True) three scores after ``n`` ranks run, whatever the load."""
 
     def __init__(self, cluster: LocalCluster, client: Client, n: int) -> None:
         self.cluster, self.client, self.n, self.done, self.after = cluster, client, n, False, 0
@@ -332,31 +342,30 @@ class _ScaleUpAt(dt.Callback):
         if not self.done:
             self.done = True
             self.cluster.scale(self.n)
-        elif len(self.client.scheduler_info()["workers"]) == self.n:
+        elif self.after or _ranks_running(self.client) == self.n:
             self.after += 1
-        return self.after >= 5
+        return self.after >= 3
 
 
 class _ScaleDownThenUp(dt.Callback):
     """``cluster.scale(2)`` at the first score (Dask retires a worker: a departure), then
     ``cluster.scale(3)`` once the job runs on two ranks (a new worker joins); stops the job
-    (returns True) five scores after the third worker is there, long enough for the job to
-    have taken it in, whatever the machine's load."""
+    (returns True) three scores after three ranks run again, whatever the machine's load."""
 
     def __init__(self, cluster: LocalCluster, client: Client) -> None:
         self.cluster, self.client, self.step, self.after = cluster, client, 0, 0
 
     def on_score(self, record: Any) -> bool:
-        workers = len(self.client.scheduler_info()["workers"])
         if self.step == 0:
             self.step = 1
             self.cluster.scale(2)
-        elif self.step == 1 and workers == 2:
+        elif self.step == 1 and len(self.client.scheduler_info()["workers"]) == 2 and \
+                _ranks_running(self.client) == 2:
             self.step = 2
             self.cluster.scale(3)
-        elif self.step == 2 and workers == 3:
+        elif self.step == 2 and (self.after or _ranks_running(self.client) == 3):
             self.after += 1
-        return self.after >= 5
+        return self.after >= 3
 
 
 def _assert_each_row_at_most_once(result: Any) -> None:
