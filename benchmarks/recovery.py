@@ -16,6 +16,13 @@ On the digits job (async-ps, 2 trainers, 1 parameter server, a scorer every 0.2 
 * **parameter-server death**: the server's worker is SIGKILLed; checkpoints every 2 s. Reported:
   detection, kill to the first score of the new generation, and samples redone (trained since
   the last checkpoint and lost with the server).
+* **departures with notice**: on ``dt.connect(n_workers=3)``, the server's worker, or trainer
+  1's, is retired (``client.retire_workers``, as a scale-down does) once the servers have applied
+  a set number of samples; no ``checkpoint=`` (the hand-over goes through a scratch directory on
+  this machine). Reported: seconds from the retire call until the job recorded it (the
+  departure once the next generation is placed; a kill's failure when decided) and until the
+  next score, samples trained again, and the same for a SIGKILL of the server's worker on the
+  same cluster with a checkpoint every 2 s, for comparison.
 * **checkpoint writes**: both MLPs of ``throughput.py``, 8 s of training with a checkpoint every
   second: median seconds to reach the pause (every trainer at a consistent point) and to write
   (shards in parallel, then the manifest) while the trainers wait, and size on disk
@@ -32,6 +39,7 @@ import shutil
 import signal
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +112,58 @@ def _restored_samples(result: Any, kill: float) -> int:
     return int(after["samples"].iloc[0]) if len(after) else 0
 
 
+class _Retirer(dt.Callback):
+    """Retires (or SIGKILLs) ``victim`` once the servers have applied ``samples`` samples."""
+
+    def __init__(self, client: Any, victim: str, samples: int, *, kill: bool) -> None:
+        self.client, self.victim, self.samples, self.kill = client, victim, samples, kill
+        self.pid = client.run(os.getpid, workers=[victim])[victim]
+        self.at_s: float | None = None  # the job's clock (history's time_s) at the call
+        self.at_wall = 0.0
+
+    def on_score(self, record: dict[str, Any]) -> None:
+        if self.at_s is None and record["samples"] >= self.samples:
+            self.at_s, self.at_wall = record["time_s"], time.time()
+            if self.kill:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                self.client.retire_workers([self.victim])
+
+
+def _departure_run(kind: str, n_samples: int, at: int, *, kill: bool) -> dict[str, Any]:
+    X, y = dt.datasets.digits(n_samples, seed=0)
+    Xv, yv = dt.datasets.digits_test()
+    tmp = tempfile.mkdtemp(prefix="dt-bench-")
+    with dt.connect(n_workers=3) as client:
+        roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
+        victim = roles["ps"][0] if kind == "ps" else roles["worker"][1]
+        call = _Retirer(client, victim, at, kill=kill)
+        try:
+            result = dt.Trainer(
+                build_mlp([100]), lr=1e-3, ps=1, workers=2, batch_size=128, epochs=2,
+                score_every=0.2, progress=False, client=client, callbacks=[call],
+                checkpoint=dt.CheckpointConfig(tmp, every_seconds=2.0, keep=2) if kill else None,
+            ).fit(X, y, validation=(Xv, yv))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    assert call.at_s is not None, "the job ended before the call: raise --n-samples"
+    after = result.history[result.history["time_s"] > call.at_s]
+    restart = (result.departures or result.failures)[0]
+    redone = 0 if result.departures else int(restart.get("redone", 0))
+    return {
+        "event": f"{kind} {'killed' if kill else 'retired'}",
+        "recorded_as": "departure" if result.departures else
+        ", ".join(f"{f['role']}: {f['action']}" for f in result.failures),
+        "recorded_s": round(restart["time_s"] - call.at_s, 2),
+        "to_next_score_s": round(float(after["time_s"].iloc[0] - call.at_s), 2)
+        if len(after) else float("nan"),
+        "samples_redone": redone,
+        "generations": result.generations,
+        "samples_applied": result.samples,
+        "final_accuracy": round(float(result.history["accuracy"].iloc[-1]), 4),
+    }
+
+
 def _checkpoint_run(client: Any, hidden: list[int], batch: int, n_samples: int) -> dict[str, Any]:
     X, y = dt.datasets.digits(n_samples, seed=0)
     tmp = tempfile.mkdtemp(prefix="dt-bench-")
@@ -138,25 +198,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-samples", type=int, default=400_000)
     parser.add_argument("--quick", action="store_true", help="smaller data, for a smoke run")
+    parser.add_argument("--sections", default="failures,departures,checkpoints",
+                        help="which tables to measure (comma-separated)")
     args = parser.parse_args()
     n = 100_000 if args.quick else args.n_samples
-    rows_fail, rows_ckpt = [], []
-    for kind in ("trainer", "ps"):
-        # A fresh cluster per run: each kills one of its workers.
+    sections = set(args.sections.split(","))
+    rows_fail: list[dict[str, Any]] = []
+    rows_depart: list[dict[str, Any]] = []
+    rows_ckpt: list[dict[str, Any]] = []
+    if "failures" in sections:
+        for kind in ("trainer", "ps"):
+            # A fresh cluster per run: each kills one of its workers.
+            with dt.connect(n_workers=2) as client:
+                rows_fail.append(_failure_run(client, kind, n, kill_at=n // 3))
+                print(rows_fail[-1], flush=True)
+    if "departures" in sections:
+        for kind, kill in (("ps", False), ("trainer", False), ("ps", True)):
+            rows_depart.append(_departure_run(kind, n, n // 3, kill=kill))
+            print(rows_depart[-1], flush=True)
+    if "checkpoints" in sections:
         with dt.connect(n_workers=2) as client:
-            rows_fail.append(_failure_run(client, kind, n, kill_at=n // 3))
-            print(rows_fail[-1], flush=True)
-    with dt.connect(n_workers=2) as client:
-        rows_ckpt.append(_checkpoint_run(client, [100], 512, n))
-        rows_ckpt.append(_checkpoint_run(client, [1024, 1024], 128, n))
-    md = "## Failures (digits job, async-ps, 2 trainers, 1 server)\n\n"
-    md += markdown_table(rows_fail, list(dict.fromkeys(k for r in rows_fail for k in r)))
-    md += "\n\n## Checkpoint writes (every second for 8 s, trainers paused while written)\n\n"
-    md += markdown_table(rows_ckpt, list(rows_ckpt[0]))
+            rows_ckpt.append(_checkpoint_run(client, [100], 512, n))
+            rows_ckpt.append(_checkpoint_run(client, [1024, 1024], 128, n))
+    md = ""
+    if rows_fail:
+        md += "## Failures (digits job, async-ps, 2 trainers, 1 server)\n\n"
+        md += markdown_table(rows_fail, list(dict.fromkeys(k for r in rows_fail for k in r)))
+        md += "\n\n"
+    if rows_depart:
+        md += "## Departures with notice against a kill (3 workers, async-ps, 2 trainers)\n\n"
+        md += markdown_table(rows_depart, list(rows_depart[0])) + "\n\n"
+    if rows_ckpt:
+        md += "## Checkpoint writes (every second for 8 s, trainers paused while written)\n\n"
+        md += markdown_table(rows_ckpt, list(rows_ckpt[0]))
     print(md)
     name = "recovery-quick" if args.quick else "recovery"
+    if sections != {"failures", "departures", "checkpoints"}:
+        name += "-" + "-".join(sorted(sections))
     write_results(name, md, {"environment": environment(), "failures": rows_fail,
-                             "checkpoints": rows_ckpt, "args": vars(args)})
+                             "departures": rows_depart, "checkpoints": rows_ckpt,
+                             "args": vars(args)})
 
 
 if __name__ == "__main__":
