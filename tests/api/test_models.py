@@ -96,7 +96,8 @@ def test_a_metric_typo_is_refused_before_any_work(client: Client, digits: tuple)
 def test_stop_conditions_start_fresh_at_each_fit(client: Client, digits: tuple) -> None:
     X, y, validation = digits
     stop = dt.EarlyStopping("accuracy", patience=3)
-    trainer = _trainer(client, _mlp(), stop=[stop], score_every=0.05)
+    # Epochs enough for several scores: one epoch took 0.08 s in a fresh-clone run, one score.
+    trainer = _trainer(client, _mlp(), stop=[stop], score_every=0.05, epochs=20)
     first = trainer.fit(X, y, validation=validation)
     stop.wait = 3  # as a stopped condition would leave it
     second = trainer.fit(X, y, validation=validation)

@@ -8,7 +8,6 @@ once (the ledger and the servers' count), nothing is trained again, and the log 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -17,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,8 @@ from distributed import Client, LocalCluster
 import dask_train as dt
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
+sys.path.insert(0, str(Path(__file__).parent))
+from _dask_cli import dask_cli_cluster  # noqa: E402
 from _models import mlp  # noqa: E402
 
 ROWS, BLOCK = 12_000, 1000
@@ -175,36 +175,6 @@ class _StopAfterDeparture(dt.Callback):
         return self.after >= 2
 
 
-@contextmanager
-def _dask_cluster(tmp_path: Path, *leaving: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``dask scheduler``, a ``dask worker`` of two processes, and one more ``dask worker``
-    started with the options ``leaving`` (the one that leaves), each as a user starts them."""
-    dask = str(Path(sys.executable).parent / "dask")
-    info = tmp_path / "scheduler.json"
-    log = (tmp_path / "cluster.log").open("w")
-    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                                  "--no-dashboard", "--scheduler-file", str(info)],
-                                 stdout=log, stderr=log)
-    workers: list[subprocess.Popen[bytes]] = []
-    try:
-        deadline = time.monotonic() + 30
-        while not info.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        address = json.loads(info.read_text())["address"]
-        common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
-        workers.append(subprocess.Popen([dask, "worker", address, "--nworkers", "2", *common],
-                                        stdout=log, stderr=log))
-        workers.append(subprocess.Popen([dask, "worker", address, *leaving, *common],
-                                        stdout=log, stderr=log))
-        yield address, workers[-1]
-    finally:
-        for process in (*workers, scheduler):
-            if process.poll() is None:
-                process.terminate()
-            process.wait(30)
-        log.close()
-
-
 def _train_until_one_left(client: Client, *callbacks: dt.Callback) -> Any:
     """An async job that runs until the cluster has two workers, and two scores more; every
     worker holds a role (the one that leaves holds one too)."""
@@ -216,7 +186,7 @@ def _train_until_one_left(client: Client, *callbacks: dt.Callback) -> Any:
                       stop=[dt.StopAfter(seconds=120)]).fit(X, Y, validation=validation)
 
 
-def _assert_handed_over(result: Any, output: str) -> None:
+def _assert_handed_over(result: Any, output: str, *, retired: bool = True) -> None:
     assert result.stopped_by == "callback", output
     assert result.failures == [], output
     [departure] = result.departures
@@ -224,14 +194,23 @@ def _assert_handed_over(result: Any, output: str) -> None:
     consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
     assert (consumed <= BLOCK).all()
     assert int(consumed.sum()) == result.samples  # each sample applied once
-    for word in ("Traceback", "ERROR"):
-        assert word not in output, output
+    if retired:
+        for word in ("Traceback", "ERROR"):
+            assert word not in output, output
+    else:
+        # Not retired, the worker left its blocks for Dask to find gone: a peer that fetched
+        # one as it closed logs Dask's own "Worker stream died" ERROR (docs/cluster-changes.md).
+        # No role failed, and dask-train logged no error.
+        assert "Compute Failed" not in output, output
+        assert not [line for line in output.splitlines()
+                    if "ERROR" in line and "dask_train" in line], output
 
 
 def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(tmp_path: Path) -> None:
     # What dask-jobqueue recommends: `dask worker --lifetime` closes each worker before its
     # batch job's walltime (Worker.close_gracefully: retired, then closed).
-    with _dask_cluster(tmp_path, "--lifetime", "12s") as (address, _), Client(address) as client:
+    with dask_cli_cluster(tmp_path, ["--lifetime", "12s"]) as (address, _), \
+            Client(address) as client:
         result = _train_until_one_left(client)
         output = (tmp_path / "cluster.log").read_text()  # the job's, not the cluster's end
     _assert_handed_over(result, output)
@@ -252,11 +231,11 @@ class _TerminateAt(dt.Callback):
 def test_a_dask_worker_sent_sigterm_hands_its_roles_over(tmp_path: Path) -> None:
     # SIGTERM to `dask worker` closes its nanny (10 s, then the process is killed), without
     # retiring: the worker's close still holds for the hand-over, well inside those 10 s.
-    with _dask_cluster(tmp_path) as (address, leaving), Client(address) as client:
+    with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
         client.wait_for_workers(3, timeout=30)
         result = _train_until_one_left(client, _TerminateAt(leaving))
         output = (tmp_path / "cluster.log").read_text()
-    _assert_handed_over(result, output)
+    _assert_handed_over(result, output, retired=False)
 
 
 def _run_loop(ctx: Any) -> dict[str, Any]:
@@ -299,18 +278,20 @@ def test_dt_run_hands_over_at_the_next_report(three_workers: Client, tmp_path: P
     X, Y, _ = _data()
     victim = sorted(client.scheduler_info()["workers"])[1]
     retire = _RetireAtFirstScore(client, victim)
-    result = dt.run(_run_loop, workers=(2, 3), epochs=4, client=client, data={"train": (X, Y)},
+    result = dt.run(_run_loop, workers=(2, 3), epochs=8, client=client, data={"train": (X, Y)},
                     callbacks=[retire],
                     checkpoint=str(tmp_path / "ck") if stored else None)
     assert retire.retired and result.failures == []
     [departure] = result.departures
     assert departure["workers"] == [victim] and departure["redone"] == 0
-    # Retired after epoch 0's report: handed over at epoch 1's, the two others go on from it.
-    assert [r["restored"] for r in result.returns] == [1, 1]
-    assert all(r["epochs"] == [2, 3] for r in result.returns)
+    # Retired after epoch 0's report (the callback's retire call may take an epoch or two):
+    # handed over at a later report, and the two others go on from the epoch after it.
+    [restored] = {r["restored"] for r in result.returns}
+    assert len(result.returns) == 2 and restored >= 1
+    assert all(r["epochs"] == list(range(restored + 1, 8)) for r in result.returns)
     consumed = result.ledger.groupby("epoch")["consumed"].sum()
-    assert consumed.to_dict() == {e: ROWS for e in range(4)}
-    assert result.samples == 4 * ROWS
+    assert consumed.to_dict() == {e: ROWS for e in range(8)}
+    assert result.samples == 8 * ROWS
 
 
 # -- workers that join --------------------------------------------------------------------------

@@ -9,7 +9,6 @@ with SIGINT ignored, and Python would then never raise ``KeyboardInterrupt``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,8 +17,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +27,9 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.controller._interrupt import job_tasks_running
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _dask_cli import dask_cli_cluster  # noqa: E402
 
 SCRIPT = textwrap.dedent('''
     import sys
@@ -125,39 +125,12 @@ def _check_output(status: int, output: str, took: float) -> None:
     assert 0 <= took < 5, (took, output)  # the roles stopped and the line came in well under
 
 
-@contextmanager
-def _dask_cluster(tmp_path: Path) -> Iterator[str]:
-    """``dask scheduler`` and ``dask worker`` (two worker processes) from this environment."""
-    dask = str(Path(sys.executable).parent / "dask")
-    info = tmp_path / "scheduler.json"
-    log = (tmp_path / "cluster.log").open("w")
-    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                                  "--no-dashboard", "--scheduler-file", str(info)],
-                                 stdout=log, stderr=log)
-    workers = None
-    try:
-        deadline = time.monotonic() + 30
-        while not info.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        address = json.loads(info.read_text())["address"]
-        workers = subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1",
-                                    "--host", "127.0.0.1", "--no-dashboard"],
-                                   stdout=log, stderr=log)
-        yield address
-    finally:
-        for process in (workers, scheduler):  # workers first: a quiet end
-            if process is not None:
-                process.terminate()
-                process.wait(30)
-        log.close()
-
-
 def test_ctrl_c_in_a_script_on_the_embedded_cluster(tmp_path: Path) -> None:
     _check_output(*_interrupt_script(tmp_path, "embedded"))
 
 
 def test_ctrl_c_in_a_script_on_a_dask_scheduler_leaves_its_workers_free(tmp_path: Path) -> None:
-    with _dask_cluster(tmp_path) as address:
+    with dask_cli_cluster(tmp_path) as (address, _):
         with Client(address) as client:
             client.wait_for_workers(2, timeout=30)
             before = set(client.scheduler_info()["workers"])

@@ -1,0 +1,43 @@
+"""A cluster started as a user starts one from a shell: ``dask scheduler`` and ``dask worker``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def dask_cli_cluster(tmp_path: Path, *more: list[str]
+                     ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
+    """``dask scheduler``, a ``dask worker`` of two processes, and one more ``dask worker`` per
+    option list in ``more``, from this environment; every process logs to
+    ``tmp_path/cluster.log``. Yields the scheduler's address and the extra workers' processes.
+    Workers are stopped before the scheduler (SIGTERM), for a quiet end."""
+    dask = str(Path(sys.executable).parent / "dask")
+    info = tmp_path / "scheduler.json"
+    log = (tmp_path / "cluster.log").open("w")
+    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                                  "--no-dashboard", "--scheduler-file", str(info)],
+                                 stdout=log, stderr=log)
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        address = json.loads(info.read_text())["address"]
+        common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
+        for options in (["--nworkers", "2"], *more):
+            workers.append(subprocess.Popen([dask, "worker", address, *options, *common],
+                                            stdout=log, stderr=log))
+        yield address, workers[1:]
+    finally:
+        for process in (*workers, scheduler):
+            if process.poll() is None:
+                process.terminate()
+            process.wait(30)
+        log.close()
