@@ -39,7 +39,7 @@ demo: $(VENV)/.setup
 	$(VENV)/bin/dask-train demo
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.setup
 	$(PY) benchmarks/throughput.py
