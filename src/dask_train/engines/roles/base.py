@@ -233,7 +233,11 @@ class RoleEngine(Engine):
         elif isinstance(event, Exit):
             self.exited.add(event.trainer)
         elif isinstance(event, Leaving):
-            self.leaving_workers.add(event.address)
+            if event.address not in self.leaving_workers:
+                self.leaving_workers.add(event.address)
+                # Its feed tasks that had not run are sent again directly; the dropped futures
+                # release their keys.
+                self.granter.redirect(event.address)
         else:  # started, score, nan, stats: the controller's
             self.emit(event)
 

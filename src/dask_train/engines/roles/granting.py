@@ -157,6 +157,7 @@ class Granter:
             self.ended[trainer] = True
             fut = self.pinned(feed_block, None, address=address, key=f"dt-end-{trainer}",
                               epoch=-1, block=-1, **common)
+            self.assigned[str(fut.key)] = (None, common)
         elif a.local and not self.blocks.streamed and \
                 self._feed_direct(trainer, address, a, common):
             return
@@ -259,6 +260,24 @@ class Granter:
         self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
         task.add_done_callback(self.direct_feeds.discard)
         return True
+
+    def redirect(self, address: str) -> list[Future]:
+        """``address`` is leaving: its trainers' feed tasks that have not run (the scheduler
+        dropped the worker, and they would wait there forever) are sent again directly, under
+        their sequence numbers; returns the tasks dropped. One that ran already is read once:
+        the trainer takes each sequence number once."""
+        stale, keep = [], []
+        for trainer, fut in self.feeds:
+            key = str(fut.key)
+            if self.addresses[trainer] == address and fut.status == "pending" and \
+                    key in self.assigned:
+                a, common = self.assigned.pop(key)
+                self._feed_leaving(address, a, common)
+                stale.append(fut)
+            else:
+                keep.append((trainer, fut))
+        self.feeds = keep
+        return stale
 
     def _feed_leaving(self, address: str, a: Any, common: dict[str, Any]) -> None:
         """Queue a block (None: the end marker) on a leaving worker's trainer: the block is
