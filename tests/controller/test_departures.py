@@ -386,3 +386,36 @@ def test_dt_run_takes_in_a_worker_that_joins_at_its_next_report(
     restored = {r["restored"] for r in result.returns}
     assert len(result.returns) == 3 and len(restored) == 1 and None not in restored
     _assert_each_row_at_most_once(result)
+
+
+class _ScaleDownThenBackLater(dt.Callback):
+    """``cluster.scale(2)`` at the first score, and ``cluster.scale(3)`` 3 s later from a
+    thread (no score comes while the job waits for workers)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster, self.done = cluster, False
+
+    def on_score(self, record: Any) -> None:
+        if not self.done:
+            self.done = True
+            self.cluster.scale(2)
+            threading.Timer(3.0, self.cluster.scale, args=(3,)).start()
+
+
+def test_dt_run_below_its_least_waits_for_a_worker_to_join(
+        three_workers: Client, caplog: pytest.LogCaptureFixture) -> None:
+    client = three_workers
+    X, Y, _ = _data()
+    scaling = _ScaleDownThenBackLater(client.cluster)
+    with caplog.at_level(logging.INFO, logger="dask_train"):
+        result = dt.run(_run_loop, workers=(3, 3), epochs=8, timeout=30, client=client,
+                        data={"train": (X, Y)}, callbacks=[scaling])
+    assert scaling.done and result.failures == []
+    [departure] = result.departures
+    assert departure["redone"] == 0
+    assert any("fewer than the job needs: waiting up to 30 s" in r.getMessage()
+               for r in caplog.records)
+    [restored] = {r["restored"] for r in result.returns}
+    assert len(result.returns) == 3 and restored >= 1  # three ranks again, from the hand-over
+    consumed = result.ledger.groupby("epoch")["consumed"].sum()
+    assert consumed.to_dict() == {e: ROWS for e in range(8)}

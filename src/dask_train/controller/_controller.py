@@ -38,7 +38,7 @@ from dask_train.engines._events import (
 )
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import WorkerLost
+from dask_train.errors import InvalidInput, WorkerLost
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
@@ -509,8 +509,31 @@ class Controller:
         alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
                  if a not in departure.workers}  # a SIGTERMed one is still listed, closing
         self.cluster_size = len(alive)  # a retired worker does not come back: no wait for it
-        self._next_generation(alive, redone=0)
+        self._next_generation(await self._enough_workers(alive, departure.workers), redone=0)
         self.hand_overs.record(departure, roles=self.roles.placement)
+
+    async def _enough_workers(self, alive: Mapping[str, int],
+                              gone: tuple[str, ...]) -> Mapping[str, int]:
+        """``alive``, or, when fewer workers are left than the job's least (``dt.run``'s
+        ``workers=(least, most)``), the workers once enough have joined: waited for up to the
+        job's ``timeout``, said in the log; then the placement's own error is raised."""
+        deadline = time.monotonic() + self.spec.timeout
+        said = False
+        while True:
+            try:
+                self.plan(alive)
+                return alive
+            except InvalidInput:
+                if time.monotonic() > deadline:
+                    raise
+                if not said:
+                    said = True
+                    logger.warning("%d workers are left, fewer than the job needs: waiting up "
+                                   "to %g s (timeout=) for workers to join", len(alive),
+                                   self.spec.timeout)
+            await asyncio.sleep(0.5)
+            alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
+                     if a not in gone}
 
     def _next_generation(self, alive: Mapping[str, int], *, redone: int) -> None:
         """Place the next generation's roles on ``alive`` and enter its start."""
