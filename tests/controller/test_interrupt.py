@@ -199,3 +199,43 @@ def _notebook_interrupt(client: Client, tmp_path: Path, capsys: pytest.CaptureFi
     assert not any(busy.values()), busy
     assert took < 30
     assert result.stopped_by == "epochs=1" and result.samples == 4_000
+
+
+def _slow_block(block: np.ndarray) -> np.ndarray:
+    time.sleep(2.0)  # the data takes its time to compute: Ctrl-C comes while it is persisted
+    return block
+
+
+@pytest.mark.parametrize("door", ["fit", "run"])
+def test_ctrl_c_before_training_started_prints_one_line(
+        client: Client, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        door: str) -> None:
+    import dask.array as da
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    x = np.random.default_rng(0).normal(size=(4_000, 16)).astype("float32")
+    X = da.from_array(x, chunks=(1_000, 16)).map_blocks(_slow_block, dtype="float32")
+    y = da.from_array((x[:, 0] > 0).astype("int64"), chunks=1_000)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            if door == "fit":
+                dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=1,
+                           progress=False, client=client).fit(X, y, data="persist")
+            else:
+                dt.run(lambda ctx: None, workers=2, data={"train": (X, y)}, client=client)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("dask-train: interrupted (Ctrl-C) before training started; nothing was "
+                       "trained"), err
+    assert raised.value.checkpoint is None  # type: ignore[attr-defined]
+    assert "Traceback" not in "\n".join(err)
+    # The same client trains next, on the same workers.
+    X2 = x[:2_000]
+    again = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=1,
+                       progress=False, client=client).fit(X2, (X2[:, 0] > 0).astype("int64"))
+    assert again.stopped_by == "epochs=1"

@@ -29,6 +29,7 @@ from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult
 from dask_train.api._validate import check_fit, check_label_range
 from dask_train.controller._controller import Controller
+from dask_train.controller._interrupt import interrupted_early
 from dask_train.controller._progress import Progress
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
@@ -84,6 +85,8 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
     try:
         return _run(plan, cluster, data, spread or validation, resume=resume, start=start,
                     mode=mode)
+    except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
+        raise interrupted_early(exc) from None
     finally:
         if spread is not None:
             spread.release()

@@ -19,6 +19,7 @@ from dask_train.api._job_result import job_fields
 from dask_train.api._run_result import RunResult
 from dask_train.api._settings import RecoverySettings
 from dask_train.controller._controller import Controller, Outcome
+from dask_train.controller._interrupt import interrupted_early
 from dask_train.data._blocks import BlockSet
 from dask_train.data._hf_datasets import as_arrays, kind_of
 from dask_train.data._inputs import is_lazy
@@ -130,7 +131,10 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     # A client given: its scheduler and workers are checked (once) before anything runs.
     client = check_once(client) if client is not None else default_client()
     clock["connect"] = time.time() - t
-    return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
+    try:
+        return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
+    except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
+        raise interrupted_early(exc) from None
 
 
 @dataclass(frozen=True)

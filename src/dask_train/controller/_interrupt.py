@@ -141,6 +141,22 @@ def interrupted(controller: Any, guard: RunGuard) -> KeyboardInterrupt:
     return error
 
 
+def interrupted_early(error: KeyboardInterrupt) -> KeyboardInterrupt:
+    """Ctrl-C before the job's controller started (the data sent or persisted, the roles
+    placed): nothing was trained and no role runs yet. Prints the one line, as
+    :func:`interrupted` does, and returns the ``KeyboardInterrupt`` to raise; one that
+    :func:`interrupted` made already is returned as it is."""
+    if getattr(error, _MARK, False):
+        return error
+    line = "dask-train: interrupted (Ctrl-C) before training started; nothing was trained"
+    print(line, file=sys.stderr, flush=True)
+    early = KeyboardInterrupt(line)
+    setattr(early, _MARK, True)
+    early.checkpoint = None  # type: ignore[attr-defined]
+    _quiet_uncaught()
+    return early
+
+
 #: A worker's task in these states still runs (or its thread does, once cancelled).
 _RUNNING = frozenset({"executing", "long-running", "cancelled", "resumed"})
 
