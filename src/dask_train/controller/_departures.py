@@ -111,6 +111,7 @@ def _what(leaving: set[str], joined: set[str]) -> str:
 
 def on_this_machine(addresses: Iterable[str]) -> bool:
     """Whether every worker address is on this machine (a directory here is theirs too)."""
+    addresses = [a for a in addresses if not a.startswith("inproc://")]  # this process
     here = set(_LOOPBACK)
     try:
         here.add(socket.gethostbyname(socket.gethostname()))

@@ -144,6 +144,10 @@ class WorkerState:
         self.objects: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.objects_lock = threading.Lock()
         self._roles = 0  # training roles running here (see role_running)
+        # Set by a job's controller that heard this worker is leaving (hold_for_hand_over).
+        self.hand_over_heard = threading.Event()
+        # Set by a controller whose hand-over of this worker failed: nothing to wait for.
+        self.let_go = threading.Event()
         self._paused_profiler: Any = None
 
     @contextlib.contextmanager
@@ -352,6 +356,29 @@ def quiet_batched_close() -> None:
         log.addFilter(_batched_closed)
 
 
+#: How long a leaving worker waits for a job's controller to answer its notice before it goes.
+ANSWER_S = 5.0
+
+
+def heard_leaving(dask_worker: Any = None) -> None:
+    """Run on a leaving worker (directly): a job's controller heard its notice and hands its
+    roles over; the worker stays until they are let go (see :func:`hold_for_hand_over`)."""
+    worker_state(dask_worker).hand_over_heard.set()
+
+
+def let_go(dask_worker: Any = None) -> None:
+    """Run on a leaving worker (directly): its job could not hand it over; it need not stay."""
+    worker_state(dask_worker).let_go.set()
+
+
+def _heard(worker: Worker) -> bool:
+    """Whether the worker's stream to the scheduler is open: the job hears of a hand-over
+    through it. Closed (the whole cluster shuts down), nobody waits for this worker."""
+    stream = getattr(worker, "batched_stream", None)
+    comm = getattr(stream, "comm", None)
+    return comm is not None and not comm.closed()
+
+
 async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
     """Announce a leaving worker to the jobs it serves and wait, bounded, until they let go."""
     if not state.holding():
@@ -363,10 +390,19 @@ async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
         worker.log_event(f"dask-train-{job}", {"kind": "leaving", "address": worker.address})
     logger.info("worker %s is leaving while it serves %s: held up to %g s for the hand-over",
                 worker.address, sorted(state.jobs), hold)
-    deadline = time.monotonic() + hold
-    while state.holding() and time.monotonic() < deadline:
+    start = time.monotonic()
+    deadline = start + hold
+    while state.holding() and time.monotonic() < deadline and _heard(worker) and \
+            not state.let_go.is_set():
+        if not state.hand_over_heard.is_set() and time.monotonic() - start > ANSWER_S:
+            # No job answered (its client gone, or the cluster shutting down under it).
+            logger.info("worker %s: no job answered its leaving notice within %g s",
+                        worker.address, ANSWER_S)
+            return
         await asyncio.sleep(0.05)
-    if state.holding():
+    if state.let_go.is_set():
+        logger.info("worker %s: its job gave up the hand-over; it goes", worker.address)
+    elif state.holding() and _heard(worker):
         logger.warning("worker %s leaves with its jobs %s not handed over after %g s "
                        "(dask-train.hand-over-hold): they recover as from a lost worker",
                        worker.address, sorted(state.jobs), hold)
@@ -411,7 +447,8 @@ class DaskTrainPlugin(WorkerPlugin):
         it holds a training role or a job's parameters, it tells each job ("leaving" on the
         job's event topic) and waits, at most ``dask-train.hand-over-hold`` seconds (60), until
         the controller has taken its state and dropped the job here (see
-        :mod:`dask_train.controller._departures`).
+        :mod:`dask_train.controller._departures`); without an answer from a controller within
+        :data:`ANSWER_S` seconds (the cluster shuts down under a job), it goes at once.
 
         A worker process that imported torch spent 2-3 s (and more under load) in the final
         ``gc`` pass of its interpreter shutdown, past the 4 s the nanny waits before killing it

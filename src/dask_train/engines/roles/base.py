@@ -36,6 +36,7 @@ from dask_train.policy._ledger import Ledger, patch_positions
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import alive_workers, run_direct, run_on_live
 from dask_train.runtime._compat import drop_topic_handler
+from dask_train.runtime._plugin import heard_leaving, let_go
 
 logger = logging.getLogger(__name__)
 #: What a role gets when a peer went away (a server's connection, a sync rank's collective).
@@ -235,6 +236,7 @@ class RoleEngine(Engine):
         elif isinstance(event, Leaving):
             if event.address not in self.leaving_workers:
                 self.leaving_workers.add(event.address)
+                self._answer(event.address)
                 # Its feed tasks that had not run are sent again directly; the dropped futures
                 # release their keys.
                 self.granter.redirect(event.address)
@@ -376,6 +378,22 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.resume, self.job, pause_id,
                           leaving=self.leaving_workers, workers=self.roles.addresses)
 
+    def _answer(self, address: str, fn: Any = heard_leaving) -> None:
+        """Tell a leaving worker its notice was heard (it stays for the hand-over), or, with
+        ``fn=let_go``, that its hand-over failed (it need not stay)."""
+
+        async def answer() -> None:
+            try:
+                await asyncio.wait_for(run_direct(self.client, fn, address=address),
+                                       timeout=5.0)
+            except Exception:  # gone already: its loss is found as any other
+                logger.info("job %s: the leaving worker %s did not take the answer",
+                            self.job, address)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self.granter.direct_feeds.add(task)  # held until done, as the direct feeds are
+        task.add_done_callback(self.granter.direct_feeds.discard)
+
     def leaving(self) -> set[str]:
         """Workers of this generation's roles that announced they are leaving with notice."""
         return self.leaving_workers & set(self.roles.addresses)
@@ -383,6 +401,8 @@ class RoleEngine(Engine):
     def left(self, workers: set[str]) -> None:
         """No more direct calls to ``workers``: a dead one's address would be retried until
         Dask's connect timeout."""
+        for address in workers & self.leaving_workers:
+            self._answer(address, let_go)
         self.leaving_workers -= workers  # the granter shares the set
 
     async def save(self, *, directory: str, paths: Callable[[int], str],
