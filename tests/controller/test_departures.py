@@ -419,3 +419,33 @@ def test_dt_run_below_its_least_waits_for_a_worker_to_join(
     assert len(result.returns) == 3 and restored >= 1  # three ranks again, from the hand-over
     consumed = result.ledger.groupby("epoch")["consumed"].sum()
     assert consumed.to_dict() == {e: ROWS for e in range(8)}
+
+
+def test_closing_an_in_process_cluster_under_a_job_is_not_held() -> None:
+    # Every worker leaves at once and no hand-over can keep the job: the workers must not wait
+    # out dask-train.hand-over-hold (60 s) before the cluster closes.
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                           dashboard_address=":0")
+    client = Client(cluster)
+    x = np.random.default_rng(0).normal(size=(4_000, 16)).astype("float32")
+    ended: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=100_000,
+                       progress=False, client=client).fit(x, (x[:, 0] > 0).astype("int64"))
+        except BaseException as exc:  # noqa: BLE001 - the job ends with its cluster
+            ended.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while _ranks_running(client) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = time.monotonic()
+    cluster.close()
+    took = time.monotonic() - started
+    client.close()
+    thread.join(60)
+    assert took < 30, took  # not held for the 60 s hold
+    assert ended and not thread.is_alive()

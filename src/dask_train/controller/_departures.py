@@ -42,6 +42,7 @@ from dask_train.engines._protocol import Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._placement import KINDS
+from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
 
@@ -298,13 +299,17 @@ class HandOvers:
                          noticed_at=noticed, joined=tuple(sorted(joined)))
 
     async def _still_there(self, workers: Iterable[str]) -> None:
-        """Raise WorkerLost when one of the held ``workers`` no longer answers."""
+        """Raise WorkerLost when one of the held ``workers`` no longer answers, or when no
+        other worker is left to hand over to (the whole cluster is closing)."""
+        workers = set(workers)
         for address in workers:
             try:
                 await asyncio.wait_for(self.client.rpc(address).identity(), timeout=LOOK_S * 4)
             except Exception as exc:
                 raise WorkerLost(f"the leaving worker {address} is gone "
                                  f"({type(exc).__name__})", worker=address) from exc
+        if workers and not set(await alive_workers(self.client, placeable=True)) - workers:
+            raise WorkerLost("no other worker is left to hand over to (the cluster is closing)")
 
     def record(self, departure: Departure, *, roles: Mapping[str, list[str]]) -> None:
         """Record and publish a regroup once the next generation is placed: a departure
