@@ -117,7 +117,8 @@ def test_array_models_and_estimators_on_arrays(client: Client, X: da.Array) -> N
 
 
 def test_an_xarray_object_is_cut_into_rows_as_training_cuts_it(client: Client) -> None:
-    xr = pytest.importorskip("xarray")
+    import xarray as xr  # a dev dependency (pyproject), installed by make test
+
     rng = np.random.default_rng(2)
     values = da.from_array(rng.normal(size=(300, 2, 4)), chunks=(100, 2, 4))
     cube = xr.DataArray(values, dims=("time", "lat", "lon"))
