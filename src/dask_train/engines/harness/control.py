@@ -48,17 +48,14 @@ def shard_version(job: str, index: int, dask_worker: Any = None) -> int:
 
 def save_shard_task(*, job: str, index: int, path: str, metadata: Mapping[str, str]) -> dict[str, Any]:
     """Dask task on a server's worker: write shard ``index`` (parameters and optimizer state)."""
-    worker = get_worker()
-    state = worker_state(worker).job(job)
-    result: dict[str, Any] = state.holder(index, address=worker.address, job=job).save(
-        path, metadata=metadata)
-    return result
+    return save_shard_here(job=job, index=index, path=path, metadata=metadata,
+                           dask_worker=get_worker())
 
 
 def save_shard_here(*, job: str, index: int, path: str, metadata: Mapping[str, str],
                     dask_worker: Any = None) -> dict[str, Any]:
-    """Run on a leaving server's worker (called directly, out of the scheduler's reach): write
-    shard ``index`` as :func:`save_shard_task` does."""
+    """Write shard ``index`` on this worker: inside :func:`save_shard_task`, or called directly
+    on a leaving server's worker (out of the scheduler's reach)."""
     state = worker_state(dask_worker).job(job)
     result: dict[str, Any] = state.holder(index, address=dask_worker.address, job=job).save(
         path, metadata=metadata)

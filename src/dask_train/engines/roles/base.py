@@ -407,27 +407,32 @@ class RoleEngine(Engine):
 
     async def save(self, *, directory: str, paths: Callable[[int], str],
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Each parameter holder writes its own file, in parallel, atomically; a holder on a
-        leaving worker (out of the scheduler's reach) is asked directly."""
-        staying = [ref for ref in self.shards if ref.address not in self.leaving_workers]
-        meta = {ref.index: {**metadata, "start": str(ref.start), "stop": str(ref.stop)}
-                for ref in self.shards}
-        futures = [
-            self.pinned(worker_side.save_shard_task, address=ref.address,
-                        key=f"dt-save-{time.monotonic_ns()}-{ref.index}", job=self.job,
-                        index=ref.index, path=paths(ref.index), metadata=meta[ref.index])
-            for ref in staying
-        ]
-        leaving = [asyncio.wait_for(run_direct(
-            self.client, worker_side.save_shard_here, job=self.job, index=ref.index,
-            path=paths(ref.index), metadata=meta[ref.index], address=ref.address),
-            timeout=self.spec.timeout) for ref in self.shards if ref not in staying]
-        written = await asyncio.gather(*leaving)  # raises: the hand-over fails, a loss follows
-        results = dict(zip([r.index for r in staying], await self.gather_from_holders(
-            futures, what=f"writing checkpoint {directory}"))) if futures else {}
-        results.update(zip([r.index for r in self.shards if r not in staying], written))
-        return [{**results[ref.index], "index": ref.index, "start": ref.start, "stop": ref.stop}
+        """Each parameter holder writes its own file, in parallel, atomically."""
+        written = await self.write_holders(
+            [(ref.index, ref.address, {**metadata, "start": str(ref.start),
+                                       "stop": str(ref.stop)}) for ref in self.shards],
+            paths=paths, directory=directory)
+        return [{**written[ref.index], "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref in self.shards]
+
+    async def write_holders(self, holders: list[tuple[int, str, dict[str, str]]], *,
+                            paths: Callable[[int], str], directory: str) -> dict[int, Any]:
+        """Have each ``(index, address, metadata)`` holder write its file, in parallel: by a
+        pinned task, or by a direct call on a leaving worker (out of the scheduler's reach; its
+        failure fails the hand-over). Index -> the holder's record."""
+        direct = [(i, a, m) for i, a, m in holders if a in self.leaving_workers]
+        pinned = [(i, a, m) for i, a, m in holders if a not in self.leaving_workers]
+        futures = [self.pinned(worker_side.save_shard_task, address=a,
+                               key=f"dt-save-{time.monotonic_ns()}-{i}", job=self.job, index=i,
+                               path=paths(i), metadata=m) for i, a, m in pinned]
+        records = await asyncio.gather(*(asyncio.wait_for(run_direct(
+            self.client, worker_side.save_shard_here, job=self.job, index=i, path=paths(i),
+            metadata=m, address=a), timeout=self.spec.timeout) for i, a, m in direct))
+        written = dict(zip([i for i, _, _ in direct], records))
+        if futures:
+            written.update(zip([i for i, _, _ in pinned], await self.gather_from_holders(
+                futures, what=f"writing checkpoint {directory}")))
+        return written
 
     async def wait_for_holders(self, futures: list[Future], *, what: str,
                                holders: Mapping[str, str] | None = None) -> None:

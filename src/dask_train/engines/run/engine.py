@@ -41,7 +41,7 @@ from dask_train.engines.torch_sync.engine import TorchSyncEngine
 from dask_train.errors import RoleFailed
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
-from dask_train.runtime._calls import alive_workers, run_direct, run_on_live
+from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._torch_group import _collateral, local_ranks
 
 logger = logging.getLogger(__name__)
@@ -209,17 +209,10 @@ class RunEngine(TorchSyncEngine):
                                  "next_epoch": report.next_epoch, "files": files}}]
         # The writer's reported state, as the job writes every checkpoint's tensors: one file,
         # index 0 (the format a Trainer's sync job writes, with no parameter range).
-        meta = {**metadata, "start": "0", "stop": "0"}
-        if self.writer_address in self.leaving_workers:  # out of the scheduler's reach
-            record = await asyncio.wait_for(run_direct(
-                self.client, worker_side.save_shard_here, job=self.job, index=0, path=paths(0),
-                metadata=meta, address=self.writer_address), timeout=self.spec.timeout)
-            return [{**record, "samples": samples, "index": 0, "start": 0, "stop": 0}]
-        future = self.pinned(worker_side.save_shard_task, address=self.writer_address,
-                             key=f"dt-save-{time.monotonic_ns()}-0", job=self.job, index=0,
-                             path=paths(0), metadata=meta)
-        [record] = await self.gather_from_holders([future], what=f"writing checkpoint {directory}")
-        return [{**record, "samples": samples, "index": 0, "start": 0, "stop": 0}]
+        written = await self.write_holders(
+            [(0, self.writer_address, {**metadata, "start": "0", "stop": "0"})],
+            paths=paths, directory=directory)
+        return [{**written[0], "samples": samples, "index": 0, "start": 0, "stop": 0}]
 
     def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
         """``holders``, by default the rank whose reported state a checkpoint writes."""
