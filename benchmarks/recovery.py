@@ -22,7 +22,8 @@ On the digits job (async-ps, 2 trainers, 1 parameter server, a scorer every 0.2 
   this machine). Reported: seconds from the retire call until the job recorded it (the
   departure once the next generation is placed; a kill's failure when decided) and until the
   next score, samples trained again, and the same for a SIGKILL of the server's worker on the
-  same cluster with a checkpoint every 2 s, for comparison.
+  same cluster with a checkpoint every 2 s, for comparison; then the same retire and SIGKILL of
+  rank 1 of a sync job (a killed rank's job goes on from the survivor's state).
 * **checkpoint writes**: both MLPs of ``throughput.py``, 8 s of training with a checkpoint every
   second: median seconds to reach the pause (every trainer at a consistent point) and to write
   (shards in parallel, then the manifest) while the trainers wait, and size on disk
@@ -71,7 +72,7 @@ def _failure_run(client: Any, kind: str, n_samples: int, kill_at: int) -> dict[s
     X, y = dt.datasets.digits(n_samples, seed=0)
     Xv, yv = dt.datasets.digits_test()
     roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
-    victim = roles["worker"][1] if kind == "trainer" else roles["ps"][0]
+    victim = roles["trainer"][1] if kind == "trainer" else roles["ps"][0]
     killer = _Killer(client, victim, kill_at)
     tmp = tempfile.mkdtemp(prefix="dt-bench-")
     try:
@@ -134,13 +135,15 @@ def _departure_run(kind: str, n_samples: int, at: int, *, kill: bool) -> dict[st
     X, y = dt.datasets.digits(n_samples, seed=0)
     Xv, yv = dt.datasets.digits_test()
     tmp = tempfile.mkdtemp(prefix="dt-bench-")
+    sync = kind == "sync rank"
     with dt.connect(n_workers=3) as client:
-        roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
-        victim = roles["ps"][0] if kind == "ps" else roles["worker"][1]
+        roles = dt.start_roles(client, ps=0 if sync else 1, worker=2, scorer=1)
+        victim = roles["ps"][0] if kind == "ps" else roles["trainer"][1]
         call = _Retirer(client, victim, at, kill=kill)
         try:
             result = dt.Trainer(
-                build_mlp([100]), lr=1e-3, ps=1, workers=2, batch_size=128, epochs=2,
+                build_mlp([100]), lr=1e-3, strategy="sync" if sync else "async-ps",
+                ps=1, workers=2, batch_size=128, epochs=2,
                 score_every=0.2, progress=False, client=client, callbacks=[call],
                 checkpoint=dt.CheckpointConfig(tmp, every_seconds=2.0, keep=2) if kill else None,
             ).fit(X, y, validation=(Xv, yv))
@@ -153,7 +156,8 @@ def _departure_run(kind: str, n_samples: int, at: int, *, kill: bool) -> dict[st
     return {
         "event": f"{kind} {'killed' if kill else 'retired'}",
         "recorded_as": "departure" if result.departures else
-        ", ".join(f"{f['role']}: {f['action']}" for f in result.failures),
+        ", ".join(f"{f['role']}: {f['action']} (from {f.get('from', '-')})"
+                  for f in result.failures),
         "recorded_s": round(restart["time_s"] - call.at_s, 2),
         "to_next_score_s": round(float(after["time_s"].iloc[0] - call.at_s), 2)
         if len(after) else float("nan"),
@@ -213,7 +217,8 @@ def main() -> None:
                 rows_fail.append(_failure_run(client, kind, n, kill_at=n // 3))
                 print(rows_fail[-1], flush=True)
     if "departures" in sections:
-        for kind, kill in (("ps", False), ("trainer", False), ("ps", True)):
+        for kind, kill in (("ps", False), ("trainer", False), ("ps", True),
+                           ("sync rank", False), ("sync rank", True)):
             rows_depart.append(_departure_run(kind, n, n // 3, kill=kill))
             print(rows_depart[-1], flush=True)
     if "checkpoints" in sections:
@@ -226,7 +231,8 @@ def main() -> None:
         md += markdown_table(rows_fail, list(dict.fromkeys(k for r in rows_fail for k in r)))
         md += "\n\n"
     if rows_depart:
-        md += "## Departures with notice against a kill (3 workers, async-ps, 2 trainers)\n\n"
+        md += ("## Departures with notice against a kill (3 workers, 2 trainers: async-ps "
+               "with 1 server, or sync)\n\n")
         md += markdown_table(rows_depart, list(rows_depart[0])) + "\n\n"
     if rows_ckpt:
         md += "## Checkpoint writes (every second for 8 s, trainers paused while written)\n\n"

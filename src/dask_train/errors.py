@@ -79,7 +79,7 @@ class WorkerLost(DaskTrainError, RuntimeError):
     worker : str
         The address of the lost worker.
     role : str
-        The role it held, e.g. ``"worker-0"``.
+        The role it held, e.g. ``"trainer-0"`` or ``"ps-1"``.
     """
 
     def __init__(self, message: str, *, worker: str = "", role: str = "") -> None:

@@ -77,7 +77,7 @@ def test_auto_chooses_logs_and_trains_to_the_reference(client: Client,
     expect = {"one-process": ("sync", 1, 0), "sync": ("sync", 2, 0)}.get(chosen)
     if expect is not None:
         assert (plan["strategy"], plan["workers"], plan["ps"]) == expect
-        assert len(result.roles["worker"]) == expect[1] and not result.roles["ps"]
+        assert len(result.roles["trainer"]) == expect[1] and not result.roles["ps"]
     else:
         assert plan["strategy"] == "async-ps" and len(result.roles["ps"]) == plan["ps"] >= 1
     assert result.summary()["strategy"] == chosen

@@ -337,7 +337,7 @@ def test_elastic_workers_and_max_failures_name_the_rank_and_worker(client, digit
     with pytest.raises(dt.WorkerLost) as info:
         dt.run(train, workers=2, epochs=3, client=client, callbacks=[Kill()],
                data={"train": (X, y), "val": (Xv, yv)}, failure=dt.FailureConfig(max_failures=0))
-    assert "worker-1" in str(info.value) and victim_address in str(info.value)
+    assert "trainer-1" in str(info.value) and victim_address in str(info.value)
     client.wait_for_workers(2, timeout=60)
 
 

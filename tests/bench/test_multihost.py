@@ -145,8 +145,8 @@ def test_async_ps_across_hosts_reaches_the_target_with_a_shared_checkpoint_direc
     assert result.history["accuracy"].max() >= TARGET
     # Trainers, servers and the scorer on four different hosts (addresses), as placed.
     placed = {kind: {_host_ip(a) for a in addrs} for kind, addrs in result.roles.items()}
-    assert len(placed["worker"] | placed["ps"] | placed["scorer"]) == 4
-    assert not placed["worker"] & placed["ps"]
+    assert len(placed["trainer"] | placed["ps"] | placed["scorer"]) == 4
+    assert not placed["trainer"] & placed["ps"]
     # Each server wrote its shard from its own namespace into the directory this process reads.
     newest = sorted(tmp_path.glob("ckpt-*/manifest.json"))[-1].parent
     shards = sorted(p.name for p in newest.iterdir() if p.suffix == ".safetensors")
@@ -164,7 +164,7 @@ def test_sync_across_hosts_reaches_the_target_over_gloo(
     ).fit(X, y, validation=validation)
     assert result.stopped_by == f"StopAtScore(accuracy>={TARGET})"
     # Three ranks, three hosts: the gloo group ran over three different interfaces.
-    assert len({_host_ip(a) for a in result.roles["worker"]}) == 3
+    assert len({_host_ip(a) for a in result.roles["trainer"]}) == 3
 
 
 def test_the_grid_measures_no_more_than_the_shaped_links_carry(
@@ -262,7 +262,7 @@ def test_killed_hosts_are_survived_and_the_new_server_reads_the_shared_checkpoin
 ) -> None:
     X, y, validation = digits
     roles = dt.start_roles(mh_client, ps=1, worker=2, scorer=1)
-    trainer_host, server_host = roles["worker"][1], roles["ps"][0]
+    trainer_host, server_host = roles["trainer"][1], roles["ps"][0]
     assert _host_ip(trainer_host) != _host_ip(server_host)
     first = _KillHost(hosts, trainer_host, 15_000)
     kills = [first, _KillHost(hosts, server_host, 40_000, after=first)]
@@ -274,7 +274,7 @@ def test_killed_hosts_are_survived_and_the_new_server_reads_the_shared_checkpoin
     ).fit(X, y, validation=validation)
     assert all(k.killed_at is not None for k in kills), "the job ended before a kill"
     actions = [(f["role"], f["action"]) for f in result.failures]
-    assert ("worker-1", "continue") in actions and ("ps-0", "restart") in actions
+    assert ("trainer-1", "continue") in actions and ("ps-0", "restart") in actions
     assert result.generations == 2
     # The new server runs on a host that was alive: it read the dead host's checkpoint files.
     dead = {_host_ip(trainer_host), _host_ip(server_host)}

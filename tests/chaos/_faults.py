@@ -116,13 +116,13 @@ class JobWatch:
         running = self.client.run_on_scheduler(_processing)
         now: dict[str, list[str]] = {"trainer": [], "scorer": [], "server": []}
         for key, where in sorted(running.items()):
-            if key.startswith("dt-worker-"):
+            if key.startswith("dt-trainer-"):
                 now["trainer"] += where
             elif key.startswith("dt-scorer"):
                 now["scorer"] += where
         servers = placed[-1].get("ps", []) if placed else []
         if not servers:  # sync: rank 0 holds the parameters
-            servers = [w for key, where in running.items() if key.startswith("dt-worker-0-")
+            servers = [w for key, where in running.items() if key.startswith("dt-trainer-0-")
                        for w in where]
         now["server"] = list(servers)
         return {kind: sorted(set(a)) for kind, a in now.items()}
@@ -203,7 +203,7 @@ def running_trainers(client: Client) -> dict[str, list[str]]:
     """Workers running a trainer (of any job: a search's trials too), as ``{"trainer": [...]}``."""
     running = client.run_on_scheduler(_processing)
     return {"trainer": sorted({w for key, where in running.items()
-                               if key.startswith("dt-worker-") for w in where})}
+                               if key.startswith("dt-trainer-") for w in where})}
 
 
 class Schedule(dt.Callback):

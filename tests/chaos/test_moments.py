@@ -83,7 +83,7 @@ def _roles(client: Client, strategy: str) -> dt.Roles:
 
 def _holder(roles: dt.Roles, strategy: str) -> str:
     """The worker holding the parameters: the server, or a sync job's rank 0."""
-    return roles["worker"][0] if strategy == "sync" else roles["ps"][0]
+    return roles["trainer"][0] if strategy == "sync" else roles["ps"][0]
 
 
 def _assert_every_sample_once(result: dt.FitResult, rows: int = 12_000, epochs: int = 2) -> None:
@@ -122,7 +122,7 @@ def test_a_trainer_killed_as_the_trainers_pause_for_a_checkpoint(
     # the pause must not wait for a dead trainer. An async job goes on without it (the pause
     # completes with the survivor); a sync group restarts from the first checkpoint.
     roles = _roles(own_client, strategy)
-    victim = roles["worker"][1]
+    victim = roles["trainer"][1]
     assert victim != _holder(roles, strategy)
     marker = tmp_path / "killed"
     kill_at_pause(own_client, victim, str(marker), pause_id=2)
@@ -132,9 +132,9 @@ def test_a_trainer_killed_as_the_trainers_pause_for_a_checkpoint(
     assert marker.exists(), f"the trainer was not killed at the pause: {summary(result)}"
     actions = {f["role"]: f["action"] for f in result.failures}
     if strategy == "sync":
-        assert actions["worker-1"] == "restart" and result.generations == 2, summary(result)
+        assert actions["trainer-1"] == "restart" and result.generations == 2, summary(result)
     else:
-        assert actions["worker-1"] == "continue" and result.generations == 1, summary(result)
+        assert actions["trainer-1"] == "continue" and result.generations == 1, summary(result)
         assert len(result.checkpoints) >= 2  # the pause went on without the lost trainer
     _assert_every_sample_once(result)
     assert result.history["accuracy"].iloc[-1] > 0.85
@@ -209,7 +209,7 @@ def test_a_worker_killed_as_a_score_stops_the_job(own_client: Client, tmp_path: 
         # The parameters are intact: the job stops without the lost trainer, with a new
         # scorer for the final score (one loss: the worker held both roles).
         assert [(f["role"], f["action"], f["loss"]) for f in result.failures] == \
-            [("worker-1", "continue", 1), ("scorer-0", "replace", 1)], summary(result)
+            [("trainer-1", "continue", 1), ("scorer-0", "replace", 1)], summary(result)
         assert result.stopped_by == "kill-and-stop" and result.generations == 1
         per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
         assert (per_block <= 1000).all()  # nothing applied twice
@@ -257,4 +257,4 @@ def test_a_rank_lost_while_the_torch_group_starts_is_named_at_once(own_client: C
     del busy
     error = outcome.get("error")
     assert isinstance(error, WorkerLost), repr(error)
-    assert (error.worker, error.role) == (b, "worker-1") and "join the torch group" in str(error)
+    assert (error.worker, error.role) == (b, "trainer-1") and "join the torch group" in str(error)

@@ -243,10 +243,10 @@ def _run(engines: Sequence[FakeEngine], spec: JobSpec, *, resume: bool = False,
                 engine.made_with, engine.roles = (roles, job, restore), roles
                 return engine
 
-            first = Roles({kind: [worker] * n for kind, n in (roles or {"worker": 1}).items()})
+            first = Roles({kind: [worker] * n for kind, n in (roles or {"trainer": 1}).items()})
             controller = Controller(
                 client, spec, make_engine=make_engine, roles=first, rows=ROWS,
-                plan_roles=plan or (lambda live: Roles({"worker": sorted(live)})))
+                plan_roles=plan or (lambda live: Roles({"trainer": sorted(live)})))
             outcome, error = None, None
             try:
                 outcome = await asyncio.wait_for(controller.run(resume=resume), 20)

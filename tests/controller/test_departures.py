@@ -76,7 +76,7 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-@pytest.mark.parametrize("retired", ["ps-0", "worker-1"])
+@pytest.mark.parametrize("retired", ["ps-0", "trainer-1"])
 def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, retired: str,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     client = three_workers
@@ -107,7 +107,7 @@ def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
     client = three_workers
     X, Y, validation = _data()
     roles = dt.start_roles(client, worker=3, scorer=1)
-    victim = roles["worker"][0]  # rank 0 holds the parameters the scorer reads
+    victim = roles["trainer"][0]  # rank 0 holds the parameters the scorer reads
     retire = _RetireAt(client, victim, samples=16_000)
     with caplog.at_level(logging.INFO, logger="dask_train"):
         # With checkpoint=: the hand-over is one of the job's checkpoints.
@@ -117,10 +117,10 @@ def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
                             checkpoint=str(tmp_path / "ckpt")).fit(X, Y, validation=validation)
     assert retire.retired and result.failures == []
     [departure] = result.departures
-    assert departure["workers"] == [victim] and "worker-0" in departure["roles"]
+    assert departure["workers"] == [victim] and "trainer-0" in departure["roles"]
     handed = [c for c in result.checkpoints if c.get("hand_over")]
     assert [c["step"] for c in handed] == [departure["step"]]
-    assert len(result.roles["worker"]) == 2  # two ranks went on
+    assert len(result.roles["trainer"]) == 2  # two ranks went on
     _assert_every_sample_once(result, 6)
     assert result.history["accuracy"].iloc[-1] > 0.85
     assert not _errors(caplog)
@@ -145,7 +145,7 @@ def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
     client = three_workers
     X, Y, validation = _data()
     roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
-    victim = roles["worker"][1]
+    victim = roles["trainer"][1]
     assert victim not in roles["ps"]
     client.run(_kill_mid_hand_over, workers=[victim])
     retire = _RetireAt(client, victim, samples=16_000)
@@ -157,7 +157,7 @@ def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
     assert any(r.getMessage().startswith(f"the hand-over from {victim} failed (WorkerLost")
                for r in caplog.records)
     # An async trainer lost: the survivor takes its rows (the policy's choice for a kill).
-    assert [f["role"] for f in result.failures if f["role"].startswith("worker")] == ["worker-1"]
+    assert [f["role"] for f in result.failures if f["role"].startswith("trainer")] == ["trainer-1"]
     _assert_every_sample_once(result, 6)
 
 
@@ -307,7 +307,7 @@ def _ranks_running(client: Client) -> int:
 
     def count(dask_scheduler: Any) -> int:
         return sum(1 for key, ts in dask_scheduler.tasks.items() if ts.state == "processing"
-                   and str(key).startswith(("dt-rank-", "dt-worker-")))
+                   and str(key).startswith(("dt-rank-", "dt-trainer-")))
 
     return int(client.run_on_scheduler(count))
 
@@ -369,7 +369,7 @@ def test_a_sync_job_shrinks_when_scaled_down_and_grows_when_scaled_up(
     [departure], [arrival] = result.departures, result.arrivals
     assert departure["redone"] == arrival["redone"] == 0
     assert departure["step"] <= arrival["step"] and result.generations == 3
-    assert len(result.roles["worker"]) == 3  # three ranks again from the arrival on
+    assert len(result.roles["trainer"]) == 3  # three ranks again from the arrival on
     _assert_each_row_at_most_once(result)
 
 

@@ -29,9 +29,9 @@ from dask_train.policy._failure import Failure, FailureConfig
 
 def _lost_rank() -> tuple[Failure, WorkerLost]:
     address = "tcp://10.0.0.8:4000"
-    return (Failure("worker", 1, address, "removed from the scheduler"),
+    return (Failure("trainer", 1, address, "removed from the scheduler"),
             WorkerLost(f"rank 1's worker {address} left the cluster while the ranks tried to "
-                       "join the torch group", worker=address, role="worker-1"))
+                       "join the torch group", worker=address, role="trainer-1"))
 
 
 def test_a_rank_lost_while_the_generation_starts_restarts_it() -> None:
@@ -45,7 +45,7 @@ def test_a_rank_lost_while_the_generation_starts_restarts_it() -> None:
     assert run.phases == [S, RS, S, R, F, FD]
     assert first.calls == ["start", "close"]
     [lost] = outcome.log.failures
-    assert (lost["role"], lost["action"], lost["generation"]) == ("worker-1", "restart", 0)
+    assert (lost["role"], lost["action"], lost["generation"]) == ("trainer-1", "restart", 0)
     assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
     assert run.kinds.index("failure") < run.kinds.index("generation")
 
@@ -56,7 +56,7 @@ def test_a_rank_lost_while_starting_beyond_max_failures_raises_naming_it() -> No
     run = _run([first], _spec(failure=FailureConfig(max_failures=0)))
 
     assert isinstance(run.error, WorkerLost)
-    assert (run.error.role, run.error.worker) == ("worker-1", failure.worker)
+    assert (run.error.role, run.error.worker) == ("trainer-1", failure.worker)
     assert "failure 1 is more than max_failures=0" in str(run.error)
     assert run.phases == [S, E]
 
@@ -65,19 +65,19 @@ def test_a_lost_worker_counts_once_whatever_roles_it_held() -> None:
     # One worker held a trainer and the scorer: one loss against max_failures=1, not two.
     # A scorer raising on another worker in the same pass is a loss of its own.
     lost, other = "tcp://10.0.0.6:4000", "tcp://10.0.0.7:4000"
-    faults = [Fault(Failure("worker", 1, lost, "removed from the scheduler")),
+    faults = [Fault(Failure("trainer", 1, lost, "removed from the scheduler")),
               Fault(Failure("scorer", 0, lost, "removed from the scheduler"))]
     engine = FakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))], ends_at=0.1,
                         strategy="async-ps", faults=faults)
     spec = _spec(strategy="async-ps", failure=FailureConfig(max_failures=1))
-    outcome = _ok(_run([engine], spec, roles={"ps": 1, "worker": 2, "scorer": 1}))
+    outcome = _ok(_run([engine], spec, roles={"ps": 1, "trainer": 2, "scorer": 1}))
     assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
-        [("worker-1", "continue", 1), ("scorer-0", "replace", 1)]
+        [("trainer-1", "continue", 1), ("scorer-0", "replace", 1)]
 
     faults.append(Fault(Failure("scorer", 0, other, "the scorer raised ValueError: boom")))
     engine = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
                         faults=faults)
-    run = _run([engine], spec, roles={"ps": 1, "worker": 2, "scorer": 1})
+    run = _run([engine], spec, roles={"ps": 1, "trainer": 2, "scorer": 1})
     assert isinstance(run.error, WorkerLost) and run.error.worker == other
     assert "failure 2 is more than max_failures=1" in str(run.error)
 
@@ -86,22 +86,22 @@ def test_a_server_and_a_trainer_lost_in_one_pass_are_both_recorded() -> None:
     # Two hosts died together (the server's first in the pass): the server's loss restarts
     # the job, and the trainer's is still a failure of its own, counted against max_failures.
     faults = [Fault(Failure("ps", 0, "tcp://10.0.0.3:4000", "removed from the scheduler")),
-              Fault(Failure("worker", 1, "tcp://10.0.0.6:4000", "removed from the scheduler"))]
+              Fault(Failure("trainer", 1, "tcp://10.0.0.6:4000", "removed from the scheduler"))]
     first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
                        faults=faults)
     second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))], ends_at=0.1,
                         strategy="async-ps")
-    roles = {"ps": 1, "worker": 2}
+    roles = {"ps": 1, "trainer": 2}
     outcome = _ok(_run([first, second], _spec(strategy="async-ps"), roles=roles))
     assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
-        [("ps-0", "restart", 1), ("worker-1", "continue", 2)]
+        [("ps-0", "restart", 1), ("trainer-1", "continue", 2)]
     assert outcome.log.generations == 2
 
     first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
                        faults=faults)
     run = _run([first], _spec(strategy="async-ps", failure=FailureConfig(max_failures=1)),
                roles=roles)
-    assert isinstance(run.error, WorkerLost) and run.error.role == "worker-1"
+    assert isinstance(run.error, WorkerLost) and run.error.role == "trainer-1"
     assert "failure 2 is more than max_failures=1" in str(run.error)
 
 
@@ -113,7 +113,7 @@ def test_a_restart_says_how_many_samples_are_trained_again(tmp_path: Path,
     config = CheckpointConfig(tmp_path, every_seconds=None) if checkpoint else None
     if config is not None:
         _earlier_checkpoint(config, step=1)  # 10 samples
-    lost = Failure("worker", 0, "tcp://10.0.0.4:4000", "removed from the scheduler")
+    lost = Failure("trainer", 0, "tcp://10.0.0.4:4000", "removed from the scheduler")
     first = FakeEngine([(0.0, Progress(step=4))], faults=[Fault(lost, at=0.1)])
     second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))], ends_at=0.1)
     run = _run([first, second], _spec(checkpoint=config), resume=checkpoint)
@@ -136,7 +136,7 @@ def test_a_server_lost_while_the_roles_stop_restarts_and_the_next_generation_fin
     second = FakeEngine([(0.0, Progress(step=3)), (0.05, Epochs(completed=1))], ends_at=0.1,
                         strategy="async-ps")
     outcome = _ok(run := _run([first, second], _spec(strategy="async-ps"),
-                              roles={"ps": 1, "worker": 1}))
+                              roles={"ps": 1, "trainer": 1}))
 
     assert run.phases == [S, R, F, RS, S, R, F, FD]
     assert first.calls == ["start", "stop None", "close"]
@@ -151,7 +151,7 @@ def test_a_scorer_lost_while_the_roles_stop_is_replaced_and_the_job_stops() -> N
     engine = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
                         strategy="async-ps", stop_error=error, faults=[Fault(lost, stopping=True)])
     outcome = _ok(run := _run([engine], _spec(strategy="async-ps"),
-                              roles={"ps": 1, "worker": 1, "scorer": 1}))
+                              roles={"ps": 1, "trainer": 1, "scorer": 1}))
 
     assert run.phases == [S, R, F, FD]
     assert engine.calls == ["start", "stop None", "replace scorer on 1 worker(s)", "stop None",

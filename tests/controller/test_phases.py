@@ -199,9 +199,9 @@ def test_a_nonfinite_loss_with_on_nan_stop_ends_the_job_without_a_checkpoint(tmp
     outcome = _ok(run)
 
     assert run.phases == [S, R, F, FD]
-    assert outcome.stopped_by == "non-finite loss (nan) at step 12 on worker-1"
+    assert outcome.stopped_by == "non-finite loss (nan) at step 12 on trainer-1"
     assert run.controller.state.nan_stop is True
-    assert outcome.log.nonfinite == [{"role": "worker-1", "step": 12, "loss": "nan", "epoch": 0,
+    assert outcome.log.nonfinite == [{"role": "trainer-1", "step": 12, "loss": "nan", "epoch": 0,
                                       "block": 3}]
     assert "save" not in " ".join(engine.calls)  # the last good checkpoint stays the newest
     assert outcome.log.checkpoints == [] and CheckpointStore(spec.checkpoint).complete() == []
@@ -216,7 +216,7 @@ def test_a_nonfinite_loss_with_on_nan_skip_is_logged_and_the_job_goes_on(tmp_pat
     outcome = _ok(_run([engine], spec))
 
     assert outcome.stopped_by == "epochs=1"
-    assert outcome.log.nonfinite == [{"role": "worker-0", "step": 3, "loss": "inf", "epoch": -1,
+    assert outcome.log.nonfinite == [{"role": "trainer-0", "step": 3, "loss": "inf", "epoch": -1,
                                       "block": -1}]
     assert [r["step"] for r in outcome.log.records] == [12]
     assert [c["step"] for c in outcome.log.checkpoints] == [12]
@@ -339,7 +339,7 @@ def test_no_worker_is_adopted_while_the_trainers_are_paused(tmp_path: Path) -> N
 # -- failures and generations ----------------------------------------------------------------------
 def test_a_rank_lost_during_a_pause_restarts_a_new_generation_from_the_checkpoint(
         tmp_path: Path) -> None:
-    lost = Failure("worker", 0, "tcp://10.0.0.9:4000", "removed from the scheduler")
+    lost = Failure("trainer", 0, "tcp://10.0.0.9:4000", "removed from the scheduler")
     first = FakeEngine([(0.0, Progress(step=1)), (0.5, Progress(step=2))], answers_pauses=1,
                        faults=[Fault(lost, at=0.3, after_saves=1)])
     second = FakeEngine([(0.0, Started(trainer=0)), (0.05, Progress(step=3)),
@@ -358,13 +358,13 @@ def test_a_rank_lost_during_a_pause_restarts_a_new_generation_from_the_checkpoin
     assert first.made_with is not None and first.made_with[1:] == ("phases-g0", None)
     assert second.made_with is not None
     roles, job, restore = second.made_with
-    assert job == "phases-g1" and roles["worker"] == first.roles["worker"]
+    assert job == "phases-g1" and roles["trainer"] == first.roles["trainer"]
     shard = str(tmp_path / "ckpt-000000000001-000" / "shard-0.safetensors")
     assert restore == {"files": [{"path": shard, "start": 0, "stop": N_PARAMS}], "step": 1,
                        "samples": 10, "ledger": {"paused_at": 1}, "rng": {"0": "rng-1"}}
     [failure] = outcome.log.failures
     assert (failure["role"], failure["worker"], failure["action"], failure["generation"]) == \
-        ("worker-0", "tcp://10.0.0.9:4000", "restart", 0)
+        ("trainer-0", "tcp://10.0.0.9:4000", "restart", 0)
     assert failure["reason"] == ("the sync group needs every rank: a new generation restarts "
                                  "from the last checkpoint")
     assert outcome.log.generations == 2 and run.controller.state.generation == 1
@@ -383,7 +383,7 @@ def test_a_failure_beyond_max_failures_raises_the_typed_error(tmp_path: Path) ->
     first = FakeEngine(strategy="async-ps", faults=[Fault(lost(1))])
     second = FakeEngine(strategy="async-ps", faults=[Fault(lost(2))])
     spec = _spec(strategy="async-ps", failure=FailureConfig(max_failures=1), checkpoint=config)
-    run = _run([first, second], spec, resume=True, roles={"ps": 1, "worker": 1})
+    run = _run([first, second], spec, resume=True, roles={"ps": 1, "trainer": 1})
 
     error = run.error
     assert isinstance(error, ParameterServerLost)
@@ -399,13 +399,13 @@ def test_a_failure_beyond_max_failures_raises_the_typed_error(tmp_path: Path) ->
 
 
 def test_a_lost_rank_with_max_failures_zero_raises_at_once() -> None:
-    lost = Failure("worker", 1, "tcp://10.0.0.3:4000", "removed from the scheduler")
+    lost = Failure("trainer", 1, "tcp://10.0.0.3:4000", "removed from the scheduler")
     engine = FakeEngine([(0.0, Progress(step=1))], faults=[Fault(lost)])
     run = _run([engine], _spec(failure=FailureConfig(max_failures=0)))
 
     error = run.error
     assert isinstance(error, WorkerLost) and not isinstance(error, ParameterServerLost)
-    assert (error.role, error.worker) == ("worker-1", "tcp://10.0.0.3:4000")
+    assert (error.role, error.worker) == ("trainer-1", "tcp://10.0.0.3:4000")
     assert "failure 1 is more than max_failures=0" in str(error)
     assert run.phases == [S, R, E]
     assert engine.calls == ["start", "close"]  # an error closes the engine, it never stops it
@@ -414,7 +414,7 @@ def test_a_lost_rank_with_max_failures_zero_raises_at_once() -> None:
 
 
 def test_a_lost_sync_rank_before_any_checkpoint_restarts_from_the_start() -> None:
-    lost = Failure("worker", 0, "tcp://10.0.0.4:4000", "raised")
+    lost = Failure("trainer", 0, "tcp://10.0.0.4:4000", "raised")
     first = FakeEngine([(0.0, Progress(step=3))], faults=[Fault(lost)])
     second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=2))], ends_at=0.1)
     outcome = _ok(run := _run([first, second], _spec(epochs=2)))
@@ -429,17 +429,17 @@ def test_a_lost_sync_rank_before_any_checkpoint_restarts_from_the_start() -> Non
 
 def test_a_lost_scorer_is_replaced_and_a_lost_async_trainer_retired() -> None:
     scorer = Failure("scorer", 0, "tcp://10.0.0.5:4000", "raised")
-    trainer = Failure("worker", 1, "tcp://10.0.0.6:4000", "removed from the scheduler")
+    trainer = Failure("trainer", 1, "tcp://10.0.0.6:4000", "removed from the scheduler")
     engine = FakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))], ends_at=0.1,
                         strategy="async-ps", faults=[Fault(scorer), Fault(trainer)])
-    run = _run([engine], _spec(strategy="async-ps"), roles={"ps": 1, "worker": 2, "scorer": 1})
+    run = _run([engine], _spec(strategy="async-ps"), roles={"ps": 1, "trainer": 2, "scorer": 1})
     outcome = _ok(run)
 
     assert run.phases == [S, R, F, FD]
     assert engine.calls == ["start", "replace scorer on 1 worker(s)", "retire 1", "stop None",
                             "close"]
     assert [(f["role"], f["action"]) for f in outcome.log.failures] == \
-        [("scorer-0", "replace"), ("worker-1", "continue")]
+        [("scorer-0", "replace"), ("trainer-1", "continue")]
     assert outcome.log.generations == 1 and outcome.stopped_by == "epochs=1"
 
 
@@ -474,7 +474,7 @@ def test_a_restart_that_cannot_place_its_roles_errors_from_restarting(tmp_path: 
     def no_room(alive: Mapping[str, int]) -> Roles:
         raise InvalidInput([f"{len(alive)} worker(s) cannot hold the roles"])
 
-    lost = Failure("worker", 0, "tcp://10.0.0.7:4000", "removed from the scheduler")
+    lost = Failure("trainer", 0, "tcp://10.0.0.7:4000", "removed from the scheduler")
     engine = FakeEngine(faults=[Fault(lost)])
     run = _run([engine], _spec(checkpoint=config), resume=True, plan=no_room)
 
@@ -513,7 +513,7 @@ def test_a_loss_seen_with_the_stopping_score_keeps_what_the_stop_claims(tmp_path
     second = FakeEngine([(0.0, Progress(step=8)), (0.05, _score(8, accuracy=0.96))],
                         strategy="async-ps")
     spec = _spec(strategy="async-ps", stop=[StopAtScore("accuracy", 0.9)], checkpoint=config)
-    outcome = _ok(_run([first, second], spec, resume=True, roles={"ps": 1, "worker": 1}))
+    outcome = _ok(_run([first, second], spec, resume=True, roles={"ps": 1, "trainer": 1}))
 
     assert outcome.stopped_by == "StopAtScore(accuracy>=0.9)"
     # The stop decided in the pass that found the loss is withdrawn: the next generation trains

@@ -93,13 +93,13 @@ def test_async_trainer_killed_mid_epoch_the_survivor_takes_its_rows(own_client: 
     X, Y, validation = _data()
     roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
     # worker-1's process also holds the scorer: one kill, two lost roles.
-    victim = roles["worker"][1]
+    victim = roles["trainer"][1]
     assert victim not in roles["ps"]
     module = _dies_at(own_client, victim, batches=50)  # 1600 of its ~6000 rows of epoch 1
     started = time.monotonic()
     result = _trainer(own_client, module).fit(X, Y, validation=validation)
     actions = {f["role"]: f["action"] for f in result.failures}
-    assert actions == {"worker-1": "continue", "scorer-0": "replace"}
+    assert actions == {"trainer-1": "continue", "scorer-0": "replace"}
     _assert_every_sample_once(result, 12_000, 2)
     moved = result.ledger[result.ledger["moved_from"].notna()]
     assert len(moved) and (moved["trainer"] != 1).all()
@@ -116,10 +116,10 @@ def test_numpy_input_lost_with_its_worker_is_sent_again(own_client: Client,
     x = rng.normal(size=(12_000, 8)).astype(np.float32)
     y = (x @ rng.normal(size=(8, 3))).argmax(axis=1)
     roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
-    module = _dies_at(own_client, roles["worker"][1], batches=50)
+    module = _dies_at(own_client, roles["trainer"][1], batches=50)
     with caplog.at_level(logging.INFO, logger="dask_train.data._blocks"):
         result = _trainer(own_client, module).fit(x, y, validation=validation)
-    assert [f["role"] for f in result.failures if f["role"].startswith("worker")] == ["worker-1"]
+    assert [f["role"] for f in result.failures if f["role"].startswith("trainer")] == ["trainer-1"]
     assert any("sent again" in r.getMessage() for r in caplog.records)
     assert result.epochs_completed == 2 and result.samples == 2 * 12_000
     per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
@@ -144,34 +144,43 @@ def test_parameter_server_killed_restarts_from_the_checkpoint(own_client: Client
     assert set(result.roles.addresses) - set(roles.addresses)
 
 
-def test_sync_rank_killed_restarts_the_group_from_the_checkpoint(own_client: Client, tmp_path: Path) -> None:
+def test_sync_rank_killed_goes_on_from_the_survivors_state(own_client: Client, tmp_path: Path) -> None:
+    # Checkpoints at steps 40 and 80, the rank killed at its 90th: the survivor's state at the
+    # last step both applied is newer than either, and the job goes on from it.
     X, Y, validation = _data()
     roles = dt.start_roles(own_client, ps=0, worker=2, scorer=1)
-    victim = roles["worker"][1]
-    module = _dies_at(own_client, victim, batches=90)  # after the checkpoints of steps 40 and 80
+    victim = roles["trainer"][1]
+    module = _dies_at(own_client, victim, batches=90)
     config = dt.CheckpointConfig(str(tmp_path), every_seconds=None, every_steps=40, keep=3)
     result = _trainer(own_client, module, strategy="sync", checkpoint=config,
                       ).fit(X, Y, validation=validation)
-    assert result.failures[0]["action"] == "restart"
+    [failure] = result.failures
+    assert failure["action"] == "restart" and "surviving ranks hold" in failure["reason"]
+    assert failure["from"] == "survivors" and failure["redone"] == 0, failure
     assert result.generations == 2
+    # Written from the survivor's memory at the step before the lost one (its 89th batch).
+    [taken] = [c for c in result.checkpoints if c.get("survivors")]
+    assert taken["step"] == 89, result.checkpoints
     _assert_every_sample_once(result, 12_000, 2)
     assert result.history["accuracy"].iloc[-1] > 0.85
 
 
-def test_a_sync_rank_lost_before_the_first_checkpoint_restarts_from_the_start(
+def test_a_sync_rank_killed_without_checkpoints_loses_only_its_step(
         own_client: Client, tmp_path: Path) -> None:
-    # The issue's case: checkpoints every 60 s asked for, a rank's worker killed at its 20th
-    # step, long before any was written. The initial parameters are known: the job starts again.
+    # No checkpoint= at all, and the killed rank is rank 0 (the one the scorer reads): rank 1
+    # holds the same state, written to a scratch directory of this machine for the next
+    # generation; nothing applied is trained again.
     X, Y, validation = _data()
     roles = dt.start_roles(own_client, ps=0, worker=2, scorer=1)
-    module = _dies_at(own_client, roles["worker"][1], batches=20)
-    config = dt.CheckpointConfig(str(tmp_path), every_seconds=60)
-    result = _trainer(own_client, module, strategy="sync", checkpoint=config,
+    module = _dies_at(own_client, roles["trainer"][0], batches=20)
+    result = _trainer(own_client, module, strategy="sync",
                       failure=dt.FailureConfig(max_failures=3)).fit(X, Y, validation=validation)
-    [failure] = result.failures
-    assert failure["action"] == "restart" and "no checkpoint was written yet" in failure["reason"]
+    # Rank 0's worker also held the scorer: one loss, two records.
+    [failure] = [f for f in result.failures if f["role"] != "scorer-0"]
+    assert failure["role"] == "trainer-0" and failure["action"] == "restart"
+    assert failure["from"] == "survivors" and failure["redone"] == 0, failure
     assert result.generations == 2
-    _assert_every_sample_once(result, 12_000, 2)  # the redone samples counted once, by the ledger
+    _assert_every_sample_once(result, 12_000, 2)
     assert result.history["accuracy"].iloc[-1] > 0.85
 
 
@@ -223,7 +232,7 @@ def test_a_raising_scorer_is_replaced_until_max_failures(client: Client) -> None
 def test_a_worker_killed_with_max_failures_zero_raises_naming_it(own_client: Client) -> None:
     X, Y, validation = _data()
     roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
-    victim = roles["worker"][1]
+    victim = roles["trainer"][1]
     kill = _KillAt(own_client, victim, samples=4000)
     done = threading.Event()
     with pytest.raises(dt.WorkerLost) as info:
@@ -236,7 +245,7 @@ def test_a_worker_killed_with_max_failures_zero_raises_naming_it(own_client: Cli
 
 
 def _trainer_running(dask_worker) -> bool:
-    return any("dt-worker-" in str(key) for key in dask_worker.state.long_running)
+    return any("dt-trainer-" in str(key) for key in dask_worker.state.long_running)
 
 
 class _StopAfterRejoin(dt.Callback):
@@ -273,14 +282,14 @@ class _StopAfterRejoin(dt.Callback):
 def test_a_worker_that_comes_back_replaces_the_lost_trainer(own_client: Client) -> None:
     X, Y, validation = _data()
     roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
-    victim = roles["worker"][1]
+    victim = roles["trainer"][1]
     watch = _StopAfterRejoin(own_client, victim)
     result = _trainer(own_client, callbacks=[watch], epochs=200).fit(X, Y, validation=validation)
     assert watch.joined_at is not None, "no trainer started on the restarted worker"
     assert result.stopped_by == "callback"
     # The restarted worker (a new address) got a trainer: index 2, and it trained.
-    assert len(result.roles["worker"]) == 3
-    assert result.roles["worker"][2] not in roles.addresses
+    assert len(result.roles["trainer"]) == 3
+    assert result.roles["trainer"][2] not in roles.addresses
     joined = [t for t in result.trainers if t["trainer"] == 2]
     assert joined and joined[0]["samples"] > 0
 

@@ -115,6 +115,6 @@ def test_on_nan_skip_leaves_bad_batches_out_and_stop_names_the_step(client: Clie
     assert skip.epochs_completed == 2
     assert torch.isfinite(_flat(skip.model)).all()
     stop = _trainer(client, None, 10_000, on_nan="stop", epochs=2, stop=[]).fit(X, Y)
-    assert "non-finite loss" in stop.stopped_by and "worker-0" in stop.stopped_by
+    assert "non-finite loss" in stop.stopped_by and "trainer-0" in stop.stopped_by
     assert stop.epochs_completed == 0
     assert torch.isfinite(_flat(stop.model)).all()

@@ -305,7 +305,7 @@ def test_a_passing_read_error_is_retried_and_blocks_are_read_where_trained(
     assert not list(tmp_path.glob("fail-*"))  # every block failed once, and was read again
     # Each block was read on the worker of the trainer that trained on it (block 0, the
     # smallest, was also read once on every worker before training, by the check).
-    trainers = result.roles["worker"]
+    trainers = result.roles["trainer"]
     for block in (1, 2, 3):
         read_on = (tmp_path / f"part-0.npy.{block * 500}.reads").read_text().split()
         trained_on = result.ledger[result.ledger.block == block]["trainer"]

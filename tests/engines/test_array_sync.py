@@ -162,7 +162,7 @@ def test_trainer_fits_a_softmax_regression_with_scores_and_history(client: Clien
     # The returned parameters are the trained ones: they score what the history says.
     accuracy = np.mean(result.model.predict(result.model.params, validation[0]) == validation[1])
     assert accuracy == pytest.approx(result.history["accuracy"].iloc[-1])
-    assert len(result.roles["worker"]) == 2 and len(result.roles["scorer"]) == 1
+    assert len(result.roles["trainer"]) == 2 and len(result.roles["scorer"]) == 1
 
 
 def test_stop_at_step_is_exact_and_a_score_stop_returns_the_scored_parameters(

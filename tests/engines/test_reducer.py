@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import Client
 
 import dask_train as dt
-from dask_train.engines.collectives.reducer import META, GradientReducer
+from dask_train.engines.collectives.reducer import GradientReducer, meta_size
 from dask_train.models import FlatModel
 
 
@@ -93,12 +93,13 @@ def _reference(idle_rank: int | None) -> list[torch.Tensor]:
     rank = dist.get_rank()
     model = FlatModel(_net())
     sums = []
+    head = meta_size(dist.get_world_size())  # the votes, then each rank's position (zeros here)
     for step in range(2):
-        buf = torch.zeros(META + model.n_params)
+        buf = torch.zeros(head + model.n_params)
         if not (step == 1 and rank == idle_rank):
             x, y = _batch(rank, step)
-            model.gradient(x, y, torch.nn.functional.cross_entropy, out=buf[META:])
-            buf[META:] *= len(x)
+            model.gradient(x, y, torch.nn.functional.cross_entropy, out=buf[head:])
+            buf[head:] *= len(x)
             buf[0] = len(x)
         dist.all_reduce(buf)
         sums.append(buf)
@@ -177,3 +178,32 @@ def test_gradients_are_views_into_the_reduced_buffer() -> None:
         torch.testing.assert_close(got, expected)
     finally:
         dist.destroy_process_group()
+
+
+def _positions_step(big: bool) -> tuple[Any, Any]:
+    model = FlatModel(_net())
+    reducer = GradientReducer(model, bucket_bytes=1 << 20)
+    rank = dist.get_rank()
+    # Rank 0 is 640 rows into block 7 of epoch 1; rank 1 is between blocks.
+    position = ([0, 3, 1 << 24] if big else [1, 7, 640]) if rank == 0 else None
+    reducer.set_meta(5.0, 0.0, 1.0 if rank == 1 else 0.0, position)
+    reducer.start_rest()
+    reducer.wait()
+    return reducer.meta_values(), reducer.positions
+
+
+def test_every_rank_learns_every_ranks_position_with_the_step(client: Client) -> None:
+    # What a survivor of a lost rank goes on from: each rank's [epoch, block, rows] after the
+    # step, summed from its own slot; a rank between blocks sends none.
+    group = dt.start_torch(client, workers=2, backend="gloo", timeout=60)
+    try:
+        got = group.gather(group.run(_positions_step, False))
+        big = group.gather(group.run(_positions_step, True))
+    finally:
+        group.close()
+    for values, positions in got:
+        assert values == (10.0, 0.0, 1.0)  # samples, stop votes, pause votes: summed
+        assert positions == [[1, 7, 640], None]
+    # Past what float32 holds exactly, no position is kept (the job then restarts from its
+    # stored checkpoint instead).
+    assert [positions for _, positions in big] == [None, None]

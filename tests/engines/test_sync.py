@@ -222,6 +222,6 @@ def test_one_rank_is_a_plain_loop_with_no_collective(client: Client) -> None:
                         client=client).fit(X, Y)
     stream = _stream({0, 1, 2}, chunks, epochs=2, batch_size=64, seed=5)
     expected, steps = _reference(mlp(8, 16, 3), x, y, [stream], lr=0.1)
-    assert result.steps == steps == len(stream) and len(result.roles["worker"]) == 1
+    assert result.steps == steps == len(stream) and len(result.roles["trainer"]) == 1
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

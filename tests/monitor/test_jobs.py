@@ -49,7 +49,7 @@ def _a_job(jobs: Jobs) -> None:
     """A job as its events arrive: start, two trainers and a server reporting, scores, a lost
     worker, a restart from a checkpoint, a non-finite loss, the end."""
     jobs.event("dask-train-j1", {"kind": "start", "strategy": "async-ps",
-                                 "roles": {"worker": ["tcp://w0:1", "tcp://w1:1"],
+                                 "roles": {"trainer": ["tcp://w0:1", "tcp://w1:1"],
                                            "ps": ["tcp://w0:1"], "scorer": ["tcp://w1:1"]}},
                now=T0)
     for second in range(1, 4):
@@ -69,10 +69,10 @@ def _a_job(jobs: Jobs) -> None:
     jobs.event("dask-train-j1", {"kind": "failure", "role": "ps-0", "worker": "tcp://w0:1",
                                  "cause": "worker left", "action": "restart"}, now=T0 + 5)
     jobs.event("dask-train-j1", {"kind": "generation", "generation": 1,
-                                 "roles": {"worker": ["tcp://w1:1", "tcp://w2:1"]}}, now=T0 + 6)
+                                 "roles": {"trainer": ["tcp://w1:1", "tcp://w2:1"]}}, now=T0 + 6)
     jobs.event("dask-train-j1-g1", _stats(0, samples=800, feed=0.0, server=0.3, step=40),
                now=T0 + 7)
-    jobs.event("dask-train-j1", {"kind": "nonfinite", "role": "worker-1", "step": 41,
+    jobs.event("dask-train-j1", {"kind": "nonfinite", "role": "trainer-1", "step": 41,
                                  "loss": "nan"}, now=T0 + 7.5)
     jobs.event("dask-train-j1", {"kind": "end", "stopped_by": "StopAfter(8s)"}, now=T0 + 8)
 
@@ -100,7 +100,7 @@ def test_a_job_view_follows_the_events() -> None:
     assert view.step == 40  # the latest step a record or a report gave
     kinds = [kind for _, kind, _ in view.log]
     assert kinds == ["start", "failure", "restart", "nonfinite", "end"]
-    assert view.log[2][2] == "generation 1 on 2 worker"
+    assert view.log[2][2] == "generation 1 on 2 trainer"
 
 
 def test_the_jobs_rate_counts_only_trainers_still_reporting() -> None:

@@ -28,7 +28,7 @@ def test_place_agrees_with_plan_roles(hosts: int, workers: int, ps: int) -> None
     names = [f"h{i:03d}" for i in range(hosts)]  # plan_roles breaks ties by address order
     plan = plan_roles({n: 1 for n in names}, ps=ps, worker=workers, scorer=0)
     trainers, servers = place(workers=workers, ps=ps, hosts=hosts)
-    assert trainers == [plan["worker"].count(n) for n in names]
+    assert trainers == [plan["trainer"].count(n) for n in names]
     assert servers == [plan["ps"].count(n) for n in names]
 
 

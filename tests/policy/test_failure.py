@@ -19,7 +19,7 @@ ADDR = "tcp://10.1.2.3:40001"
 C, RP, RS, X = Action.CONTINUE, Action.REPLACE, Action.RESTART, Action.RAISE
 
 
-def _status(strategy: str = "async-ps", kind: str = "worker", *, failures: int = 1, live_trainers: int = 2,
+def _status(strategy: str = "async-ps", kind: str = "trainer", *, failures: int = 1, live_trainers: int = 2,
             live_workers: int = 3, has_checkpoint: bool = True, index: int = 0) -> JobStatus:
     return JobStatus(strategy, Failure(kind, index, ADDR, "removed from the scheduler"), failures,
                      live_trainers, live_workers, has_checkpoint)
@@ -27,29 +27,29 @@ def _status(strategy: str = "async-ps", kind: str = "worker", *, failures: int =
 
 TABLE = [
     # strategy, kind, failures, live_trainers, live_workers, has_checkpoint -> action, words in reason
-    ("async-ps", "worker", 1, 2, 3, True, C, "2 trainer(s) go on"),
-    ("async-ps", "worker", 1, 1, 1, False, C, "worker-0 had not consumed"),
-    ("async-ps", "worker", 3, 1, 1, False, C, ""),  # the last allowed failure
-    ("async-ps", "worker", 1, 0, 2, True, RS, "no trainer is left"),
-    ("async-ps", "worker", 1, 0, 2, False, RS, "starts again from the initial parameters"),
+    ("async-ps", "trainer", 1, 2, 3, True, C, "2 trainer(s) go on"),
+    ("async-ps", "trainer", 1, 1, 1, False, C, "trainer-0 had not consumed"),
+    ("async-ps", "trainer", 3, 1, 1, False, C, ""),  # the last allowed failure
+    ("async-ps", "trainer", 1, 0, 2, True, RS, "no trainer is left"),
+    ("async-ps", "trainer", 1, 0, 2, False, RS, "starts again from the initial parameters"),
     ("async-ps", "ps", 1, 2, 3, True, RS, "new generation restarts from the last checkpoint"),
     ("async-ps", "ps", 1, 2, 3, False, RS, "no checkpoint was written yet"),
     ("async-ps", "scorer", 1, 2, 3, False, RP, "started on another worker"),
     ("async-ps", "scorer", 1, 0, 1, True, RP, ""),
-    ("sync", "worker", 1, 1, 3, True, RS, "sync group needs every rank"),
-    ("sync", "worker", 1, 3, 3, True, RS, ""),  # a sync rank never lets the group go on alone
-    ("sync", "worker", 1, 1, 3, False, RS, "samples trained so far are trained again"),
+    ("sync", "trainer", 1, 1, 3, True, RS, "sync group needs every rank"),
+    ("sync", "trainer", 1, 3, 3, True, RS, ""),  # a sync rank never lets the group go on alone
+    ("sync", "trainer", 1, 1, 3, False, RS, "samples trained so far are trained again"),
     ("sync", "scorer", 2, 2, 2, False, RP, ""),
-    ("full-batch", "worker", 1, 3, 3, True, RS, "full-batch group needs every rank"),
+    ("full-batch", "trainer", 1, 3, 3, True, RS, "full-batch group needs every rank"),
     # beyond max_failures=3: always raise, whatever else holds
-    ("async-ps", "worker", 4, 5, 5, True, X, "failure 4 is more than max_failures=3"),
+    ("async-ps", "trainer", 4, 5, 5, True, X, "failure 4 is more than max_failures=3"),
     ("async-ps", "scorer", 4, 5, 5, True, X, "max_failures=3"),
     ("async-ps", "ps", 4, 5, 5, True, X, "max_failures=3"),
-    ("sync", "worker", 4, 5, 5, True, X, "max_failures=3"),
+    ("sync", "trainer", 4, 5, 5, True, X, "max_failures=3"),
     # no live worker at all: raise, whatever else holds
-    ("async-ps", "worker", 1, 1, 0, True, X, "resume=True"),
+    ("async-ps", "trainer", 1, 1, 0, True, X, "resume=True"),
     ("async-ps", "scorer", 1, 1, 0, True, X, "no Dask worker is alive"),
-    ("sync", "worker", 1, 0, 0, False, X, "no Dask worker is alive"),
+    ("sync", "trainer", 1, 0, 0, False, X, "no Dask worker is alive"),
 ]
 
 
@@ -82,7 +82,9 @@ def test_failure_config_rejects(value: object) -> None:
 
 def test_records_reject_bad_values() -> None:
     with pytest.raises(InvalidInput, match="kind must be one of"):
-        Failure("trainer", 0, ADDR, "x")
+        Failure("chief", 0, ADDR, "x")
+    # The seed's name for a trainer is read as "trainer".
+    assert Failure("worker", 1, ADDR, "x").role == "trainer-1"
     with pytest.raises(InvalidInput, match="index must be an integer >= 0"):
         Failure("ps", -1, ADDR, "x")
     with pytest.raises(InvalidInput) as info:
@@ -103,7 +105,7 @@ def test_failure_error_for_a_parameter_server() -> None:
         assert words in message
 
 
-@pytest.mark.parametrize("kind", ["worker", "scorer"])
+@pytest.mark.parametrize("kind", ["trainer", "scorer"])
 def test_failure_error_for_other_roles(kind: str) -> None:
     status = _status(kind=kind, index=2, failures=4)
     err = failure_error(status, decide(status, FailureConfig(max_failures=3)))

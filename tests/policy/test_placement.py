@@ -20,18 +20,20 @@ def test_roles_is_a_mapping_and_in_answers_at_once() -> None:
     probe.join(timeout=5)
     assert answers == [True, False]
     assert isinstance(roles, Mapping)
-    assert len(roles) == 3 and list(roles) == ["ps", "worker", "scorer"]
-    assert dict(roles.items()) == {"ps": ["tcp://a:1"], "worker": ["tcp://a:1", "tcp://b:2"],
+    # "worker", the seed's name for trainers (start_roles(worker=2)), reads as "trainer".
+    assert len(roles) == 3 and list(roles) == ["ps", "trainer", "scorer"]
+    assert dict(roles.items()) == {"ps": ["tcp://a:1"], "trainer": ["tcp://a:1", "tcp://b:2"],
                                    "scorer": []}
+    assert roles["worker"] == roles["trainer"] and "worker" in roles
     assert roles.get("chief", []) == []
     with pytest.raises(KeyError):
         roles["chief"]
 
 
 def test_roles_are_read_only_and_replace_returns_a_copy() -> None:
-    roles = Roles({"worker": ["a"], "scorer": ["a"]})
-    roles["worker"].append("b")  # a copy: the placement is unchanged
+    roles = Roles({"trainer": ["a"], "scorer": ["a"]})
+    roles["trainer"].append("b")  # a copy: the placement is unchanged
     moved = roles.replace("scorer", ["b"])
-    assert roles["worker"] == ["a"] and roles["scorer"] == ["a"] and moved["scorer"] == ["b"]
+    assert roles["trainer"] == ["a"] and roles["scorer"] == ["a"] and moved["scorer"] == ["b"]
     assert moved == Roles({"worker": ["a"], "scorer": ["b"]}) and moved != roles
-    assert moved.addresses == ["a", "b"] and moved.names_on("a") == ["worker-0"]
+    assert moved.addresses == ["a", "b"] and moved.names_on("a") == ["trainer-0"]

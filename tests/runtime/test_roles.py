@@ -14,18 +14,18 @@ from dask_train.policy import plan_roles
 
 def test_plan_spreads_trainers_first() -> None:
     plan = plan_roles({"a": 1, "b": 1}, ps=1, worker=2, scorer=1)
-    assert plan == {"worker": ["a", "b"], "ps": ["a"], "scorer": ["b"]}
+    assert plan == {"trainer": ["a", "b"], "ps": ["a"], "scorer": ["b"]}
 
 
 def test_plan_shares_processes_when_roles_outnumber_workers() -> None:
     plan = plan_roles({"a": 1}, ps=2, worker=3, scorer=1)
-    assert plan["worker"] == ["a", "a", "a"] and plan["ps"] == ["a", "a"]
+    assert plan["trainer"] == ["a", "a", "a"] and plan["ps"] == ["a", "a"]
 
 
 def test_plan_uses_every_worker_before_sharing() -> None:
     workers = {f"w{i}": 1 for i in range(6)}
     plan = plan_roles(workers, ps=2, worker=3, scorer=1)
-    placed = plan["worker"] + plan["ps"] + plan["scorer"]
+    placed = plan["trainer"] + plan["ps"] + plan["scorer"]
     assert sorted(placed) == sorted(workers)
 
 
@@ -37,9 +37,9 @@ def test_plan_without_workers_is_an_error() -> None:
 def test_start_roles_on_the_cluster(client: Client) -> None:
     roles = dt.start_roles(client, ps=2, worker=2, scorer=1)
     workers = set(live_workers(client))
-    assert len(roles["ps"]) == 2 and len(roles["worker"]) == 2 and len(roles["scorer"]) == 1
+    assert len(roles["ps"]) == 2 and len(roles["trainer"]) == 2 and len(roles["scorer"]) == 1
     assert set(roles.addresses) <= workers
-    assert set(roles["worker"]) == workers  # two trainers on two workers: one each
+    assert set(roles["trainer"]) == workers  # two trainers on two workers: one each
     have = client.run(lambda dask_worker: "dask-train" in dask_worker.plugins)
     assert all(have.values())
 

@@ -108,7 +108,7 @@ def test_both_strategies_train_on_tls_as_plain_torch_does(tls_client: Client,
     assert got["async-ps"] >= reference["async-ps"] - 0.08, (got, reference)
     # One trainer's shard was on the other worker (of the same host: it updated the shard in host
     # memory, never over a socket); no push port was opened outside TLS.
-    assert set(roles["async-ps"]["worker"]) - set(roles["async-ps"]["ps"])
+    assert set(roles["async-ps"]["trainer"]) - set(roles["async-ps"]["ps"])
     assert tls_client.run(_push_servers) == {w: 0 for w in workers}
 
 
@@ -136,7 +136,7 @@ def test_a_tcp_clusters_switch_keeps_pushes_on_dasks_rpc(monkeypatch: pytest.Mon
 
         result = fit()
         assert result.stopped_by == "epochs=1"
-        assert set(result.roles["worker"]) - set(result.roles["ps"])  # a remote trainer pushed
+        assert set(result.roles["trainer"]) - set(result.roles["ps"])  # a remote trainer pushed
         assert sum(client.run(_push_servers).values()) == 0
         # The control: with the default back, the same job opens the shard's push port.
         client.run(_direct_push, True)

@@ -19,7 +19,7 @@ from test_recovery import _assert_every_sample_once, _data, _KillAt  # noqa: E40
 def test_async_keras_trainer_killed_mid_epoch_the_survivor_takes_its_rows(tf_client: Client) -> None:
     X, Y, validation = _data()
     roles = dt.start_roles(tf_client, ps=1, worker=2, scorer=1)
-    victim = roles["worker"][1]  # its process also holds the scorer: one kill, two lost roles
+    victim = roles["trainer"][1]  # its process also holds the scorer: one kill, two lost roles
     assert victim not in roles["ps"]
     kill = _KillAt(tf_client, victim, samples=3000)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
@@ -31,7 +31,7 @@ def test_async_keras_trainer_killed_mid_epoch_the_survivor_takes_its_rows(tf_cli
                         ).fit(X, Y, validation=validation)
     assert kill.killed_at is not None, "the job ended before the kill"
     actions = {f["role"]: f["action"] for f in result.failures}
-    assert actions == {"worker-1": "continue", "scorer-0": "replace"}
+    assert actions == {"trainer-1": "continue", "scorer-0": "replace"}
     _assert_every_sample_once(result, 12_000, 2)
     moved = result.ledger[result.ledger["moved_from"].notna()]
     assert len(moved) and (moved["trainer"] != 1).all()

@@ -355,7 +355,7 @@ def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any
                                 "workers or lower the least number of ranks."])
         # One rank per worker process (torch's default group is one per process), in address
         # order so that a restart on the same workers gives each the same rank.
-        return Roles({"worker": sorted(alive)[:most], "ps": [], "scorer": []})
+        return Roles({"trainer": sorted(alive)[:most], "ps": [], "scorer": []})
 
     def make_engine(roles: Roles, job_id: str, restore: Any) -> Any:
         return engine_cls(client, spec, roles, blocks, job=job_id, restore=restore,

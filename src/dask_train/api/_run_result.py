@@ -35,7 +35,7 @@ class RunResult(JobResult):
     ledger : pandas.DataFrame
         One row per (epoch, block) handed out: rank, rows, rows read.
     roles : Roles
-        Where the ranks ran (``roles["worker"][rank]``).
+        Where the ranks ran (``roles["trainer"][rank]``).
     ranks : list of dict
         Each rank's counts and where its time went.
     failures, checkpoints : list of dict

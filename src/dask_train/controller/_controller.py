@@ -262,7 +262,7 @@ class Controller:
             self.pending_report = event
 
     def _on_nan(self, event: NonFinite) -> None:
-        role = f"worker-{event.trainer}" if event.trainer >= 0 else "worker"
+        role = f"trainer-{event.trainer}" if event.trainer >= 0 else "trainer"
         record = {"role": role, "step": event.step, "loss": event.loss, "epoch": event.epoch,
                   "block": event.block}
         self.log.nonfinite.append(record)
@@ -451,11 +451,14 @@ class Controller:
         self.pending_report = None  # its ranks are gone with their generation
         t0 = time.time()
         applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
+        lost = set(engine.roles.addresses) - set(await alive_workers(self.client))
+        # The surviving ranks' state (sync), else the newest checkpoint (the one resumed from,
+        # if none was written since), else the initial parameters: the next generation trains
+        # again what was lost with them.
+        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
-        # The newest checkpoint (the one resumed from, if none was written since), else the
-        # initial parameters: the next generation trains again what was lost with them.
-        newest = None if self.checkpoints is None else self.checkpoints.load(
-            n_params=self.spec.n_params, strategy=self.spec.strategy)
+        newest = survived or (None if self.checkpoints is None else self.checkpoints.load(
+            n_params=self.spec.n_params, strategy=self.spec.strategy))
         self.restore = newest if newest is not None else self.restore
         # What the ledger had seen applied since then, to be applied again (once: the next
         # generation's ledger starts from the checkpoint's, or from nothing).
@@ -464,6 +467,7 @@ class Controller:
         # The restarting loss's record: others of its pass may come after it.
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
+        record["from"] = "survivors" if survived else "checkpoint" if self.restore else "start"
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client, placeable=True)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
@@ -476,6 +480,7 @@ class Controller:
         self._next_generation(alive, redone=redone)
         logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
                        "samples applied since are trained again", self.state.generation,
+                       f"the surviving ranks' state at step {survived.step}" if survived else
                        self.restore.directory if self.restore else "the initial parameters",
                        self.roles, time.time() - t0, failure.role, redone)
 
@@ -493,7 +498,7 @@ class Controller:
             roles = self.plan(alive)
         except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
             return None
-        if len(roles["worker"]) <= len(engine.roles["worker"]):
+        if len(roles["trainer"]) <= len(engine.roles["trainer"]):
             return None
         joined = set(roles.addresses) - set(engine.roles.addresses)
         return await self.hand_overs.hand_over(engine, alive, manifest=self._manifest,

@@ -15,6 +15,10 @@ scheduler and then closes it; dask-train's worker plugin holds the closing worke
    one on the live workers from that state: nothing is trained again, and the departure is
    recorded in ``result.departures``, not counted against ``max_failures``.
 
+A killed worker gives no notice, but where the surviving trainers hold the state to go on
+from (sync ranks), :meth:`HandOvers.from_survivors` writes it the same way before the next
+generation starts.
+
 A hand-over that cannot be completed (the leaving worker killed in the middle of it, no store
 to write to, a pause that does not come) is a loss like a crash: the failure policy decides on
 it at the next look at the roles.
@@ -297,6 +301,46 @@ class HandOvers:
                       for i, a in enumerate(engine.roles.get(kind, [])) if a in leaving)
         return Departure(workers=tuple(sorted(leaving)), roles=roles, restore=restore,
                          noticed_at=noticed, joined=tuple(sorted(joined)))
+
+    async def from_survivors(self, engine: Engine, lost: set[str], *,
+                             manifest: Manifest) -> Restore | None:
+        """After ``lost`` workers were killed, the state the surviving trainers hold
+        (:meth:`Engine.survivors`), written where a hand-over's goes, to start the next
+        generation from: a killed sync rank costs its unfinished step, not the work since the
+        last stored checkpoint. None: no survivor holds one, or there is no store to write it
+        to (the job restarts from its stored checkpoint)."""
+        if not engine.recovers_from_survivors:
+            return None
+        t0 = time.monotonic()
+        try:
+            snapshot = await engine.survivors(lost)
+            stored = None if self.checkpoints is None else self.checkpoints.load(
+                n_params=self.spec.n_params, strategy=self.spec.strategy)
+            if snapshot is None or (stored is not None and stored.step >= snapshot.step):
+                return None
+            store = self._store(engine, [])
+            if store is None:
+                logger.info("the surviving ranks hold the state at step %d, but this job has no "
+                            "checkpoint= to regroup through and its workers are not all on "
+                            "this machine", snapshot.step)
+                return None
+            # Named for the generation it starts: a checkpoint of this generation's at the same
+            # step may be the half-written one of the lost holder.
+            info = await store.write(engine, self.state,
+                                     manifest(snapshot.ledger, snapshot.rng), step=snapshot.step,
+                                     generation=self.state.generation + 1, pause_s=0.0)
+            restore = None if info is None else store.load(n_params=self.spec.n_params,
+                                                           strategy=self.spec.strategy)
+        except Exception as exc:  # noqa: BLE001 - the stored checkpoint is the way back
+            logger.info("the surviving ranks' state could not be taken (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        if restore is not None and store is self.checkpoints and info is not None:
+            self.log.checkpoints.append({**info, "survivors": True})
+        if restore is not None:
+            logger.info("the surviving ranks' state at step %d was taken in %.2f s",
+                        restore.step, time.monotonic() - t0)
+        return restore
 
     async def _still_there(self, workers: Iterable[str]) -> None:
         """Raise WorkerLost when one of the held ``workers`` no longer answers, or when no

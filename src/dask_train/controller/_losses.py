@@ -47,12 +47,13 @@ class Losses:
                has_checkpoint: bool, same_loss: bool = False) -> Action:
         """The policy's action on one lost role (raises the typed error on RAISE);
         ``same_loss``: its worker's loss was counted with another of its roles."""
-        live = engine.live_trainers() - (1 if failure.kind == "worker" else 0)
+        live = engine.live_trainers() - (1 if failure.kind == "trainer" else 0)
         loss = len({f["loss"] for f in self.log.failures}) + (0 if same_loss else 1)
         status = JobStatus(
             strategy=engine.strategy, failure=failure, failures=loss,
             live_trainers=max(0, live), live_workers=len(alive),
-            has_checkpoint=has_checkpoint)
+            has_checkpoint=has_checkpoint,
+            survivors_hold_state=engine.recovers_from_survivors)
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,

@@ -80,6 +80,9 @@ class Engine(ABC):
     #: True for an engine that takes in workers that joined only in a new generation (sync
     #: ranks, ``dt.run``): the controller regroups it when its placement would grow.
     grows_by_regroup: ClassVar[bool] = False
+    #: True for an engine whose surviving trainers hold the state to go on from after a trainer
+    #: is killed (:meth:`survivors`): sync ranks.
+    recovers_from_survivors: ClassVar[bool] = False
 
     @abstractmethod
     async def start(self, emit: Emit) -> None:
@@ -116,7 +119,7 @@ class Engine(ABC):
 
     def live_trainers(self) -> int:
         """Trainers still taking part."""
-        return len(self.roles.get("worker", []))
+        return len(self.roles.get("trainer", []))
 
     async def retire_trainer(self, index: int) -> None:
         """Go on without trainer ``index``; its unconsumed rows go to the survivors."""
@@ -137,6 +140,13 @@ class Engine(ABC):
 
     def left(self, workers: set[str]) -> None:
         """Forget that ``workers`` were leaving: their hand-over failed, they are lost."""
+
+    async def survivors(self, lost: set[str]) -> Snapshot | None:
+        """After ``lost`` workers were killed: the newest consistent state the surviving
+        trainers hold in memory, as a snapshot that :meth:`save` then writes from them (its
+        step, the data position of every trainer at it), or None when none holds one (the
+        default: the job restarts from its stored checkpoint)."""
+        return None
 
     # -- checkpoints ------------------------------------------------------------------------------
     @abstractmethod

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
-from dask_train.policy._placement import KINDS
+from dask_train.policy._placement import KINDS, SEED_TRAINER
 
 
 class Action(enum.Enum):
@@ -60,8 +60,9 @@ class Failure:
 
     Parameters
     ----------
-    kind : {"worker", "ps", "scorer"}
-        ``"worker"`` is a trainer (async) or a rank (sync).
+    kind : {"trainer", "ps", "scorer"}
+        ``"trainer"`` is an async-ps trainer or a sync or ``dt.run`` rank (``"worker"``, the
+        seed's name, is read as ``"trainer"``).
     index : int
         The role's index, e.g. 0 for ``"ps-0"``.
     worker : str
@@ -76,6 +77,8 @@ class Failure:
     cause: str
 
     def __post_init__(self) -> None:
+        if self.kind == SEED_TRAINER:
+            object.__setattr__(self, "kind", "trainer")
         problems = []
         if self.kind not in KINDS:
             problems.append(f"Failure(kind={self.kind!r}): kind must be one of {list(KINDS)}.")
@@ -110,6 +113,10 @@ class JobStatus:
         Dask workers alive now.
     has_checkpoint : bool
         Whether a complete checkpoint exists to restart from.
+    survivors_hold_state : bool
+        Whether the surviving trainers hold the state to go on from in memory (sync ranks:
+        each holds the parameters, the optimizer state and every rank's data position at the
+        last step all applied).
     """
 
     strategy: str
@@ -118,6 +125,7 @@ class JobStatus:
     live_trainers: int
     live_workers: int
     has_checkpoint: bool
+    survivors_hold_state: bool = False
 
     def __post_init__(self) -> None:
         problems = [
@@ -147,7 +155,8 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
     Rules, first match wins: more than ``max_failures`` losses, or no live worker, raise; a lost
     scorer is replaced; an async trainer with other trainers still running is dropped and the job
     continues; otherwise (the last async trainer, a parameter server, any synchronous rank) the job
-    restarts from its last checkpoint, or raises when there is none.
+    restarts from the state its surviving sync ranks hold, else from its last checkpoint, else
+    from the initial parameters.
 
     Parameters
     ----------
@@ -180,7 +189,7 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
         )
     if failure.kind == "scorer":
         return Decision(Action.REPLACE, "the scorer holds no training state: it is started on another worker")
-    if status.strategy == "async-ps" and failure.kind == "worker" and status.live_trainers >= 1:
+    if status.strategy == "async-ps" and failure.kind == "trainer" and status.live_trainers >= 1:
         return Decision(
             Action.CONTINUE,
             f"{status.live_trainers} trainer(s) go on and read the blocks {failure.role} had not consumed",
@@ -191,6 +200,11 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
         what = "no trainer is left"
     else:
         what = f"the {status.strategy} group needs every rank"
+    if status.survivors_hold_state and failure.kind == "trainer" and status.live_trainers >= 1:
+        fallback = "the last checkpoint" if status.has_checkpoint else "the initial parameters"
+        return Decision(Action.RESTART, f"{what}: a new generation goes on from the state the "
+                                        f"surviving ranks hold (from {fallback} if they cannot "
+                                        "give it)")
     if status.has_checkpoint:
         return Decision(Action.RESTART, f"{what}: a new generation restarts from the last checkpoint")
     # As TorchElastic and Ray Train do: the initial parameters are known, so a loss before the
@@ -216,12 +230,12 @@ def failure_error(status: JobStatus, decision: Decision) -> WorkerLost:
 
     Examples
     --------
-    >>> lost = Failure("worker", 1, "tcp://10.0.0.7:4000", "removed from the scheduler")
+    >>> lost = Failure("trainer", 1, "tcp://10.0.0.7:4000", "removed from the scheduler")
     >>> status = JobStatus("sync", lost, failures=1, live_trainers=1, live_workers=1,
     ...                    has_checkpoint=False)
     >>> err = failure_error(status, decide(status, FailureConfig()))
     >>> err.role
-    'worker-1'
+    'trainer-1'
     """
     failure = status.failure
     message = (

@@ -8,32 +8,41 @@ from dask_train.errors import InvalidInput
 
 # Relative load of a role on its process, used to spread roles when they must share workers:
 # a trainer computes all the time, a server applies updates, a scorer wakes once a second.
-_WEIGHT = {"worker": 1.0, "ps": 0.5, "scorer": 0.25}
-#: The kinds of role, in the order they are placed: ``"worker"`` is a trainer (an async-ps
-#: trainer, a sync or ``dt.run`` rank), the seed's name, kept where its API has it
-#: (``start_roles(worker=)``, ``TF_CONFIG``); ``"ps"`` a parameter server; ``"scorer"`` the
-#: scorer. The one definition: failures, placement and TensorFlow's cluster read it.
-KINDS = ("worker", "ps", "scorer")
+_WEIGHT = {"trainer": 1.0, "ps": 0.5, "scorer": 0.25}
+#: The kinds of role, in the order they are placed: ``"trainer"`` (an async-ps trainer, a sync
+#: or ``dt.run`` rank), ``"ps"`` a parameter server, ``"scorer"`` the scorer. The one definition:
+#: failures, placement and TensorFlow's cluster read it.
+KINDS = ("trainer", "ps", "scorer")
+#: The seed's name for trainers, kept where its API has it: ``start_roles(worker=)`` and
+#: ``roles["worker"]``, TensorFlow's ``TF_CONFIG`` and a checkpoint written before trainers were
+#: called trainers. :class:`Roles` reads it as ``"trainer"``.
+SEED_TRAINER = "worker"
+
+
+def _kind(kind: str) -> str:
+    return "trainer" if kind == SEED_TRAINER else kind
 
 
 class Roles(Mapping[str, list[str]]):
     """Placement of a job's roles: role kind -> list of Dask worker addresses (one per instance).
 
-    A read-only mapping over the kinds it was given (``"ps"``, ``"worker"``, ``"scorer"``), with
-    ``in``, ``len``, iteration and ``items()``. Looking up a kind it does not hold raises
+    A read-only mapping over the kinds it was given (``"ps"``, ``"trainer"``, ``"scorer"``),
+    with ``in``, ``len``, iteration and ``items()``. Looking up a kind it does not hold raises
     ``KeyError``, as any mapping does; use ``roles.get("ps", [])`` where a kind may be absent.
+    ``"worker"``, the seed's name for trainers (``start_roles(worker=2)``), reads and writes
+    ``"trainer"``.
 
     Examples
     --------
     >>> roles = Roles({"ps": ["tcp://a:1"], "worker": ["tcp://a:1", "tcp://b:2"], "scorer": []})
-    >>> roles["worker"][1], roles.addresses
-    ('tcp://b:2', ['tcp://a:1', 'tcp://b:2'])
-    >>> "ps" in roles, "chief" in roles, len(roles)
-    (True, False, 3)
+    >>> roles["trainer"][1], roles["worker"] == roles["trainer"], roles.addresses
+    ('tcp://b:2', True, ['tcp://a:1', 'tcp://b:2'])
+    >>> "ps" in roles, "chief" in roles, len(roles), list(roles)
+    (True, False, 3, ['ps', 'trainer', 'scorer'])
     """
 
     def __init__(self, placement: Mapping[str, Sequence[str]] | None = None) -> None:
-        self._placement = {str(k): tuple(v) for k, v in (placement or {}).items()}
+        self._placement = {_kind(str(k)): tuple(v) for k, v in (placement or {}).items()}
 
     @property
     def placement(self) -> dict[str, list[str]]:
@@ -41,7 +50,7 @@ class Roles(Mapping[str, list[str]]):
         return {k: list(v) for k, v in self._placement.items()}
 
     def __getitem__(self, kind: str) -> list[str]:
-        return list(self._placement[kind])
+        return list(self._placement[_kind(kind)])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._placement)
@@ -59,7 +68,7 @@ class Roles(Mapping[str, list[str]]):
 
     def replace(self, kind: str, addresses: Sequence[str]) -> Roles:
         """A copy with ``kind`` placed on ``addresses``."""
-        return Roles({**self._placement, kind: tuple(addresses)})
+        return Roles({**self._placement, _kind(kind): tuple(addresses)})
 
     @property
     def addresses(self) -> list[str]:
@@ -67,7 +76,7 @@ class Roles(Mapping[str, list[str]]):
         return sorted({a for addrs in self._placement.values() for a in addrs})
 
     def names_on(self, address: str) -> list[str]:
-        """Role names (``"ps-0"``, ``"worker-1"``) placed on ``address``."""
+        """Role names (``"ps-0"``, ``"trainer-1"``) placed on ``address``."""
         return [
             f"{kind}-{i}"
             for kind, addrs in self._placement.items()
@@ -99,13 +108,13 @@ def plan_roles(
     Examples
     --------
     >>> plan_roles({"a": 1, "b": 1}, ps=1, worker=2, scorer=1)
-    {'worker': ['a', 'b'], 'ps': ['a'], 'scorer': ['b']}
+    {'trainer': ['a', 'b'], 'ps': ['a'], 'scorer': ['b']}
     """
     if not workers:
         raise InvalidInput(["the cluster has no workers: start at least one Dask worker."])
     load = {addr: 0.0 for addr in sorted(workers)}
     placement: dict[str, list[str]] = {}
-    for kind, count in (("worker", worker), ("ps", ps), ("scorer", scorer)):
+    for kind, count in (("trainer", worker), ("ps", ps), ("scorer", scorer)):
         placement[kind] = []
         for _ in range(count):
             # Least loaded first; ties go to the worker with more threads, then to address order.

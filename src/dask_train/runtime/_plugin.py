@@ -73,6 +73,8 @@ class WorkerJob:
         # parameters are freed, and the roles still running end without touching them.
         self.dropped = False
         self.scorer_keep: int | None = None
+        # A sync rank's last applied step and every rank's data position at it (its HeldPoint).
+        self.held: Any = None
         # Checkpoint pauses: the controller raises pause_id; roles pause at their next consistent
         # point, report where they are, and wait until resume_id reaches the pause they took.
         self.pause_id = 0

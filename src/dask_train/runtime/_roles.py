@@ -28,7 +28,8 @@ def start_roles(client: Client, *, ps: int = 1, worker: int = 1, scorer: int = 1
     Returns
     -------
     Roles
-        A read-only mapping: role kind -> Dask worker addresses.
+        A read-only mapping: role kind (``"ps"``, ``"trainer"``, ``"scorer"``) -> Dask worker
+        addresses; ``roles["worker"]``, the seed's name, reads the trainers too.
 
     Examples
     --------

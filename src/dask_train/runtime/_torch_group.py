@@ -301,7 +301,7 @@ def _await_all(
     if lost:
         rank, address = lost[0]
         raise WorkerLost(f"rank {rank}'s worker {address} left the cluster while the ranks tried "
-                         f"to {what}", worker=address, role=f"worker-{rank}")
+                         f"to {what}", worker=address, role=f"trainer-{rank}")
     # The missing ranks are those whose task never started; the others were waiting for them.
     missing = {r: a for r, a in late.items() if not started.get(a, False)}
     why = "its task never started: a busy or lost worker" if missing else "can the ranks reach each other?"

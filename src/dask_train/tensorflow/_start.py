@@ -23,14 +23,17 @@ from distributed.utils import get_ip
 
 from dask_train.data._stall import wait_futures
 from dask_train.errors import InvalidInput, RoleFailed, TrainingTimeout
-from dask_train.policy._placement import KINDS, check_role_counts, plan_roles
+from dask_train.policy._placement import KINDS, SEED_TRAINER, check_role_counts, plan_roles
 from dask_train.runtime._calls import live_workers
 from dask_train.runtime._roles import worker_threads
 from dask_train.tensorflow import _server
 
 logger = logging.getLogger(__name__)
 
-# Role kinds in the order they are placed and get ``TF_CONFIG`` on a shared process: KINDS.
+# TensorFlow's task type for a trainer is the seed's "worker" (TF_CONFIG, ClusterSpec). The kinds
+# in the order they are placed and get ``TF_CONFIG`` on a shared process: KINDS, so named.
+_TF_TASK = {"trainer": SEED_TRAINER}
+TF_KINDS = tuple(_TF_TASK.get(kind, kind) for kind in KINDS)
 
 
 def _pin(address: str) -> dict[str, Any]:
@@ -230,10 +233,11 @@ def start_tensorflow(client: Client, *, ps: int = 1, worker: int = 1, scorer: in
             "start_tensorflow: call its close() first (a TF server cannot be stopped; close() "
             "restarts those workers)."])
     threads = worker_threads(client)
-    placement = plan_roles(threads, ps=ps, worker=worker, scorer=scorer)
+    placement = {_TF_TASK.get(kind, kind): addresses for kind, addresses
+                 in plan_roles(threads, ps=ps, worker=worker, scorer=scorer).items()}
     start_id = f"tf-{uuid.uuid4().hex[:8]}"
     on: dict[str, list[tuple[str, int]]] = {}  # worker -> its roles, in placement order
-    for kind in KINDS:
+    for kind in TF_KINDS:
         for i, address in enumerate(placement[kind]):
             on.setdefault(address, []).append((kind, i))
     try:
@@ -242,7 +246,7 @@ def start_tensorflow(client: Client, *, ps: int = 1, worker: int = 1, scorer: in
     except BaseException:
         _abandon(client, start_id, list(on), timeout=timeout)
         raise
-    dask_spec = {kind: list(placement[kind]) for kind in KINDS}
+    dask_spec = {kind: list(placement[kind]) for kind in TF_KINDS}
     return TensorFlowCluster(client=client, start_id=start_id, spec=spec, dask_spec=dask_spec,
                              timeout=timeout)
 
@@ -286,12 +290,12 @@ def _reserve_ports(client: Client, start_id: str, on: Mapping[str, list[tuple[st
                for n, (a, roles) in enumerate(on.items())}
     _wait(client, futures, timeout=timeout, what="import TensorFlow and reserve ports", on=on,
           where=lambda a: a)
-    spec: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    spec: dict[str, list[str]] = {kind: [] for kind in TF_KINDS}
     found: dict[tuple[str, int], str] = {}
     for address, fut in futures.items():
         for role, target in zip(on[address], fut.result()):
             found[role] = target
-    for kind in KINDS:
+    for kind in TF_KINDS:
         count = sum(1 for roles in on.values() for k, _ in roles if k == kind)
         spec[kind] = [found[(kind, i)] for i in range(count)]
     return {kind: targets for kind, targets in spec.items() if targets}

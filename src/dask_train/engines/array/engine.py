@@ -88,7 +88,7 @@ class ArrayEngine(Engine):
             position = restore["ledger"]
             self.epoch, self.next_step = int(position["epoch"]), int(position["step"])
             self.epochs_done, self.ledger = int(position["epochs_done"]), list(position["records"])
-        self.roles = Roles({"worker": [data.holders[g[0]] for g in self.groups], "ps": [],
+        self.roles = Roles({"trainer": [data.holders[g[0]] for g in self.groups], "ps": [],
                             "scorer": []})
         self.emit: Emit = lambda event: None
         self.loop_task: asyncio.Task[None] | None = None
@@ -235,13 +235,13 @@ class ArrayEngine(Engine):
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
         """A step that failed (usually a worker lost with its blocks), or a lost scorer worker."""
         if self.error is not None:
-            gone = [a for a in self.roles["worker"] if a not in alive]
-            worker = gone[0] if gone else (self.roles["worker"] or ["?"])[0]
+            gone = [a for a in self.roles["trainer"] if a not in alive]
+            worker = gone[0] if gone else (self.roles["trainer"] or ["?"])[0]
             cause = f"a step failed: {type(self.error).__name__}: {self.error}"
             self.error = None
             if not gone:
                 raise RuntimeError(cause)  # not a lost worker: the user's model or data
-            return [Failure("worker", self.roles["worker"].index(worker), worker, cause)]
+            return [Failure("trainer", self.roles["trainer"].index(worker), worker, cause)]
         scorer = self.roles["scorer"]
         if scorer and scorer[0] not in alive:
             return [Failure("scorer", 0, scorer[0], f"the Dask worker {scorer[0]} left")]
@@ -293,7 +293,7 @@ class ArrayEngine(Engine):
                 self.loop_task.cancel()
         final = await self._final_score(keep_step)
         params = self.opt.param.detach().numpy().copy()
-        trainers = [{"trainer": g, "worker": self.roles["worker"][g], "rows": self.group_rows[g],
+        trainers = [{"trainer": g, "worker": self.roles["trainer"][g], "rows": self.group_rows[g],
                      "steps": self.opt.version} for g in range(len(self.groups))]
         return Ending(params=params, steps=self.opt.version, samples=self.opt.samples,
                       trainers=trainers, final=final)

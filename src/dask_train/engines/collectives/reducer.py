@@ -17,6 +17,7 @@ over its zeros.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,8 +25,21 @@ import torch.distributed as dist
 
 from dask_train.models._flat import FlatModel
 
-#: Values carried in front of the gradients: [samples, stop votes, pause votes].
+#: Values carried in front of the gradients: [samples, stop votes, pause votes], then one slot
+#: of :data:`POSITION` values per rank (:func:`meta_size`).
 META = 3
+#: A rank's data position after the step's batches, ``[epoch + 1, block, rows]`` (zeros between
+#: blocks), in its own slot: once reduced, every rank knows where every rank was at each step it
+#: applied, so a survivor of a lost rank holds a consistent state to go on from (parameters,
+#: optimizer and every rank's position) without a stored checkpoint.
+POSITION = 3
+#: float32 holds integers exactly up to 2**24: a larger position is not kept (no in-memory point).
+_EXACT = float(1 << 24)
+
+
+def meta_size(world: int) -> int:
+    """Values in front of the gradients for a group of ``world`` ranks."""
+    return META + POSITION * world
 #: Bucket size. DDP uses 1 MB for its first bucket and 25 MB after; on CPU with gloo, where
 #: compute and communication share the cores, smaller buckets start the traffic earlier.
 BUCKET_BYTES = 1 << 20
@@ -69,11 +83,16 @@ class GradientReducer:
     """
 
     def __init__(self, model: FlatModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.buf = torch.zeros(META + model.n_params, device=model.flat.device)
-        self.meta = self.buf[:META]
+        world = dist.get_world_size()
+        self.rank, head = dist.get_rank(), meta_size(world)
+        self.buf = torch.zeros(head + model.n_params, device=model.flat.device)
+        self.meta = self.buf[:head]
         # On the CPU the meta is read and written through numpy (see meta_values).
         self._meta_host = self.meta.numpy() if self.buf.device.type == "cpu" else None
-        self.grad = self.buf[META:]
+        self._slot = META + POSITION * self.rank
+        #: Every rank's position at the last reduced step (:meth:`meta_values`).
+        self.positions: list[list[int] | None] | None = None
+        self.grad = self.buf[head:]
         self._params = model.params
         offsets, offset = [], 0
         for p in self._params:
@@ -95,11 +114,10 @@ class GradientReducer:
         for b, idx in enumerate(members):
             start, end = offsets[min(idx)], offsets[max(idx)] + self._params[max(idx)].numel()
             # The bucket that holds the first parameter is reduced last: it carries the meta.
-            self._spans.append((0 if min(idx) == 0 else META + start, META + end))
+            self._spans.append((0 if min(idx) == 0 else head + start, head + end))
             for i in idx:
                 self._bucket_of[id(self._params[i])] = b
         self._sizes = [len(idx) for idx in members]
-        world = dist.get_world_size()
         # One rank (strategy="auto"'s one process): no collective at all, not even gloo's.
         self._alone = world == 1
         gather = dist.get_backend() == "gloo" and world > 1
@@ -118,18 +136,29 @@ class GradientReducer:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.reset()
 
-    def set_meta(self, samples: float, stop: float, pause: float) -> None:
-        """This rank's step samples and votes, before the collective that carries them."""
+    def set_meta(self, samples: float, stop: float, pause: float,
+                 position: Sequence[int] | None = None) -> None:
+        """This rank's step samples, votes and data position (``[epoch, block, rows]`` after
+        the step's batches, None between blocks), before the collective that carries them."""
+        where = (0.0, 0.0, 0.0) if position is None else \
+            (position[0] + 1.0, float(position[1]), float(position[2]))
         if self._meta_host is not None:
             # A torch scalar index costs a few microseconds each; a rank's loop does seven a step.
-            self._meta_host[:] = (samples, stop, pause)
+            self._meta_host[:META] = (samples, stop, pause)
+            self._meta_host[self._slot : self._slot + POSITION] = where
         else:
-            self.meta.copy_(torch.tensor((samples, stop, pause)))
+            self.meta[:META].copy_(torch.tensor((samples, stop, pause)))
+            self.meta[self._slot : self._slot + POSITION].copy_(torch.tensor(where))
 
     def meta_values(self) -> tuple[float, float, float]:
-        """The reduced ``(samples, stop votes, pause votes)`` of the step."""
-        samples, stop, pause = (self.meta if self._meta_host is None else self._meta_host).tolist()
-        return samples, stop, pause
+        """The reduced ``(samples, stop votes, pause votes)`` of the step; every rank's
+        position goes to :attr:`positions` (None when one is too large to be exact)."""
+        values = (self.meta if self._meta_host is None else self._meta_host).tolist()
+        slots = [values[i : i + POSITION] for i in range(META, len(values), POSITION)]
+        self.positions = None if any(v >= _EXACT for v in values[META:]) else [
+            None if slot[0] == 0 else [int(slot[0]) - 1, int(slot[1]), int(slot[2])]
+            for slot in slots]
+        return values[0], values[1], values[2]
 
     @property
     def spans(self) -> list[tuple[int, int]]:

@@ -46,6 +46,14 @@ def shard_version(job: str, index: int, dask_worker: Any = None) -> int:
     return int(getattr(shard, "version", -1))
 
 
+def held_point(job: str, dask_worker: Any = None) -> dict[str, Any] | None:
+    """Run on a sync rank's worker: its last applied step and every rank's position at it
+    (``{"version", "positions"}``), None when it holds none."""
+    state = worker_state(dask_worker).jobs.get(job)
+    held = None if state is None or state.dropped else state.held
+    return None if held is None else {"version": held.version, "positions": held.positions}
+
+
 def save_shard_task(*, job: str, index: int, path: str, metadata: Mapping[str, str]) -> dict[str, Any]:
     """Dask task on a server's worker: write shard ``index`` (parameters and optimizer state)."""
     return save_shard_here(job=job, index=index, path=path, metadata=metadata,

@@ -54,7 +54,7 @@ class TrainerRole:
         The trainer's index (a sync job's rank).
     config : RoleConfig
     kind : str
-        How the role names itself in errors ("worker" or "rank").
+        How the role names itself in errors ("trainer" or "rank").
 
     Examples
     --------
@@ -69,13 +69,13 @@ class TrainerRole:
         return role.result(steps=steps, samples=samples, allreduce_s=comm_s)
     """
 
-    def __init__(self, *, job: str, index: int, config: RoleConfig, kind: str = "worker") -> None:
+    def __init__(self, *, job: str, index: int, config: RoleConfig, kind: str = "trainer") -> None:
         self.worker = get_worker()
         worker_state(self.worker).configure_torch()
         self.state = worker_state(self.worker).job(job)
         secede()
         self.job, self.index, self.config = job, index, config
-        self.name = f"{kind}-{index} on {self.worker.address}" if kind == "worker" \
+        self.name = f"{kind}-{index} on {self.worker.address}" if kind == "trainer" \
             else f"{kind} {index} on {self.worker.address}"
         seed_trainer(seed=config.seed, index=index, saved=config.rng)
         self.pauser = Pauser(self.worker, self.state, topic=config.topic, trainer=index,

@@ -92,13 +92,13 @@ class AsyncPSEngine(RoleEngine):
                 all(self.granter.ended[i] or self.granter.idle[i] for i in live):
             return
         # Workers without a live trainer (a replaced scorer may already run on a new worker).
-        used = {self.roles["worker"][i] for i in live}
+        used = {self.roles["trainer"][i] for i in live}
         await self.module_again()
         for address in [a for a in sorted(alive) if a not in used][: self.spec.workers - len(live)]:
             index = self.ledger.add_trainer(address)
-            self.roles = self.roles.replace("worker", [*self.roles["worker"], address])
+            self.roles = self.roles.replace("trainer", [*self.roles["trainer"], address])
             granted = self.granter.add_trainer(address)
-            assert index == len(self.roles["worker"]) - 1 == granted
+            assert index == len(self.roles["trainer"]) - 1 == granted
             self.trainer_futures.append(self._trainer_task(index, address))
             for _ in range(self.spec.blocks_ahead):
                 self.granter.grant(index)

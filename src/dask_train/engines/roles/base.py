@@ -71,7 +71,7 @@ class RoleEngine(Engine):
     ) -> None:
         self.client, self.spec, self.roles, self.blocks = client, spec, roles, blocks
         self.validation, self.job, self.restore = validation, job, restore
-        trainers = roles["worker"]
+        trainers = roles["trainer"]
         kwargs: dict[str, Any] = {"epochs": spec.epochs, "shuffle": spec.shuffle, "seed": spec.seed}
         self.ledger = (Ledger.from_state(blocks.blocks, trainers, state=restore["ledger"], **kwargs)
                        if restore is not None else Ledger(blocks.blocks, trainers, **kwargs))
@@ -133,12 +133,12 @@ class RoleEngine(Engine):
         self.subscribed = True
         if self.validation is not None and self.roles["scorer"]:
             await self.start_scorer(self.roles["scorer"][0])
-        for i, address in enumerate(self.roles["worker"]):
+        for i, address in enumerate(self.roles["trainer"]):
             self.trainer_futures.append(self._trainer_task(i, address))
         # Round-robin over the trainers, so the first cannot take every block of a small job
         # before the others get one.
         for _ in range(self.spec.blocks_ahead):
-            for i in range(len(self.roles["worker"])):
+            for i in range(len(self.roles["trainer"])):
                 self.granter.grant(i)
 
     async def module_again(self) -> None:
@@ -151,7 +151,7 @@ class RoleEngine(Engine):
 
     def _trainer_task(self, index: int, address: str) -> Future:
         return self.pinned(type(self).run_trainer, self.module_f, address=address,
-                           key=f"dt-worker-{index}", job=self.job, index=index,
+                           key=f"dt-trainer-{index}", job=self.job, index=index,
                            shards=self.shards, config=self.config)
 
     async def start_scorer(self, address: str) -> None:
@@ -307,7 +307,7 @@ class RoleEngine(Engine):
             own = [i for i, e in errors.items() if not isinstance(e, _PEER_ERRORS)]
             if own or (errors and attempt == 20):
                 i = (own or sorted(errors))[0]
-                await self.raise_role_error(futs[i], f"trainer worker-{i} on {self.roles['worker'][i]}")
+                await self.raise_role_error(futs[i], f"trainer-{i} on {self.roles['trainer'][i]}")
             if not errors:
                 break
             # Only lost connections: usually a peer's worker died (a server, a rank): wait for
@@ -326,9 +326,9 @@ class RoleEngine(Engine):
     def _lost_roles(self, alive: Mapping[str, int]) -> list[Failure]:
         """Roles on workers not in ``alive`` (a retired trainer's worker is no role's)."""
         return [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
-                for kind in ("ps", "worker", "scorer")
+                for kind in ("ps", "trainer", "scorer")
                 for i, address in enumerate(self.roles.get(kind, []))
-                if address not in alive and not (kind == "worker" and i in self.granter.retired)]
+                if address not in alive and not (kind == "trainer" and i in self.granter.retired)]
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         """Start the scorer on the least-loaded live worker."""
@@ -336,7 +336,7 @@ class RoleEngine(Engine):
         if old is not None and old.status == "pending":
             await self.client.cancel([old], asynchronous=True)
         used = {a: 0.0 for a in alive}
-        for kind, weight in (("worker", 1.0), ("ps", 0.5)):
+        for kind, weight in (("trainer", 1.0), ("ps", 0.5)):
             for address in self.roles.get(kind, []):
                 if address in used:
                     used[address] += weight
@@ -354,7 +354,7 @@ class RoleEngine(Engine):
     async def pause(self, pause_id: int) -> None:
         """Raise the pause id on every running trainer's worker."""
         self.pauses[pause_id] = {}
-        workers = sorted({self.roles["worker"][i] for i in self._running()})
+        workers = sorted({self.roles["trainer"][i] for i in self._running()})
         await run_on_live(self.client, worker_side.request_pause, self.job, pause_id,
                           leaving=self.leaving_workers, workers=workers)
 
@@ -484,7 +484,7 @@ class RoleEngine(Engine):
                           leaving=self.leaving_workers, workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
         trainers = await self.gather_from_holders(live, what="stopping the trainers", holders={
-            self.roles["worker"][i]: f"worker-{i}" for i in self.live()})
+            self.roles["trainer"][i]: f"trainer-{i}" for i in self.live()})
         await self._drain_events()
         final = None
         if self.scorer_future is not None:

@@ -92,7 +92,7 @@ class RunEngine(TorchSyncEngine):
     def writer_address(self) -> str:
         """The worker of the rank holding the newest reported checkpoint's state (rank 0 until
         a report says otherwise): the one that writes it."""
-        return str(self.roles["worker"][self.writer])
+        return str(self.roles["trainer"][self.writer])
 
     async def start(self, emit: Emit) -> None:
         """Start the process group, then every rank's function; grant the first blocks."""
@@ -100,7 +100,7 @@ class RunEngine(TorchSyncEngine):
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
-        ranks = self.roles["worker"]
+        ranks = self.roles["trainer"]
         run = RunSettings(**{**self.run.__dict__, "local_ranks": tuple(local_ranks(ranks)),
                              "master": self.group.master if self.group is not None else "",
                              "block_rows": tuple(b.rows for b in self.blocks.blocks)})
@@ -162,7 +162,7 @@ class RunEngine(TorchSyncEngine):
         if metrics:
             self.emit(Score(step=first.steps, samples=samples, metrics=metrics,
                             nonfinite=[k for k, v in metrics.items() if not math.isfinite(v)],
-                            wall=time.time(), worker=self.roles["worker"][ranks[0]]))
+                            wall=time.time(), worker=self.roles["trainer"][ranks[0]]))
         writer = next((i for i in ranks if got[i].checkpoint), None)
         if writer is not None:
             self.writer = writer
@@ -232,7 +232,7 @@ class RunEngine(TorchSyncEngine):
             if own or time.monotonic() > deadline:
                 i = own[0] if own else min(troubled)
                 fut = self.trainer_futures[i]
-                where = f"rank {i} on {self.roles['worker'][i]}"
+                where = f"rank {i} on {self.roles['trainer'][i]}"
                 if fut.status == "error":
                     await self.raise_role_error(fut, where)
                 raise RoleFailed(f"{where} lost a peer ({self.peer_errors[i]}), but no worker "
@@ -259,8 +259,8 @@ class RunEngine(TorchSyncEngine):
         return out
 
     async def _lost(self, alive: Mapping[str, int]) -> list[Failure]:
-        return [Failure("worker", i, address, f"the Dask worker {address} left the cluster")
-                for i, address in enumerate(self.roles.get("worker", []))
+        return [Failure("trainer", i, address, f"the Dask worker {address} left the cluster")
+                for i, address in enumerate(self.roles.get("trainer", []))
                 if address not in alive]
 
     # -- ending -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ own batches. After each step rank 0 broadcasts its buffers to the others, as DDP
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -137,8 +138,9 @@ def run_rank(
         server.restore(state_, version=restore["step"], samples=restore["samples"])
     buffers = _BufferSync(model.buffers(), server, rank=index, device=model.device)
     buffers.start(restored=restore is not None)
-    if index == 0:
-        role.state.params[0] = server  # the scorer and the final pull read rank 0's parameters
+    # The scorer and the final pull read rank 0's parameters; every rank's stay readable on its
+    # worker, so a survivor of a lost rank can write them (the engine's ``survivors``).
+    role.state.params[0] = server
 
     def report(item: FeedItem, consumed: int) -> None:
         role.block(item.epoch, item.block, rows=consumed - item.skip, done=consumed == item.rows,
@@ -164,6 +166,17 @@ def run_rank(
     role.exit(steps=server.version)
     return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s,
                        host_memory_sum=reducer.host is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldPoint:
+    """A rank's last applied step: its parameters' ``version`` (they and the optimizer state
+    are the rank's holder, ``params[0]`` of its worker's job) and every rank's ``positions``
+    after that step's batches (trainer -> ``[epoch, block, rows]`` or None; None as a whole
+    when a position was too large to travel exactly)."""
+
+    version: int
+    positions: list[list[int] | None] | None
 
 
 class _RankLoop:
@@ -208,6 +221,9 @@ class _RankLoop:
             if total == 0 and stops == 0:  # every rank is out of data: the last epoch is done
                 break
             at_limit = self._update(total, scale)
+            # Every rank's position at the step just applied, with the parameters it gave: what a
+            # survivor hands on if a rank is lost (see HeldPoint).
+            self.role.state.held = HeldPoint(self.server.version, self.reducer.positions)
             if stops > 0 or at_limit:
                 break
             if pauses > 0:
@@ -282,7 +298,7 @@ class _RankLoop:
     def _votes(self, count: int) -> None:
         """Write this rank's samples and votes, before the collective that carries them starts."""
         self.reducer.set_meta(float(count), 1.0 if self.role.stopped() or self.stop_vote else 0.0,
-                              1.0 if self.role.pauser.requested() else 0.0)
+                              1.0 if self.role.pauser.requested() else 0.0, self.feed.position())
 
 
 class _BufferSync:
@@ -326,3 +342,5 @@ class _BufferSync:
             assert self.received is not None
             dist.broadcast(self.received, src=0)
             self.buffers.scatter(self.received)
+            # Kept with this rank's parameters too: a survivor's state is written from them.
+            self.server.set_buffers(self.received.cpu().numpy().copy())
