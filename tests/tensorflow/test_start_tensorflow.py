@@ -44,7 +44,9 @@ def test_start_close_and_start_again(tf_client: Client) -> None:
     assert tf_spec.as_dict() == cluster.spec
     assert {k: len(v) for k, v in cluster.spec.items()} == {"worker": 2, "ps": 1, "scorer": 1}
     # Placed by the pure policy on the live workers; the servers are on those workers' hosts.
-    assert dask_spec == plan_roles(before, ps=1, worker=2, scorer=1)
+    # (TensorFlow's task type for a trainer is "worker".)
+    placed = plan_roles(before, ps=1, worker=2, scorer=1)
+    assert dask_spec == {"worker": placed["trainer"], "ps": placed["ps"], "scorer": placed["scorer"]}
     targets = [t for role in ("worker", "ps", "scorer") for t in cluster.spec[role]]
     assert len({t.rsplit(":", 1)[1] for t in targets}) == 4  # four ports, from the OS
     for role, addrs in dask_spec.items():
@@ -82,7 +84,7 @@ def _busy(seconds: float) -> None:
 def test_a_server_that_cannot_start_fails_within_the_timeout(tf_client: Client) -> None:
     workers = sorted(_workers(tf_client))
     placement = plan_roles(_workers(tf_client), ps=1, worker=2, scorer=1)
-    blocked = placement["worker"][1]
+    blocked = placement["trainer"][1]
     # Holds the blocked worker's only thread past the start's timeout (3 s), so its roles' tasks
     # never start in time.
     busy = tf_client.submit(_busy, 5, workers=[blocked], pure=False)
