@@ -149,3 +149,30 @@ def _choice():  # noqa: ANN202
     from dask_train.api._plan import Choice
 
     return Choice("async-ps", 2, 1)
+
+
+def test_a_range_of_workers_is_checked_as_dt_run_checks_it() -> None:
+    def problems(**kw: object) -> list[str]:
+        return Settings.of(dt.Trainer(torch.nn.Linear(4, 2), **kw).get_params()).problems()
+
+    assert problems(workers=(1, 3)) == [] and problems(workers=None, strategy="sync") == []
+    [bad] = problems(workers=(3, 2))
+    assert bad.startswith("workers=(3, 2) is invalid") and "1 <= least <= most" in bad
+    assert set(problems(workers=(3, 2))) <= set(check_run(_run_args(workers=(3, 2))))
+    [auto] = problems(workers=(2, 4), strategy="auto")
+    assert "with strategy='auto'" in auto and "'async-ps' or 'sync'" in auto
+    [batch] = problems(workers=(2, 4), global_batch_size=128)
+    assert batch.startswith("global_batch_size=128 with workers=(2, 4)") and "batch_size=" in batch
+
+
+def test_a_range_starts_with_the_workers_there_are_within_it() -> None:
+    from dask_train.policy._settings import ClusterSettings
+
+    ranged = ClusterSettings((2, 4))
+    assert [ranged.trainers(n) for n in (1, 2, 3, 4, 9)] == [2, 2, 3, 4, 4]
+    assert ranged.most() == 4 and ClusterSettings(3).most() == 3
+    every = ClusterSettings(None)
+    assert [every.trainers(n) for n in (1, 5)] == [1, 5] and every.most() is None
+    spec = job_spec(_plan(dt.Trainer(torch.nn.Linear(4, 2), workers=(1, 3))).chose(_choice()),
+                    start=torch.nn.Linear(4, 2))
+    assert spec.trainer_cap == 3  # joiners bring it up to most

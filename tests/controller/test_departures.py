@@ -388,6 +388,37 @@ def test_dt_run_takes_in_a_worker_that_joins_at_its_next_report(
     _assert_each_row_at_most_once(result)
 
 
+@pytest.mark.parametrize("strategy", ["sync", "async-ps"])
+def test_a_trainer_with_a_range_of_workers_starts_with_those_there_are_and_grows(
+        two_workers: tuple[LocalCluster, Client], strategy: str) -> None:
+    # workers=(1, 3) on two workers: two trainers; a third worker joins and gets one (a sync
+    # job regroups onto it, an async-ps job adopts it), nothing trained twice.
+    cluster, client = two_workers
+    X, Y, validation = _data()
+    scale = _ScaleUpAt(cluster, client, 3)
+    result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy=strategy, workers=(1, 3), batch_size=32,
+                        epochs=1000, score_every=0.2, timeout=30, progress=False, client=client,
+                        callbacks=[scale]).fit(X, Y, validation=validation)
+    assert result.stopped_by == "callback" and result.failures == []
+    assert len(result.roles["trainer"]) == 3
+    if strategy == "sync":
+        [arrival] = result.arrivals
+        assert arrival["redone"] == 0 and result.generations == 2
+    else:
+        assert result.generations == 1 and len(result.trainers) == 3
+    _assert_each_row_at_most_once(result)
+
+
+def test_a_sync_range_whose_least_the_cluster_lacks_is_refused_before_work(
+        two_workers: tuple[LocalCluster, Client]) -> None:
+    _, client = two_workers
+    X, Y, _ = _data()
+    with pytest.raises(dt.InvalidInput, match=r"workers=\(3, 4\) needs at least 3 Dask workers "
+                                              r"and the cluster has 2"):
+        dt.Trainer(mlp(8, 16, 3), strategy="sync", workers=(3, 4), scorer=0, progress=False,
+                   client=client).fit(X, Y)
+
+
 class _ScaleDownThenBackLater(dt.Callback):
     """``cluster.scale(2)`` at the first score, and ``cluster.scale(3)`` 3 s later from a
     thread (no score comes while the job waits for workers)."""

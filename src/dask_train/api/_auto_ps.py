@@ -38,8 +38,9 @@ def resolve_ps(plan: FitPlan, client: Client, X: Any, y: Any) -> tuple[int, dict
     from dask_train.runtime._roles import worker_threads
 
     model, probe_s = probe_model(plan, client, X, y)
-    workers = int(s.cluster.workers)
-    choice = model.recommend_ps(workers=workers, max_ps=max(1, len(worker_threads(client))))
+    threads = worker_threads(client)
+    workers = s.cluster.trainers(len(threads))
+    choice = model.recommend_ps(workers=workers, max_ps=max(1, len(threads)))
     logger.info("ps='auto': %s (compute %.1f ms a step, link %.0f MB/s, %d parameters)",
                 choice.describe(), model.compute_s * 1e3, model.link_bytes_per_s / 1e6,
                 model.n_params)

@@ -40,8 +40,10 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any) -> Choice:
     """How ``plan``'s fit runs on ``client``'s cluster: its settings as given, or with
     ``strategy="auto"`` (and ``ps="auto"``) the measured choice. ``X`` and ``y`` are the
     training dask arrays (the probe computes one batch of them)."""
+    from dask_train.runtime._roles import worker_threads
+
     s = plan.settings
-    workers = int(s.cluster.workers)
+    workers = s.cluster.trainers(len(worker_threads(client)))
     if s.strategy != AUTO:
         ps, noted = resolve_ps(plan, client, X, y)
         strategy = str(s.strategy)
@@ -49,7 +51,6 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any) -> Choice:
         return Choice(strategy, workers, ps, {"strategy": strategy, "workers": workers,
                                               "ps": ps, **noted})
     from dask_train.policy._strategy import choose_strategy
-    from dask_train.runtime._roles import worker_threads
 
     model, probe_s = probe_model(plan, client, X, y, cores=True)
     addresses = sorted(worker_threads(client))

@@ -53,7 +53,8 @@ def job_spec(plan: FitPlan, *, start: Any, devices: Any = None, n_params: int | 
         scorer_budget=scoring.budget(trainers), metrics=dict(m.metrics) if m.metrics else None)
     ahead, most_ahead = data.read_ahead()
     return JobSpec(
-        strategy=plan.strategy, workers=trainers, batch_size=plan.per_trainer_batch(),
+        strategy=plan.strategy, workers=trainers, most_workers=s.cluster.most(),
+        batch_size=plan.per_trainer_batch(),
         epochs=int(data.epochs), shuffle=bool(data.shuffle), seed=int(data.seed),
         blocks_ahead=ahead, blocks_ahead_max=most_ahead, timeout=float(s.cluster.timeout),
         stop=list(s.stop), callbacks=list(s.callbacks), train=train, progress=bool(s.progress),
@@ -84,8 +85,12 @@ def fit_roles(plan: FitPlan, client: Any, *, has_validation: bool) -> Roles:
     threads = worker_threads(client)
     if engine_entry(plan.strategy).one_rank_per_worker and plan.trainers > len(threads):
         # torch's default process group is one per process: one rank per Dask worker.
+        workers = plan.settings.cluster.workers
         raise InvalidInput([
-            f"workers={plan.settings.cluster.workers} is more than the {len(threads)} Dask "
+            f"workers={workers} needs at least {plan.trainers} Dask workers and the cluster "
+            f"has {len(threads)}: strategy={plan.strategy!r} runs one rank per worker process; "
+            "lower the least or add workers." if plan.settings.cluster.ranged else
+            f"workers={workers} is more than the {len(threads)} Dask "
             f"workers of the cluster: strategy={plan.strategy!r} runs one rank per worker "
             "process; lower workers= or add workers."
         ])
@@ -98,8 +103,17 @@ def replan_roles(plan: FitPlan, has_validation: bool) -> Any:
     entry = engine_entry(plan.strategy)
     scorer = int(plan.settings.scoring.scorer) if has_validation else 0
 
+    cluster = plan.settings.cluster
+
     def place(alive: Mapping[str, int], cap: bool = True) -> Roles:
         workers = plan.trainers
+        if cluster.ranged:
+            # As many as there are workers within (least, most): joiners bring it up to most.
+            workers = cluster.trainers(len(alive))
+            if entry.one_rank_per_worker and workers > len(alive):
+                raise InvalidInput([f"workers={cluster.workers!r}: only {len(alive)} Dask "
+                                    f"workers are left, fewer than the {workers} the job needs; "
+                                    "add workers or lower the least."])
         if entry.one_rank_per_worker and cap:
             workers = min(workers, len(alive))
         return Roles(plan_roles(alive, ps=plan.servers if entry.servers else 0, worker=workers,

@@ -32,8 +32,10 @@ def fit_array(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
     check_plan(plan, data, validation, resume=resume, mode=mode)
     cluster = client()
     # numpy has one engine, synchronous: strategy="auto" is it too.
-    plan = plan.chose(Choice("sync", int(plan.settings.cluster.workers), 0,
-                             {"strategy": "sync"}))
+    from dask_train.runtime._roles import worker_threads
+
+    plan = plan.chose(Choice("sync", plan.settings.cluster.trainers(len(worker_threads(cluster))),
+                             0, {"strategy": "sync"}))
     X, y = data.X, data.y
     t = time.time()
     persisted = persist_data(X, y, client=cluster, dtype=np.float64)

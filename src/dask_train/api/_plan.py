@@ -65,9 +65,10 @@ class FitPlan:
 
     @property
     def trainers(self) -> int:
-        """The trainers (ranks) this fit runs: ``workers``, or those ``"auto"`` chose."""
+        """The trainers (ranks) this fit runs: ``workers``, or those chosen on the cluster
+        (by ``"auto"``, or within ``workers=(least, most)``; the least before that)."""
         return self.choice.workers if self.choice is not None else \
-            int(self.settings.cluster.workers)
+            self.settings.cluster.bounds(0)[0]
 
     @property
     def servers(self) -> int:

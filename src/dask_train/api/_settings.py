@@ -228,12 +228,29 @@ class Settings:
         problems = self.model.problems(device=cluster.device,
                                        mixed_precision=cluster.mixed_precision)
         problems += self._strategy_problems()
-        problems += cluster.problems()
+        problems += cluster.problems(ranges=True)
+        problems += self._range_problems()
         problems += self.scoring.problems()
         problems += self.data.problems(trainers=cluster.workers)
         problems += stop_problems(self.stop)
         problems += callback_problems(self.callbacks)
         problems += self.recovery.problems()
+        return problems
+
+    def _range_problems(self) -> list[str]:
+        """``workers=(least, most)`` (or None) with what needs a fixed number of trainers."""
+        w = self.cluster.workers
+        if not self.cluster.ranged:
+            return []
+        problems = []
+        if self.strategy == "auto":
+            problems.append(f"workers={w!r} with strategy='auto': 'auto' measures which number "
+                            "of trainers up to workers= is fastest; give it a count, or give the "
+                            "range a strategy ('async-ps' or 'sync').")
+        if self.data.global_batch_size is not None:
+            problems.append(f"global_batch_size={self.data.global_batch_size!r} with workers="
+                            f"{w!r}: the number of trainers follows the cluster, so the global "
+                            "batch would not split evenly; give batch_size= (rows per trainer).")
         return problems
 
     def _strategy_problems(self) -> list[str]:

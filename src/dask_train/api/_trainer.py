@@ -25,7 +25,7 @@ from dask_train.data._training import TrainingData
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
 from dask_train.policy._failure import FailureConfig
-from dask_train.policy._settings import DataSettings
+from dask_train.policy._settings import ClusterSettings, DataSettings
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 from dask_train.runtime._connect import default_client
@@ -77,8 +77,13 @@ class Trainer:
         ``"auto"``: chosen at fit time by the cost model from the job's costs measured on the
         cluster (a gradient, an optimizer step, an echo between two workers); the choice and its
         predicted rate are logged (see ``dask_train.policy.CostModel``).
-    workers : int
-        Trainers. Each reads the blocks that live on its Dask worker first.
+    workers : int, (int, int) or None
+        Trainers. Each reads the blocks that live on its Dask worker first. ``(least, most)``:
+        the job starts with as many trainers as the cluster has workers within the bounds
+        (refused when a sync job's cluster has fewer than ``least``) and gives a worker that
+        joins a trainer up to ``most`` (a sync job regroups onto it at its next step); None:
+        every worker, now and as they join. A range takes ``batch_size`` (per trainer), not
+        ``global_batch_size``, and a strategy other than ``"auto"``.
     scorer : {0, 1}
         A scorer evaluates ``validation`` every ``score_every`` seconds (needs ``validation``).
     batch_size : int
@@ -175,7 +180,7 @@ class Trainer:
         optimizer_options: Mapping[str, Any] | None = None,
         strategy: str = "async-ps",
         ps: int | str = 1,
-        workers: int = 2,
+        workers: int | tuple[int, int] | None = 2,
         scorer: int = 1,
         batch_size: int = 128,
         global_batch_size: int | None = None,
@@ -237,9 +242,9 @@ class Trainer:
     def per_trainer_batch(self) -> int:
         """Rows per batch of each trainer: ``batch_size``, or ``global_batch_size / workers``
         (with ``strategy="auto"``, over the trainers the last fit chose)."""
-        trainers = self._last_trainers if self._last_trainers is not None else self.workers
-        return DataSettings(self.batch_size, self.global_batch_size).per_trainer_batch(
-            int(trainers))
+        trainers = self._last_trainers if self._last_trainers is not None else \
+            ClusterSettings(self.workers).bounds(0)[0]  # a range takes batch_size: any count
+        return DataSettings(self.batch_size, self.global_batch_size).per_trainer_batch(trainers)
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """Hyper-parameters by name, as scikit-learn estimators report them."""

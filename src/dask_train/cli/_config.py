@@ -88,8 +88,12 @@ class Config:
     def trainer_settings(self) -> dict[str, Any]:
         """The ``trainer`` section as ``dt.Trainer`` arguments; the strategy is ``"auto"``
         unless the config names one (the command line's default: a job measured on the cluster
-        runs as one process when distributing it would be slower)."""
-        return {"strategy": DEFAULT_STRATEGY, **self.trainer}
+        runs as one process when distributing it would be slower). YAML has no tuples:
+        ``workers: [2, 8]`` is ``workers=(2, 8)``, as in the ``run`` section."""
+        settings = {"strategy": DEFAULT_STRATEGY, **self.trainer}
+        if isinstance(settings.get("workers"), list):
+            settings["workers"] = tuple(settings["workers"])
+        return settings
 
     def resolve(self, path: str) -> str:
         """A path of the config, from the config's directory (URLs and absolute paths as they are)."""

@@ -91,7 +91,15 @@ class JobSpec:
     #: The most blocks a starved trainer of streamed data may be granted ahead
     #: (``blocks_ahead="auto"``); ``blocks_ahead`` or less: its credit never grows.
     blocks_ahead_max: int = 0
+    #: The most trainers workers that join may bring the job to (``workers=(least, most)``);
+    #: None with ``workers=None`` (every worker); ``workers`` itself when it is a count.
+    most_workers: int | None = -1
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def trainer_cap(self) -> int | None:
+        """The most trainers this job takes (None: as many as the cluster has workers)."""
+        return self.workers if self.most_workers == -1 else self.most_workers
 
     @property
     def n_params(self) -> int:

@@ -139,8 +139,9 @@ class ClusterSettings:
     """Where a job runs: its trainers (ranks), the device they compute on, and the longest any
     single wait may take.
 
-    ``workers`` is a count; where ``ranges`` is allowed (``dt.run``) also ``(least, most)``, or
-    None for every worker.
+    ``workers`` is a count; where ``ranges`` is allowed (``dt.run``, the Trainer's fixed
+    strategies) also ``(least, most)``, or None for every worker: the job starts with as many
+    trainers as there are workers within the bounds, and takes in workers that join up to most.
     """
 
     workers: Any = 2
@@ -163,6 +164,22 @@ class ClusterSettings:
         problems += device_problems(self.device, self.mixed_precision)
         problems += positive("timeout", self.timeout)
         return problems
+
+    @property
+    def ranged(self) -> bool:
+        """Whether ``workers`` is ``(least, most)`` or None rather than a count."""
+        return self.workers is None or isinstance(self.workers, tuple)
+
+    def trainers(self, cluster_size: int) -> int:
+        """The trainers a job starts with on ``cluster_size`` workers: the count given, or as
+        many as there are workers within ``(least, most)`` (None: every worker)."""
+        least, most = self.bounds(cluster_size)
+        return max(least, min(most, int(cluster_size)))
+
+    def most(self) -> int | None:
+        """The most trainers workers that join may bring a job to; None: no bound (every
+        worker)."""
+        return None if self.workers is None else self.bounds(0)[1]
 
     def bounds(self, cluster_size: int) -> tuple[int, int]:
         """``(least, most)`` trainers: a count is both; None is one up to the cluster's size."""

@@ -114,7 +114,9 @@ class TrainerTrials(TrialRunner):
     def workers_needed(self, params: Mapping[str, Any]) -> int:
         if self.workers_per_trial is not None:
             return self.workers_per_trial
-        return int(self.split(params)[0].get("workers", self.trainer.workers))
+        workers = self.split(params)[0].get("workers", self.trainer.workers)
+        # A range reserves its least: the trial's job then runs with those.
+        return int(workers[0] if isinstance(workers, tuple) else 1 if workers is None else workers)
 
     def _module(self, params: Mapping[str, Any], seed: int) -> Any:
         if self.factory is None:

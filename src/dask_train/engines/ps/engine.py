@@ -86,15 +86,18 @@ class AsyncPSEngine(RoleEngine):
         logger.warning("trainer %d retired; %d blocks moved to the survivors", index, len(moved))
 
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
-        """A worker that joined (a restarted one too) gets a trainer, up to ``workers``."""
+        """A worker that joined (a restarted one too) gets a trainer, up to ``workers`` (its
+        most, for ``workers=(least, most)``; every worker for None)."""
         live = self.live()
-        if self.stopping or len(live) >= self.spec.workers or \
+        cap = self.spec.trainer_cap
+        room = len(alive) if cap is None else cap - len(live)
+        if self.stopping or room <= 0 or \
                 all(self.granter.ended[i] or self.granter.idle[i] for i in live):
             return
         # Workers without a live trainer (a replaced scorer may already run on a new worker).
         used = {self.roles["trainer"][i] for i in live}
         await self.module_again()
-        for address in [a for a in sorted(alive) if a not in used][: self.spec.workers - len(live)]:
+        for address in [a for a in sorted(alive) if a not in used][:room]:
             index = self.ledger.add_trainer(address)
             self.roles = self.roles.replace("trainer", [*self.roles["trainer"], address])
             granted = self.granter.add_trainer(address)
