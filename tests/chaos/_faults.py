@@ -206,8 +206,24 @@ def running_trainers(client: Client) -> dict[str, list[str]]:
                                if key.startswith("dt-trainer-") for w in where})}
 
 
+def retire(client: Client, address: str, *, timeout: float = 60.0) -> None:
+    """Scale the cluster down by the worker at ``address``, as an adaptive cluster does
+    (``SpecCluster.scale_down``: Dask retires it, and the job hands its roles over), then back to
+    its size: a new worker joins. Returns once the retired worker has gone."""
+    cluster = client.cluster
+    assert cluster is not None, "a retire needs the client's own cluster"
+    size = len(cluster.worker_spec)
+    name = client.scheduler_info(n_workers=-1)["workers"][address]["name"]
+    cluster.sync(cluster.scale_down, [name])
+    deadline = time.monotonic() + timeout
+    while address in alive(client) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.scale(size)
+
+
 class Schedule(dt.Callback):
-    """A seeded schedule of SIGKILLs during one fit, or the fits of a search (one at a time).
+    """A seeded schedule of SIGKILLs (and retirements: ``actions``) during one fit, or the fits
+    of a search (one at a time).
 
     Kill ``i`` comes at a random share of the work (drawn from ``windows[i]``: the shares of
     ``fits`` fits of ``planned`` samples each; a fit restarted from an earlier checkpoint goes
@@ -230,16 +246,24 @@ class Schedule(dt.Callback):
     workers : int
         The cluster's size.
     fits : int
+    actions : list of str, optional
+        ``"kill"`` (the default for each event) or ``"retire"`` (:func:`retire`: a departure
+        with notice, then a worker that joins), one per event, in an order drawn from the seed.
     """
 
     def __init__(self, client: Client, *, seed: int, kinds: list[str],
                  roles: Callable[[], Mapping[str, list[str]]], planned: float, workers: int,
                  fits: int = 1, windows: tuple[tuple[float, float], ...] = (
-                     (0.1, 0.2), (0.3, 0.45), (0.5, 0.65))) -> None:
+                     (0.1, 0.2), (0.3, 0.45), (0.5, 0.65)),
+                 actions: list[str] | None = None) -> None:
         rng = random.Random(seed)
         kinds = rng.sample(kinds, len(kinds))
         self.plan = [(rng.uniform(lo, hi), rng.uniform(0.0, 0.5), kind, rng.random())
                      for (lo, hi), kind in zip(windows, kinds)]
+        actions = actions or ["kill"] * len(self.plan)
+        # Drawn after the rest: a schedule of kills only is the one it always was.
+        self.actions = rng.sample(actions, len(actions)) if "retire" in actions else actions
+        self.retired: list[dict[str, Any]] = []
         self.client, self.roles, self.planned, self.fits = client, roles, planned, fits
         self.workers = workers
         self.started = self.scores = 0
@@ -272,28 +296,33 @@ class Schedule(dt.Callback):
 
     def _run(self) -> None:
         scores = 0
-        for share, delay, kind, pick in self.plan:
+        for (share, delay, kind, pick), action in zip(self.plan, self.actions):
             while not self._due(share, scores):
                 if self.ended.wait(0.05):
                     return
             time.sleep(delay)
-            while not self._kill(kind, pick):
+            while not self._strike(kind, pick, action):
                 if self.ended.wait(0.05):
                     return
             scores = self.scores
 
-    def _kill(self, kind: str, pick: float) -> bool:
-        """Kill a worker holding a ``kind`` role now; False when none does (a generation
-        starting) or it died meanwhile."""
+    def _strike(self, kind: str, pick: float, action: str) -> bool:
+        """Kill (or retire) a worker holding a ``kind`` role now; False when none does (a
+        generation starting) or it died meanwhile."""
         holders = sorted(set(self.roles().get(kind, [])) & alive(self.client))
         if not holders:
             return False
         address = holders[int(pick * len(holders))]
+        record = {"kind": kind, "worker": address, "progress": self.progress}
         try:
+            if action == "retire":
+                retire(self.client, address)
+                self.retired.append(record)
+                return True
             kill(self.client, address)
         except Exception:  # gone between the two looks: pick again
             return False
-        self.kills.append({"kind": kind, "worker": address, "progress": self.progress})
+        self.kills.append(record)
         return True
 
 

@@ -1,8 +1,10 @@
 """Chaos: a job in each strategy, and a search, during which a seeded schedule SIGKILLs three
 workers at random moments (a trainer's, a parameter server's, the scorer's, a search trial's);
-the nannies restart them. Each job still reaches the accuracy of the same training in plain
-torch (less a margin for async staleness) and applies every sample of every epoch exactly once
-(its ledger, and the servers' count).
+the nannies restart them. In a job, one of the three is retired instead (as a scale-down does:
+the job hands its roles over), and the cluster is scaled back (a new worker joins). Each job
+still reaches the accuracy of the same training in plain torch (less a margin for async
+staleness) and applies every sample of every epoch exactly once (its ledger, and the servers'
+count).
 
 The moments are shares of the work, not seconds: a loaded machine makes the job slower, not the
 kills later than its end. ``_faults.Schedule`` draws them, the victims' kinds and the delays from
@@ -97,17 +99,26 @@ def _assert_every_sample_once(result: dt.FitResult) -> None:
 def test_three_workers_killed_at_random_moments_of_a_job(client: Client, data: dict,
                                                          tmp_path: Path, strategy: str) -> None:
     watch = JobWatch(client)
+    # Two SIGKILLs and a retirement (a scale-down, then a worker joins), in a seeded order.
     chaos = Schedule(client, seed=SEED, kinds=["trainer", "server", "scorer"], roles=watch.roles,
-                     planned=EPOCHS * ROWS, workers=2)
+                     planned=EPOCHS * ROWS, workers=2, actions=["kill", "kill", "retire"])
     checkpoint = dt.CheckpointConfig(str(tmp_path), every_seconds=2.0, keep=2)
     try:
         result = _trainer(client, strategy, callbacks=[chaos], checkpoint=checkpoint).fit(
             data["X"], data["y"], validation=data["validation"])
     finally:
         chaos.stop()
-    assert len(chaos.kills) == 3, (chaos.kills, summary(result))
+    assert len(chaos.kills) == 2 and len(chaos.retired) == 1, (chaos.kills, summary(result))
     killed = {k["worker"] for k in chaos.kills}
     assert killed <= {f["worker"] for f in result.failures}, (chaos.kills, summary(result))
+    # A retired role's worker hands over (a departure, nothing trained again), except a
+    # scorer's: it holds no training state, and is started again elsewhere.
+    [retired] = chaos.retired
+    if retired["kind"] != "scorer":
+        assert [d["workers"] for d in result.departures] == [[retired["worker"]]], \
+            (chaos.retired, result.departures, summary(result))
+        assert all(d["redone"] == 0 for d in result.departures)
+    assert retired["worker"] not in {f["worker"] for f in result.failures}, summary(result)
     _assert_every_sample_once(result)
     # The same model and data in plain torch, one epoch; the job trained thirty.
     assert result.history["accuracy"].iloc[-1] >= data["reference"] - 0.03, summary(result)
