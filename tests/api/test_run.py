@@ -176,6 +176,32 @@ def test_a_lost_worker_before_any_checkpoint_starts_again_from_scratch(client, d
     each_epoch_once(result, len(X), 2)
 
 
+def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, digits):
+    # No checkpoint=: rank 0, alive, holds the state it reported at the end of epoch 0; rank 1
+    # is killed after that report. The job goes on from it (written to a scratch directory of
+    # this machine) instead of from scratch; what was trained since the report is redone.
+    X, y, Xv, yv = digits
+    pids = client.run(os.getpid)
+    victim = pids[sorted(pids)[1]]  # rank 1: ranks are placed in address order
+
+    class KillAtFirstScore(dt.Callback):
+        done = False
+
+        def on_score(self, record):
+            if not self.done:
+                self.done = True
+                os.kill(victim, signal.SIGKILL)
+
+    result = dt.run(train, workers=2, epochs=3, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[KillAtFirstScore()])
+    [failure] = result.failures
+    assert failure["action"] == "restart" and failure["from"] == "survivors", failure
+    assert result.generations == 2
+    assert [r["restored"] for r in result.returns] == [0, 0]
+    assert all(r["epochs"] == [1, 2] for r in result.returns)
+    each_epoch_once(result, len(X), 3)
+
+
 def test_an_error_in_one_ranks_code_ends_the_run_with_its_traceback(client, digits):
     X, y, Xv, yv = digits
     t0 = time.monotonic()

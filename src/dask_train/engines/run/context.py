@@ -388,17 +388,23 @@ class RunContext:
             if not state.wait_resume(self._reports, timeout=self._role.config.timeout):
                 self._stop = True  # stopped while every rank waited here: each sees it
         finally:
-            state.params.pop(0, None)
+            if self._run.checkpointing:  # written to the store: not needed any more
+                state.params.pop(0, None)
 
     def _hold(self, checkpoint: Any) -> bool:
         """Keep ``checkpoint`` where the controller's save finds it: for the job's store, or,
-        without ``checkpoint=``, only until the next report, for a hand-over (a worker that
-        leaves with notice, see :mod:`dask_train.controller._departures`)."""
+        without ``checkpoint=``, a copy until the next report, for a hand-over (a worker that
+        leaves with notice, see :mod:`dask_train.controller._departures`) or for the survivors
+        of a killed rank to go on from (``RunEngine.survivors``)."""
         if not self._run.checkpointing:
             self._say_no_store()
         from dask_train.checkpoint._state import flatten_state
 
         flatten_state(checkpoint)  # every problem named here, in the user's own call
+        if not self._run.checkpointing:
+            # Kept until the next report (a killed peer's job goes on from it): a copy, as a
+            # state_dict's tensors are the live parameters training goes on changing.
+            checkpoint = _kept(checkpoint)
         self._role.state.params[0] = StateHolder(
             checkpoint, steps=self.step, next_epoch=self._restart_epoch())
         return True
@@ -496,12 +502,28 @@ class StateHolder:
     def __init__(self, state: Any, *, steps: int, next_epoch: int) -> None:
         self.state, self.steps, self.next_epoch = state, steps, next_epoch
 
+    @property
+    def version(self) -> int:
+        """The reporting rank's steps at the report (a holder's update count)."""
+        return self.steps
+
     def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
         """Write the state (safetensors and JSON); the record the controller's manifest reads."""
         from dask_train.checkpoint._state import save_state
 
         save_state(self.state, path, metadata={**metadata, "next_epoch": str(self.next_epoch)})
         return {"version": self.steps, "samples": 0, "finite": True}
+
+
+def _kept(state: Any) -> Any:
+    """A copy of a reported state that training cannot change: tensors copied to the CPU."""
+    import copy
+
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                    else copy.deepcopy(v), state)
 
 
 def _ordered(item: FeedItem) -> tuple[np.ndarray, np.ndarray]:

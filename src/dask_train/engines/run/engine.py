@@ -31,7 +31,7 @@ from dask_train.engines._events import (
     ShareDone,
     from_message,
 )
-from dask_train.engines._protocol import Emit, Ending
+from dask_train.engines._protocol import Emit, Ending, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.params import ShardRef
@@ -83,6 +83,11 @@ class RunEngine(TorchSyncEngine):
         # The sharded state (DCP) every rank of a ready report wrote, for save to adopt.
         self.sharded: Reported | None = None
         self.writer = 0  # the rank whose report holds the state a checkpoint writes
+        # The newest ready report whose state the writer holds in memory (not sharded): its
+        # snapshot, samples and the writer's steps, what a job goes on from when a rank is
+        # killed (survivors). Saved with the report's samples then (saving_samples).
+        self.held_report: tuple[Snapshot, int, int] | None = None
+        self.saving_samples: int | None = None
 
     def make_shards(self) -> list[ShardRef]:
         """None: each rank keeps its own model; the state a report holds is the writer's."""
@@ -167,6 +172,10 @@ class RunEngine(TorchSyncEngine):
         if writer is not None:
             self.writer = writer
             self.sharded = got[writer] if got[writer].sharded else None
+            # Every rank waits at this report: the ledger is exactly where it was made.
+            snapshot = self.paused(report_id)
+            if snapshot is not None and self.sharded is None:
+                self.held_report = (snapshot, samples, got[writer].steps)
         self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
 
     def epochs_completed(self) -> int:
@@ -194,7 +203,8 @@ class RunEngine(TorchSyncEngine):
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:
         """The reporting rank writes the state it holds, or every rank's sharded state (written
         already) moves into the checkpoint; the samples are the job's, not a rank's."""
-        samples = max(self.report_samples.values(), default=self.base_samples)
+        samples = self.saving_samples if self.saving_samples is not None else \
+            max(self.report_samples.values(), default=self.base_samples)
         report, self.sharded = self.sharded, None
         if report is not None:
             name = f"sharded-r{report.id}"
@@ -213,6 +223,24 @@ class RunEngine(TorchSyncEngine):
             [(0, self.writer_address, {**metadata, "start": "0", "stop": "0"})],
             paths=paths, directory=directory)
         return [{**written[0], "samples": samples, "index": 0, "start": 0, "stop": 0}]
+
+    async def survivors(self, lost: set[str]) -> Snapshot | None:
+        """The last ready report's state, when the rank that reported it is alive and still
+        holds it (a later report's state replaces it only once every rank made that one):
+        written as that report's checkpoint, the job goes on from it, without ``checkpoint=``
+        too. What was trained since the report is trained again."""
+        if self.held_report is None:
+            return None
+        snapshot, samples, steps = self.held_report
+        address = self.writer_address
+        if address in lost:
+            return None
+        held = await run_on_live(self.client, worker_side.shard_version, self.job, 0,
+                                 workers=[address], leaving=self.leaving_workers)
+        if held.get(address) != steps:
+            return None
+        self.sharded, self.saving_samples = None, samples
+        return snapshot
 
     def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
         """``holders``, by default the rank whose reported state a checkpoint writes."""

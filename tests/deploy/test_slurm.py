@@ -1,0 +1,109 @@
+"""dask-train on dask-jobqueue's ``SLURMCluster``, against a real one-node Slurm (``_slurm.py``).
+
+The workers are Slurm batch jobs running ``dask worker --lifetime ... --lifetime-restart``, as
+dask-jobqueue recommends for jobs that must end before their walltime: each worker closes with
+notice when its lifetime ends (and its nanny starts a new one in the same job) while a
+dask-train job trains on it. What a user is promised: the worker's roles are handed over (a
+record in ``result.departures``, not a failure), no sample is applied twice, and training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+
+import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _slurm import slurm, slurm_available  # noqa: E402
+
+ROWS, BLOCK = 12_000, 1000
+LIFETIME = 20  # seconds, --lifetime-stagger 1s
+STAGGER = 10  # seconds between the two jobs' workers, so one leaves (and is back) at a time
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A one-node Slurm for this module; ``SLURM_CONF`` names it while it runs."""
+    reason = slurm_available()
+    if reason is not None:
+        pytest.skip(reason)
+    with slurm(tmp_path_factory.mktemp("slurm")) as conf:
+        yield conf
+
+
+class _StopWhenBack(dt.Callback):
+    """Stops the job two scores after a worker that was not there at the start has joined and
+    the cluster has two workers again (the first worker's lifetime ended and its nanny started
+    the next one)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.after = client, -1
+        self.first = set(client.scheduler_info()["workers"])
+
+    def on_score(self, record: Any) -> bool:
+        workers = set(self.client.scheduler_info()["workers"])
+        if self.after < 0 and len(workers) == 2 and workers - self.first:
+            self.after = 0
+        elif self.after >= 0:
+            self.after += 1
+        return self.after >= 2
+
+
+def _worker_logs(directory: Path) -> str:
+    return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(directory.glob("*.err")))
+
+
+def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
+        slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from dask_jobqueue import SLURMCluster
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(1)
+    X, Y = da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with SLURMCluster(cores=1, processes=1, memory="2GB", walltime="00:05:00",
+                      python=sys.executable,
+                      worker_extra_args=["--lifetime", f"{LIFETIME}s", "--lifetime-stagger", "1s",
+                                         "--lifetime-restart"],
+                      local_directory=str(tmp_path), log_directory=str(tmp_path),
+                      scheduler_options={"dashboard_address": ":0"}) as cluster, \
+            Client(cluster) as client:
+        # Two jobs STAGGER seconds apart, as a queue starts them: the first worker leaves and
+        # comes back while the second one holds the job.
+        cluster.scale(jobs=1)
+        client.wait_for_workers(1, timeout=60)
+        time.sleep(STAGGER)
+        cluster.scale(jobs=2)
+        client.wait_for_workers(2, timeout=60)
+        with caplog.at_level(logging.INFO, logger="dask_train"):
+            result = dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1, lr=1e-2,
+                                batch_size=32, epochs=1000, score_every=0.5, timeout=60,
+                                progress=False, client=client, callbacks=[_StopWhenBack(client)],
+                                checkpoint=str(tmp_path / "checkpoints"),
+                                stop=[dt.StopAfter(seconds=60)]).fit(
+                X, Y, validation=(x[:2000], y[:2000]))
+    logs = _worker_logs(tmp_path)
+    assert result.stopped_by == "callback", logs
+    assert result.failures == [], logs
+    assert result.departures and all(d["redone"] == 0 for d in result.departures)
+    left = result.departures[0]["time_s"]
+    assert result.history[result.history["time_s"] > left]["samples"].max() > \
+        result.history[result.history["time_s"] <= left]["samples"].max()  # it trained on
+    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert (consumed <= BLOCK).all()
+    assert int(consumed.sum()) == result.samples  # each sample applied once
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert errors == []
+    assert not [line for line in logs.splitlines() if "ERROR" in line and "dask_train" in line], logs
