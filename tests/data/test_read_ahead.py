@@ -4,6 +4,7 @@ user stays the bound. Real cluster, real zarr stores."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,8 +39,16 @@ def small_blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"x": str(root / "x.zarr"), "y": str(root / "y.zarr")}
 
 
+def _slow_read(block: np.ndarray) -> np.ndarray:
+    # A read that takes 20 ms, not CPU: whatever else loads the machine, a 50-row block trains
+    # in far less, so a trainer granted two at a time waits for its blocks (it is starved).
+    time.sleep(0.02)
+    return block
+
+
 def _fit(client: Client, store: dict[str, str], blocks_ahead: int | str) -> Any:
-    X, y = da.from_zarr(store["x"]), da.from_zarr(store["y"])
+    X = da.from_zarr(store["x"]).map_blocks(_slow_read, dtype=np.float32)
+    y = da.from_zarr(store["y"])
     return dt.Trainer(torch.nn.Linear(8, 2), workers=2, epochs=2, scorer=0, progress=False,
                       blocks_ahead=blocks_ahead, client=client).fit(X, y, data="stream")
 

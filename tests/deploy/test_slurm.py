@@ -60,8 +60,10 @@ class _StopWhenBack(dt.Callback):
         return self.after >= 2
 
 
-def _worker_logs(directory: Path) -> str:
-    return "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(directory.glob("*.err")))
+def _logs(caplog: pytest.LogCaptureFixture, directory: Path) -> str:
+    """The job's log here and each Slurm job's (its workers'), for an assertion's message."""
+    return "--- this process\n" + caplog.text + "".join(
+        f"--- {p.name}\n{p.read_text()}" for p in sorted(directory.glob("*.err")))
 
 
 def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
@@ -78,6 +80,8 @@ def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
                       worker_extra_args=["--lifetime", f"{LIFETIME}s", "--lifetime-stagger", "1s",
                                          "--lifetime-restart"],
                       local_directory=str(tmp_path), log_directory=str(tmp_path),
+                      # dask-train's own INFO lines (a hand-over's) in the workers' logs
+                      job_script_prologue=["export DASK_LOGGING__DASK_TRAIN=info"],
                       scheduler_options={"dashboard_address": ":0"}) as cluster, \
             Client(cluster) as client:
         # Two jobs STAGGER seconds apart, as a queue starts them: the first worker leaves and
@@ -94,16 +98,16 @@ def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
                                 checkpoint=str(tmp_path / "checkpoints"),
                                 stop=[dt.StopAfter(seconds=60)]).fit(
                 X, Y, validation=(x[:2000], y[:2000]))
-    logs = _worker_logs(tmp_path)
+    logs = _logs(caplog, tmp_path)
     assert result.stopped_by == "callback", logs
     assert result.failures == [], logs
-    assert result.departures and all(d["redone"] == 0 for d in result.departures)
+    assert result.departures and all(d["redone"] == 0 for d in result.departures), logs
     left = result.departures[0]["time_s"]
     assert result.history[result.history["time_s"] > left]["samples"].max() > \
-        result.history[result.history["time_s"] <= left]["samples"].max()  # it trained on
+        result.history[result.history["time_s"] <= left]["samples"].max(), logs  # it trained on
     consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
-    assert (consumed <= BLOCK).all()
-    assert int(consumed.sum()) == result.samples  # each sample applied once
+    assert (consumed <= BLOCK).all(), logs
+    assert int(consumed.sum()) == result.samples, logs  # each sample applied once
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert errors == []
+    assert errors == [], logs
     assert not [line for line in logs.splitlines() if "ERROR" in line and "dask_train" in line], logs

@@ -34,8 +34,14 @@ def _path(tmp_name: str) -> str:
     return os.path.join(host_memory.SEGMENT_DIR, f"{host_memory.PREFIX}test-{os.getpid()}-{tmp_name}")
 
 
-def _segments() -> set[str]:
-    return {n for n in os.listdir(host_memory.SEGMENT_DIR) if n.startswith(host_memory.PREFIX)}
+def _segments(owners: set[int] | None = None) -> set[str]:
+    """Segments in /dev/shm; with ``owners``, those these processes created (other programs on
+    the machine, another test run among them, make and remove their own meanwhile)."""
+    names = {n for n in os.listdir(host_memory.SEGMENT_DIR) if n.startswith(host_memory.PREFIX)}
+    if owners is None:
+        return names
+    return {n for n in names
+            if host_memory.owner(os.path.join(host_memory.SEGMENT_DIR, n)) in owners}
 
 
 def _grads(n: int, count: int, seed: int = 0) -> list[np.ndarray]:
@@ -288,7 +294,8 @@ def test_trainers_of_one_host_train_in_host_memory_as_well_as_over_the_network(
     resumes from host memory."""
     X, y = _digits(40_000)
     Xv, yv = dt.datasets.digits(n_samples=4000, seed=5)
-    before = _segments()
+    workers = set(client.run(os.getpid).values())
+    before = _segments(workers)
 
     def fit(resume: bool = False, **kw):  # noqa: ANN202
         return dt.Trainer(mlp(64, 64, 10), lr=1e-3, ps=1, workers=2, scorer=0, batch_size=64,
@@ -311,7 +318,7 @@ def test_trainers_of_one_host_train_in_host_memory_as_well_as_over_the_network(
                   resume=True)
     assert resumed.samples == 120_000  # two epochs restored, the third trained
     assert accuracy(resumed.model) >= accuracy(shared.model) - 0.03
-    assert _segments() - before == set()  # every segment removed with its job
+    assert _segments(workers) - before == set()  # every segment removed with its job
 
 
 def _pinned(client: Client, X: np.ndarray, y: np.ndarray, *, blocks: int

@@ -18,9 +18,13 @@ from dask_train.engines.measure.step import candidate_rate_task, segment_path
 from dask_train.runtime._roles import ensure_plugin
 
 
-def _probe_segments() -> list[str]:
-    return [n for n in os.listdir(host_memory.SEGMENT_DIR)
-            if n.startswith(f"{host_memory.PREFIX}probe-")]
+def _probe_segments(client: Client) -> list[str]:
+    """The probes' segments the cluster's workers made (another program on the machine, a
+    second test run among them, makes and removes its own meanwhile)."""
+    workers = set(client.run(os.getpid).values())
+    return sorted(n for n in os.listdir(host_memory.SEGMENT_DIR)
+                  if n.startswith(f"{host_memory.PREFIX}probe-")
+                  and host_memory.owner(os.path.join(host_memory.SEGMENT_DIR, n)) in workers)
 
 
 def _run(client: Client, mode: str, world: int, *, module: torch.nn.Module | None = None,
@@ -43,7 +47,7 @@ def _run(client: Client, mode: str, world: int, *, module: torch.nn.Module | Non
 @pytest.mark.parametrize("mode,world", [("one", 1), ("async", 2), ("sync", 2)])
 def test_each_candidate_steps_on_real_workers_and_leaves_no_segment(client: Client, mode: str,
                                                                      world: int) -> None:
-    before = _probe_segments()
+    before = _probe_segments(client)
     rates = _run(client, mode, world)
     assert len(rates) == world and all(r > 0 and np.isfinite(r) for r in rates), rates
     # A step of a 2.4k-parameter MLP on 64 rows takes well under 10 ms, even on a loaded
@@ -52,15 +56,15 @@ def test_each_candidate_steps_on_real_workers_and_leaves_no_segment(client: Clie
     if mode == "sync":
         # Lockstep: both ranks ran the same rounds over nearly the same time.
         assert max(rates) / min(rates) < 1.5, rates
-    assert _probe_segments() == before
+    assert _probe_segments(client) == before
 
 
 def test_a_rank_that_fails_releases_its_peers_at_once(client: Client) -> None:
     # Rank 1's module cannot take the batch (wrong input width): it raises, and rank 0, waiting
     # for it in the sum, is released with an error well before its 20 s timeout.
-    before = _probe_segments()
+    before = _probe_segments(client)
     started = time.perf_counter()
     with pytest.raises((ConnectionAbortedError, RuntimeError)):
         _run(client, "sync", 2, module=torch.nn.Linear(3, 10))
     assert time.perf_counter() - started < 15
-    assert _probe_segments() == before
+    assert _probe_segments(client) == before

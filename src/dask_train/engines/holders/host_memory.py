@@ -113,6 +113,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def owner(path: str) -> int | None:
+    """The process id that created the segment at ``path``; None when it is not one (or gone,
+    or not ours to read)."""
+    try:
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(_HEADER_WORDS * 8), dtype=np.int64)
+    except OSError:
+        return None
+    return int(head[OWNER]) if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC else None
+
+
 def sweep() -> int:
     """Remove segments whose owner process is gone (a server killed before it unlinked its
     file); the number removed."""
@@ -123,14 +134,11 @@ def sweep() -> int:
         return 0
     for name in names:
         path = os.path.join(SEGMENT_DIR, name)
-        try:
-            with open(path, "rb") as f:
-                head = np.frombuffer(f.read(_HEADER_WORDS * 8), dtype=np.int64)
-            if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC and not pid_alive(int(head[OWNER])):
+        pid = owner(path)
+        if pid is not None and not pid_alive(pid):
+            with contextlib.suppress(OSError):  # another process removed it first
                 os.unlink(path)
                 removed += 1
-        except OSError:
-            continue  # another process removed it first, or it is not ours to read
     return removed
 
 
