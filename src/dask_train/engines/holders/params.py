@@ -226,6 +226,10 @@ class PSClient:
                                       or getattr(shard, "in_host_memory", False)):
                 # A small shard here, or any in host memory: updated in this thread, without a
                 # hop to the event loop and back (its lock serializes it with the other pushes).
+                gone = shard.server_gone() if hasattr(shard, "server_gone") else None
+                if gone is not None:
+                    raise connection_error(ConnectionResetError(
+                        f"its server's process ({gone}) is gone"), ref.index, ref.address)
                 extra = buffers if ref.index == BUFFER_SHARD else None
                 part = grad[ref.start : ref.stop].numpy()
                 view = getattr(shard, "in_host_memory", False)  # copied into the model at once

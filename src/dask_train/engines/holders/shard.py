@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,6 +90,7 @@ class ShardServer(FlatOptimizer):
         self.push_secret = b""  # what a direct push connection must present
         self.stats: StatsReporter | None = None  # reports its updates once a second
         self.attached = False  # mapped from another process's segment
+        self._owner_seen = 0.0  # when the server that made the segment was last seen alive
         # Held while this object's gradient buffer is filled and stepped: in host memory a
         # trainer's own push steps outside the segment's lock (see _apply_own).
         self._grad_lock = threading.Lock()
@@ -292,6 +294,20 @@ class ShardServer(FlatOptimizer):
             self._lock = _SegmentLock(seg)  # type: ignore[assignment]
         return True
 
+    def server_gone(self) -> int | None:
+        """On an attached shard: the process id of the server that made its segment when that
+        process is gone, else None (looked at most every :data:`OWNER_CHECK_S`). A segment
+        outlives its server: trainers that went on updating it would train, at full speed, on
+        parameters that no one keeps, until the server's loss is decided."""
+        now = time.monotonic()
+        if not self.attached or self.host is None or now - self._owner_seen < OWNER_CHECK_S:
+            return None
+        pid = int(self.host.header[host_memory.OWNER])
+        if host_memory.pid_alive(pid):
+            self._owner_seen = now
+            return None
+        return pid
+
     @classmethod
     def attach(cls, path: str) -> ShardServer | None:
         """This process's handle on the segment at ``path`` (another process's shard on this
@@ -314,6 +330,10 @@ class ShardServer(FlatOptimizer):
         super().close()
         if self.host is not None:
             self.host.close()
+
+
+#: How often a trainer on a shard in host memory looks whether the shard's server lives (s).
+OWNER_CHECK_S = 0.01
 
 
 class _SegmentLock:
