@@ -95,3 +95,45 @@ def test_a_batched_stream_closed_by_its_peer_logs_its_line_without_a_traceback()
     assert "CommClosedError" not in text
     assert "Traceback" in text and "ValueError: a real problem" in text  # the other record's
     assert len([f for f in log.filters if type(f).__name__ == "_BatchedClosed"]) == 1
+
+
+_PEER_SCRIPT = textwrap.dedent("""
+    import logging
+    from distributed import Client, LocalCluster
+    from dask_train.runtime._roles import ensure_plugin
+
+    logging.basicConfig(level=logging.WARNING)
+
+    def peer_gone():
+        raise ConnectionResetError("Connection reset: rank 0's process (4242) is gone")
+
+    def own_error():
+        raise ValueError("a bug in the rank's own code")
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                          dashboard_address=":0") as cluster, Client(cluster) as client:
+            ensure_plugin(client)
+            for key, fn in (("dt-trainer-1-job-g0", peer_gone), ("dt-trainer-0-job-g0", own_error)):
+                try:
+                    client.submit(fn, key=key, pure=False).result()
+                except Exception as exc:
+                    print("raised", type(exc).__name__)
+""")
+
+
+def test_a_role_failed_by_its_peers_death_logs_no_error_and_its_own_error_does(
+        tmp_path: Path) -> None:
+    # A sync rank's collective fails when a peer is killed: the job reports the peer's loss,
+    # and the survivor's "Compute Failed" ERROR (with its traceback) is left out; an error of
+    # the rank's own code is still logged, as any task's.
+    script = tmp_path / "peer.py"
+    script.write_text(_PEER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "raised ConnectionResetError" in log and "raised ValueError" in log, log[-3000:]
+    assert "dt-trainer-1-job-g0" not in log, log[-3000:]  # the peer's death: not logged
+    assert "Compute Failed" in log and "dt-trainer-0-job-g0" in log, log[-3000:]

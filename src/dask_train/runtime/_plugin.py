@@ -320,11 +320,33 @@ class _RoleCancelled(logging.Filter):
 
 _role_cancelled = _RoleCancelled()
 
+#: What a rank's collective raises when a peer's process died (host_sum.HostSum.check, gloo).
+_PEER_GONE = ("Connection reset: rank", "Connection closed by peer", "its server's process")
+
+
+class _PeerLost(logging.Filter):
+    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of a role's task that
+    ended because a peer's process died: the peer's loss is the job's to report, and it does
+    (``result.failures``, a WARNING line); the survivors' own error would read as a second,
+    unexplained failure. A role's own error is still logged, as are other tasks'."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR:
+            return True
+        text = record.getMessage()
+        return not (text.startswith("Compute Failed") and "Key:       dt-" in text
+                    and any(cause in text for cause in _PEER_GONE))
+
+
+_peer_lost = _PeerLost()
+
 
 def _quiet_closing_heartbeat(worker: Worker) -> None:
     log = logging.getLogger("distributed.worker")
     if _closing_heartbeat not in log.filters:
         log.addFilter(_closing_heartbeat)
+    if _peer_lost not in log.filters:
+        log.addFilter(_peer_lost)
     _closing_heartbeat.workers.add(worker)
     machine = logging.getLogger("distributed.worker.state_machine")
     if _role_cancelled not in machine.filters:
