@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # range would pull a CUDA build of several GB. The package itself keeps torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup dev demo test bench lint docs clean chromium
+.PHONY: setup dev demo test bench lint docs clean chromium slurm
 
 $(VENV)/.setup: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,7 @@ $(VENV)/.setup: pyproject.toml
 $(VENV)/.dev: $(VENV)/.setup
 	$(PIP) install -q -e ".[dev]"
 	$(MAKE) --no-print-directory chromium
+	$(MAKE) --no-print-directory slurm
 	touch $@
 
 # Headless Chromium for the Training-page tests (tests/monitor): Debian's package, installed with apt
@@ -30,6 +31,17 @@ chromium:
 	  || { [ -n "$(APT)" ] && { $(SUDO) apt-get install -y -q chromium \
 	       || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }; }; } \
 	  || echo "chromium is not installed and apt-get could not install it: the tests in tests/monitor need it"
+
+# Slurm and munge for tests/deploy/test_slurm.py, which starts a one-node Slurm of its own (Debian's
+# daemons, its configuration in a temporary directory): installed with apt when missing, without the
+# recommended plugins (the basic ones hold all the test uses). Without apt (or rights to use it)
+# this says so and goes on; that test then skips, naming the fix.
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] \
+	  || { [ -n "$(APT)" ] && { $(SUDO) apt-get install -y -q --no-install-recommends $(SLURM_DEBS) \
+	       || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends $(SLURM_DEBS); }; }; } \
+	  || echo "Slurm is not installed and apt-get could not install it: tests/deploy/test_slurm.py skips"
+SLURM_DEBS := slurmctld slurmd slurm-client munge
 
 setup: $(VENV)/.setup
 

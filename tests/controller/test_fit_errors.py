@@ -43,7 +43,7 @@ def test_all_setting_problems_at_once(client: Client) -> None:
     text = str(err)
     assert len(err.problems) == 6
     assert "ps=0 is invalid: use 'auto' or an integer >= 1." in text
-    assert "workers=0 is invalid: use an integer >= 1." in text
+    assert "workers=0 is invalid: pass a number of ranks >= 1, (least, most)" in text
     assert "batch_size=0 is invalid: use an integer >= 1." in text
     assert "optimizer='adamx' is unknown: use one of" in text and "'adam'" in text
     assert "loss='hinge' is unknown: use one of" in text and "'cross_entropy'" in text

@@ -21,7 +21,7 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "sinfo")
-INSTALL = "apt-get install slurm-wlm munge"
+INSTALL = "make dev installs it: apt-get install slurmctld slurmd slurm-client munge"
 
 
 def _which(name: str) -> str | None:
@@ -168,9 +168,9 @@ def slurm(root: Path, *, timeout: float = 60) -> Iterator[Path]:
         stack.callback(_cancel_all)  # runs first: the jobs end before the daemons
         state = ""
         while state != "idle":
-            for process in (slurmctld, slurmd):
+            for name, process in (("slurmctld", slurmctld), ("slurmd", slurmd)):
                 if process.poll() is not None:
-                    raise RuntimeError(f"{process.args[0]} exited ({process.returncode})\n"
+                    raise RuntimeError(f"{name} exited ({process.returncode})\n"
                                        f"{(root / 'daemons.out').read_text()}\n{_tail(root)}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Slurm node is not idle after {timeout:.0f} s "

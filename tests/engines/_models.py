@@ -76,3 +76,19 @@ class DiesAt(torch.nn.Module):
 
                 os.kill(self.pid, signal.SIGKILL)
         return self.module(x)
+
+
+class Slow(torch.nn.Module):
+    """Wraps a module; each training forward first sleeps ``seconds`` (not CPU), so a job runs
+    at a known, low rate whatever the machine: for tests of what happens over time."""
+
+    def __init__(self, module: torch.nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.module, self.seconds = module, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            import time
+
+            time.sleep(self.seconds)
+        return self.module(x)

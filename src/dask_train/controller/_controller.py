@@ -13,15 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import dask
 from distributed import Client
 
+from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
-from dask_train.controller._departures import Departure, HandOvers
+from dask_train.controller._departures import Departure, HandOvers, on_this_machine
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
@@ -48,6 +53,10 @@ from dask_train.runtime._calls import alive_workers
 logger = logging.getLogger(__name__)
 
 _LIVENESS_EVERY_S = 1.0
+#: How often a job without ``checkpoint=`` keeps a copy of its state in memory (see
+#: ``Controller._copies``): a killed parameter server costs at most this much training. The
+#: Dask config ``dask-train.copy-every`` (seconds; 0: no copies) sets it.
+COPY_EVERY_S = 5.0
 
 #: Builds a generation's engine: (roles, job key, restore mapping or None) -> Engine.
 MakeEngine = Callable[[Roles, str, "Mapping[str, Any] | None"], Engine]
@@ -106,6 +115,11 @@ class Controller:
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
                                     publisher=self.publisher, checkpoints=self.checkpoints)
+        # A job without checkpoint= whose workers all run on this machine keeps a copy of its
+        # state in this machine's memory every few seconds (see _copies): a killed server costs
+        # seconds, not the run. Made at the first generation, for the engines that need it.
+        self.copies: Checkpoints | None = None
+        self.copied = False
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -132,6 +146,8 @@ class Controller:
             return await self._generations(resume=resume)
         finally:
             self.hand_overs.close()
+            if self.copies is not None:
+                shutil.rmtree(self.copies.config.path, ignore_errors=True)
 
     async def _generations(self, *, resume: bool) -> Outcome:
         if resume and self.checkpoints is not None:
@@ -144,6 +160,7 @@ class Controller:
                                       self.restore.engine_state() if self.restore else None)
             self.engine = engine
             self.log.generations = self.state.generation + 1
+            self._copies(engine)
             try:
                 failure: Failure | Departure | None = await self._start(engine)
                 if failure is None:
@@ -323,10 +340,28 @@ class Controller:
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def _copies(self, engine: Engine) -> None:
+        """Keep copies of the state in memory (:data:`COPY_EVERY_S`) for a job without
+        ``checkpoint=`` that could otherwise only restart from its initial parameters: an
+        engine the controller pauses for checkpoints whose trainers do not hold the state
+        themselves (async-ps: a server's shard is its only copy), every worker on this machine,
+        where ``/dev/shm`` is memory every process reaches and a worker's death does not take."""
+        every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
+        if self.copies is not None or self.checkpoints is not None or every <= 0 or \
+                not engine.schedules_checkpoints or engine.recovers_from_survivors or \
+                not on_this_machine(self.roles.addresses):
+            return
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        path = tempfile.mkdtemp(prefix=f"dask-train-copies-{self.spec.job_id}-", dir=where)
+        self.copies = Checkpoints(CheckpointConfig(path=path, every_seconds=every, keep=1),
+                                  timeout=self.spec.timeout)
+
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
-        ckpt, state = self.checkpoints, self.state
+        ckpt, state = self.checkpoints or self.copies, self.state
         if ckpt is None or not engine.schedules_checkpoints:
             return
+        if ckpt is self.copies and not on_this_machine(engine.roles.addresses):
+            return  # a worker of another machine joined: it could not write its shard here
         if state.phase is Phase.RUNNING:
             # Not once a stop is decided (in this same pass): the final checkpoint follows.
             if engine.running() and not state.stopped_by and \
@@ -360,8 +395,9 @@ class Controller:
                 state.last_checkpoint_time = time.time()  # nothing new to save
         finally:
             await self._end_pause(engine)
-        if info is not None:
+        if info is not None and ckpt is self.checkpoints:
             self.log.checkpoints.append(info)
+        self.copied = self.copied or info is not None and ckpt is self.copies
 
     async def _report_step(self, engine: Engine) -> Departure | None:
         """Every rank reported (its score is in): write the checkpoint it carries, let them go
@@ -417,8 +453,9 @@ class Controller:
     # -- failures ---------------------------------------------------------------------------------
     @property
     def has_checkpoint(self) -> bool:
-        """Whether a checkpoint exists to restart from (written by this fit, or resumed)."""
-        return bool(self.log.checkpoints) or self.restore is not None
+        """Whether a checkpoint exists to restart from (written by this fit, or resumed, or a
+        copy in memory)."""
+        return bool(self.log.checkpoints) or self.restore is not None or self.copied
 
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
@@ -457,7 +494,8 @@ class Controller:
         # again what was lost with them.
         survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
-        newest = survived or (None if self.checkpoints is None else self.checkpoints.load(
+        store = self.checkpoints or self.copies
+        newest = survived or (None if store is None else store.load(
             n_params=self.spec.n_params, strategy=self.spec.strategy))
         self.restore = newest if newest is not None else self.restore
         # What the ledger had seen applied since then, to be applied again (once: the next
@@ -467,7 +505,8 @@ class Controller:
         # The restarting loss's record: others of its pass may come after it.
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
-        record["from"] = "survivors" if survived else "checkpoint" if self.restore else "start"
+        record["from"] = "survivors" if survived else "start" if not self.restore else \
+            "copy" if self.copies is not None and newest is self.restore else "checkpoint"
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client, placeable=True)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which

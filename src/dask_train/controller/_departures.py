@@ -117,12 +117,24 @@ def _what(leaving: set[str], joined: set[str]) -> str:
 def on_this_machine(addresses: Iterable[str]) -> bool:
     """Whether every worker address is on this machine (a directory here is theirs too)."""
     addresses = [a for a in addresses if not a.startswith("inproc://")]  # this process
+    return all(_host(a) in _local_addresses() for a in addresses)
+
+
+def _local_addresses() -> set[str]:
+    """Every address of this machine: the host name's, and each network interface's (workers
+    often listen on the interface that reaches the scheduler, say eth0's, which is not the
+    address the host name resolves to)."""
+    import psutil  # a dependency of distributed
+
     here = set(_LOOPBACK)
     try:
         here.add(socket.gethostbyname(socket.gethostname()))
     except OSError:
         pass
-    return all(_host(a) in here for a in addresses)
+    for entries in psutil.net_if_addrs().values():
+        here |= {e.address.split("%", 1)[0] for e in entries
+                 if e.family in (socket.AF_INET, socket.AF_INET6)}
+    return here
 
 
 class HandOvers:

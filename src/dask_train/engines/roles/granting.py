@@ -287,12 +287,13 @@ class Granter:
         async def send() -> None:
             pair: Any = None
             where = {"epoch": -1, "block": -1}
-            if a is not None:
-                source = self.blocks.block_input(a.block)
-                pair = await self.client.gather(source, asynchronous=True) \
-                    if isinstance(source, Future) else source
-                where = {"epoch": a.epoch, "block": a.block, "skip": a.skip}
             try:
+                if a is not None:
+                    source = self.blocks.block_input(a.block)
+                    # The block's task may be cancelled (its generation ends): as a gone worker.
+                    pair = await self.client.gather(source, asynchronous=True) \
+                        if isinstance(source, Future) else source
+                    where = {"epoch": a.epoch, "block": a.block, "skip": a.skip}
                 await run_direct(self.client, feed_block, pair, address=address, **where,
                                  **common)
             except Exception:  # gone: the hand-over fails, and the loss is decided as any other
