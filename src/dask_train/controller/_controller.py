@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +24,12 @@ from distributed import Client
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
-from dask_train.controller._departures import Departure, HandOvers, on_this_machine
+from dask_train.controller._departures import (
+    Departure,
+    HandOvers,
+    memory_dir,
+    on_this_machine,
+)
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
@@ -351,8 +354,7 @@ class Controller:
                 not engine.schedules_checkpoints or engine.recovers_from_survivors or \
                 not on_this_machine(self.roles.addresses):
             return
-        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        path = tempfile.mkdtemp(prefix=f"dask-train-copies-{self.spec.job_id}-", dir=where)
+        path = memory_dir(f"dask-train-copies-{self.spec.job_id}-")
         self.copies = Checkpoints(CheckpointConfig(path=path, every_seconds=every, keep=1),
                                   timeout=self.spec.timeout)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -120,6 +121,12 @@ def on_this_machine(addresses: Iterable[str]) -> bool:
     return all(_host(a) in _local_addresses() for a in addresses)
 
 
+def memory_dir(prefix: str) -> str:
+    """A new directory in this machine's memory (``/dev/shm``, else the temporary directory),
+    for state every worker of this machine reads and writes, and no worker's death takes."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 def _local_addresses() -> set[str]:
     """Every address of this machine: the host name's, and each network interface's (workers
     often listen on the interface that reaches the scheduler, say eth0's, which is not the
@@ -185,7 +192,7 @@ class HandOvers:
         if self.checkpoints is not None:
             return self.checkpoints
         if self._scratch is None and on_this_machine([*engine.roles.addresses, *alive]):
-            path = tempfile.mkdtemp(prefix=f"dask-train-hand-over-{self.spec.job_id}-")
+            path = memory_dir(f"dask-train-hand-over-{self.spec.job_id}-")
             self._scratch = Checkpoints(CheckpointConfig(path=path, keep=1),
                                         timeout=self.spec.timeout)
         return self._scratch
