@@ -30,7 +30,7 @@ import dask_train as dt
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 sys.path.insert(0, str(Path(__file__).parent))
 from _dask_cli import dask_cli_cluster  # noqa: E402
-from _models import mlp  # noqa: E402
+from _models import Slow, mlp  # noqa: E402
 
 ROWS, BLOCK = 12_000, 1000
 
@@ -417,6 +417,43 @@ def test_a_sync_range_whose_least_the_cluster_lacks_is_refused_before_work(
                                               r"and the cluster has 2"):
         dt.Trainer(mlp(8, 16, 3), strategy="sync", workers=(3, 4), scorer=0, progress=False,
                    client=client).fit(X, Y)
+
+
+class _ReplaceTheCluster(dt.Callback):
+    """``cluster.scale(0)`` at the first score (every worker leaves at once, as Slurm jobs
+    started together reach their lifetime together), and ``cluster.scale(2)`` 2 s later, from
+    a thread: two new workers, none of those the data blocks were placed on."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster, self.done = cluster, False
+
+    def on_score(self, record: Any) -> None:
+        if not self.done:
+            self.done = True
+            self.cluster.scale(0)
+            threading.Timer(2.0, self.cluster.scale, args=(2,)).start()
+
+
+def test_a_job_whose_whole_cluster_is_replaced_goes_on_on_the_new_workers(
+        two_workers: tuple[LocalCluster, Client], tmp_path: Path) -> None:
+    # Every worker leaves at once (retired: held for the hand-over), and two others join 2 s
+    # later. The job hands over to its store, waits for workers, and goes on on the new ones.
+    # Its data blocks lived on the old workers only: Dask computes them again on the new ones
+    # (they once waited forever for the workers they were placed on).
+    cluster, client = two_workers
+    X, Y, validation = _data()
+    # 4 ms a batch: the job trains for seconds, so the cluster is replaced while it does.
+    result = dt.Trainer(Slow(mlp(8, 16, 3), 0.004), lr=1e-2, strategy="async-ps", workers=(1, 2),
+                        batch_size=32, epochs=2, score_every=0.2, timeout=30, progress=False,
+                        client=client, failure=dt.FailureConfig(max_failures=5),
+                        checkpoint=dt.CheckpointConfig(str(tmp_path), every_seconds=0.5),
+                        callbacks=[_ReplaceTheCluster(cluster)]).fit(X, Y, validation=validation)
+    # Both workers were held while they left: the state was handed over through the store,
+    # and the next generation started once the new workers came, with nothing trained again.
+    assert result.failures == [] and result.generations == 2, result.failures
+    [departure] = result.departures
+    assert len(departure["workers"]) == 2 and departure["redone"] == 0
+    _assert_every_sample_once(result, 2)
 
 
 class _ScaleDownThenBackLater(dt.Callback):

@@ -10,6 +10,7 @@ record in ``result.departures``, not a failure), no sample is applied twice, and
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -72,7 +73,13 @@ def _logs(caplog: pytest.LogCaptureFixture, directory: Path) -> str:
 
 def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
         slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # dask_jobqueue's import sets its own SIGINT handler (sys.exit: Ctrl-C then raises
+    # SystemExit, not KeyboardInterrupt), for the whole process: put the previous one back, or
+    # every later test of Ctrl-C in this process fails.
+    previous = signal.getsignal(signal.SIGINT)
     from dask_jobqueue import SLURMCluster
+
+    signal.signal(signal.SIGINT, previous)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, 8)).astype(np.float32)

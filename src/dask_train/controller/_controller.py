@@ -51,7 +51,7 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._calls import alive_workers, schedule_stranded
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,14 @@ class Controller:
         decides, and a restart returns the failure for the next generation. Any other error
         in starting is the job's."""
         try:
+            if self.state.generation:
+                # Blocks whose every worker left (the whole cluster replaced) would wait for a
+                # worker they prefer that never comes back.
+                stranded = await self.client.run_on_scheduler(schedule_stranded,
+                                                              asynchronous=True)
+                if stranded:
+                    logger.info("%d data blocks whose workers all left are computed again on "
+                                "the workers there are now", stranded)
             await engine.start(self.events.put_nowait)
         except Exception:
             lost, alive = await self.losses.lost(self.client, engine)
@@ -622,8 +630,15 @@ class Controller:
         if self.checkpoints is not None and not self.state.nan_stop and \
                 engine.schedules_checkpoints:
             manifest = self._manifest(engine.ledger_state(), ending.rng)
-            info = await self.checkpoints.write(engine, self.state, manifest, step=ending.steps,
-                                                generation=self.state.generation, pause_s=0.0)
+            try:
+                info = await self.checkpoints.write(engine, self.state, manifest,
+                                                    step=ending.steps,
+                                                    generation=self.state.generation, pause_s=0.0)
+            except WorkerLost as exc:
+                # The job is done and its parameters are in hand: a holder that left now costs
+                # the final checkpoint only (the one before stays the newest).
+                logger.warning("the final checkpoint was not written: %s", exc)
+                info = None
             if info is not None:
                 self.log.checkpoints.append({**info, "final": True})
         return ending
