@@ -133,21 +133,25 @@ def test_resume_goes_on_from_the_checkpoints_epoch_and_rows(client, digits, tmp_
     each_epoch_once(again, len(X), 4)
 
 
+class _KillAtFirstScore(dt.Callback):
+    """SIGKILLs the worker process ``pid`` at the job's first score."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.done = pid, False
+
+    def on_score(self, record):
+        if not self.done:
+            self.done = True
+            os.kill(self.pid, signal.SIGKILL)
+
+
 def test_a_lost_worker_restarts_every_rank_from_the_newest_checkpoint(client, digits, tmp_path):
     X, y, Xv, yv = digits
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[1]]
 
-    class KillAtFirstScore(dt.Callback):
-        done = False
-
-        def on_score(self, record):
-            if not self.done:
-                self.done = True
-                os.kill(victim, signal.SIGKILL)
-
     result = dt.run(train, workers=2, epochs=3, client=client,
-                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[KillAtFirstScore()],
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)],
                     checkpoint=dt.CheckpointConfig(tmp_path / "ck"))
     assert result.generations == 2 and len(result.failures) == 1
     assert result.failures[0]["action"] == "restart"
@@ -161,16 +165,8 @@ def test_a_lost_worker_before_any_checkpoint_starts_again_from_scratch(client, d
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[0]]
 
-    class KillOnce(dt.Callback):
-        done = False
-
-        def on_score(self, record):
-            if not self.done:
-                self.done = True
-                os.kill(victim, signal.SIGKILL)
-
     result = dt.run(train, workers=2, epochs=2, client=client,
-                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[KillOnce()])
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
     assert result.generations == 2
     assert all(r["epochs"] == [0, 1] and r["restored"] is None for r in result.returns)
     each_epoch_once(result, len(X), 2)
@@ -184,16 +180,8 @@ def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, 
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[1]]  # rank 1: ranks are placed in address order
 
-    class KillAtFirstScore(dt.Callback):
-        done = False
-
-        def on_score(self, record):
-            if not self.done:
-                self.done = True
-                os.kill(victim, signal.SIGKILL)
-
     result = dt.run(train, workers=2, epochs=3, client=client,
-                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[KillAtFirstScore()])
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
     [failure] = result.failures
     assert failure["action"] == "restart" and failure["from"] == "survivors", failure
     assert result.generations == 2

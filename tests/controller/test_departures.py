@@ -419,24 +419,24 @@ def test_a_sync_range_whose_least_the_cluster_lacks_is_refused_before_work(
                    client=client).fit(X, Y)
 
 
-class _ReplaceTheCluster(dt.Callback):
-    """``cluster.scale(0)`` at the first score (every worker leaves at once, as Slurm jobs
-    started together reach their lifetime together), and ``cluster.scale(2)`` 2 s later, from
-    a thread: two new workers, none of those the data blocks were placed on."""
+class _ScaleThenLater(dt.Callback):
+    """``cluster.scale(now)`` at the first score, and ``cluster.scale(later)`` ``after`` seconds
+    later from a thread (no score comes while the job waits for workers)."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster, self.done = cluster, False
+    def __init__(self, cluster: LocalCluster, now: int, later: int, after: float) -> None:
+        self.cluster, self.now, self.later, self.after, self.done = cluster, now, later, after, False
 
     def on_score(self, record: Any) -> None:
         if not self.done:
             self.done = True
-            self.cluster.scale(0)
-            threading.Timer(2.0, self.cluster.scale, args=(2,)).start()
+            self.cluster.scale(self.now)
+            threading.Timer(self.after, self.cluster.scale, args=(self.later,)).start()
 
 
 def test_a_job_whose_whole_cluster_is_replaced_goes_on_on_the_new_workers(
         two_workers: tuple[LocalCluster, Client], tmp_path: Path) -> None:
-    # Every worker leaves at once and two others join 2 s later. The job hands over to its
+    # Every worker leaves at once (scale(0) at the first score, as Slurm jobs started together
+    # reach their lifetime together) and two others join 2 s later. The job hands over to its
     # store when the leaving workers stay long enough (LocalCluster's close kills a worker
     # still held after 4 s, which a loaded machine reaches: then they are losses, and the job
     # restarts from its store): either way it goes on, on the new workers only. Its data
@@ -450,32 +450,19 @@ def test_a_job_whose_whole_cluster_is_replaced_goes_on_on_the_new_workers(
                         batch_size=32, epochs=2, score_every=0.2, timeout=30, progress=False,
                         client=client, failure=dt.FailureConfig(max_failures=5),
                         checkpoint=dt.CheckpointConfig(str(tmp_path), every_seconds=0.5),
-                        callbacks=[_ReplaceTheCluster(cluster)]).fit(X, Y, validation=validation)
+                        callbacks=[_ScaleThenLater(cluster, 0, 2, after=2.0)],
+                        ).fit(X, Y, validation=validation)
     assert result.generations >= 2, (result.departures, result.failures)
     assert not set(result.roles.addresses) & old  # the last generation ran on the new workers
     assert all(d["redone"] == 0 for d in result.departures)
     _assert_every_sample_once(result, 2)
 
 
-class _ScaleDownThenBackLater(dt.Callback):
-    """``cluster.scale(2)`` at the first score, and ``cluster.scale(3)`` 3 s later from a
-    thread (no score comes while the job waits for workers)."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster, self.done = cluster, False
-
-    def on_score(self, record: Any) -> None:
-        if not self.done:
-            self.done = True
-            self.cluster.scale(2)
-            threading.Timer(3.0, self.cluster.scale, args=(3,)).start()
-
-
 def test_dt_run_below_its_least_waits_for_a_worker_to_join(
         three_workers: Client, caplog: pytest.LogCaptureFixture) -> None:
     client = three_workers
     X, Y, _ = _data()
-    scaling = _ScaleDownThenBackLater(client.cluster)
+    scaling = _ScaleThenLater(client.cluster, 2, 3, after=3.0)
     with caplog.at_level(logging.INFO, logger="dask_train"):
         result = dt.run(_run_loop, workers=(3, 3), epochs=8, timeout=30, client=client,
                         data={"train": (X, Y)}, callbacks=[scaling])
