@@ -230,11 +230,22 @@ class Granter:
             if not again or self.blocks.lost(a.block):
                 await self.blocks.rescatter(self.client, a.block)
             if not self.stopping:
-                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
+                self._feed_task_later(trainer, address, a, common)
 
         task = asyncio.get_running_loop().create_task(send())
         self.direct_feeds.add(task)
         task.add_done_callback(self.direct_feeds.discard)
+
+    def _feed_task_later(self, trainer: int, address: str, a: Any,
+                         common: dict[str, Any]) -> None:
+        """The feed task of a block whose first way (a direct call, a scatter) ended after an
+        await: by then its worker may be leaving. A retiring worker's blocks are moved off it
+        first (the direct call finds none), and the scheduler has dropped it: a task pinned
+        there would wait forever, its rank with it, and the hand-over would time out."""
+        if address in self.leaving:
+            self._feed_leaving(address, a, common)
+        else:
+            self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
 
     def _feed_direct(self, trainer: int, address: str, a: Any, common: dict[str, Any]) -> bool:
         """Queue a local block by one RPC to its worker; False when there is no loop to run it."""
@@ -254,7 +265,7 @@ class Granter:
                 # The block left that worker (or never was there): a task brings it.
                 if self.blocks.lost(a.block):
                     await self.blocks.rescatter(self.client, a.block)
-                self.feeds.append((trainer, self._feed_task(trainer, address, a, common)))
+                self._feed_task_later(trainer, address, a, common)
 
         task = loop.create_task(send())
         self.direct_feeds.add(task)  # a reference, or the task could be collected mid-flight
