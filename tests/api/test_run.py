@@ -184,6 +184,7 @@ def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, 
                     data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
     [failure] = result.failures
     assert failure["action"] == "restart" and failure["from"] == "survivors", failure
+    assert "dt.run job's ranks" in failure["reason"] and "its last report" in failure["reason"]
     assert result.generations == 2
     assert [r["restored"] for r in result.returns] == [0, 0]
     assert all(r["epochs"] == [1, 2] for r in result.returns)

@@ -41,6 +41,7 @@ TABLE = [
     ("sync", "trainer", 1, 1, 3, False, RS, "samples trained so far are trained again"),
     ("sync", "scorer", 2, 2, 2, False, RP, ""),
     ("full-batch", "trainer", 1, 3, 3, True, RS, "full-batch group needs every rank"),
+    ("run", "trainer", 1, 1, 3, True, RS, "dt.run job's ranks form one process group"),
     # beyond max_failures=3: always raise, whatever else holds
     ("async-ps", "trainer", 4, 5, 5, True, X, "failure 4 is more than max_failures=3"),
     ("async-ps", "scorer", 4, 5, 5, True, X, "max_failures=3"),

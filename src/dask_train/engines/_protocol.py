@@ -70,7 +70,7 @@ class Engine(ABC):
     timeout. Methods not marked abstract have the behaviour of an engine without that feature.
     """
 
-    #: The failure policy's name of this engine's kind ("async-ps" or "sync").
+    #: The failure policy's name of this engine's kind ("async-ps", "sync" or "run").
     strategy: str = "sync"
     roles: Roles
     #: False for an engine whose trainers say when to checkpoint (``dt.run``'s ranks, at a

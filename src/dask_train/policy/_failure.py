@@ -100,8 +100,8 @@ class JobStatus:
     Parameters
     ----------
     strategy : str
-        ``"async-ps"``; any other strategy (``"sync"``) needs every rank, so it is treated as
-        synchronous.
+        ``"async-ps"``; any other (``"sync"``, ``"run"`` for a ``dt.run`` job) needs every
+        rank, so it is treated as synchronous.
     failure : Failure
         The loss being decided.
     failures : int
@@ -198,13 +198,16 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
         what = "the parameter server's shard of the parameters and optimizer state was lost"
     elif status.strategy == "async-ps":
         what = "no trainer is left"
+    elif status.strategy == "run":
+        what = "the dt.run job's ranks form one process group, which needs every rank"
     else:
         what = f"the {status.strategy} group needs every rank"
     if status.survivors_hold_state and failure.kind == "trainer" and status.live_trainers >= 1:
         fallback = "the last checkpoint" if status.has_checkpoint else "the initial parameters"
+        held = "its last report" if status.strategy == "run" else "the last step all applied"
         return Decision(Action.RESTART, f"{what}: a new generation goes on from the state the "
-                                        f"surviving ranks hold (from {fallback} if they cannot "
-                                        "give it)")
+                                        f"surviving ranks hold at {held} (from {fallback} if "
+                                        "they cannot give it)")
     if status.has_checkpoint:
         return Decision(Action.RESTART, f"{what}: a new generation restarts from the last checkpoint")
     # As TorchElastic and Ray Train do: the initial parameters are known, so a loss before the

@@ -65,6 +65,7 @@ class RunEngine(TorchSyncEngine):
         The keyword arguments of the function.
     """
 
+    strategy = "run"
     schedules_checkpoints = False
 
     def __init__(self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, *,
