@@ -127,14 +127,14 @@ def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
 
 
 def _kill_mid_hand_over(dask_worker: Any) -> None:
-    """Run on the victim: SIGKILL this process in the middle of its hand-over: once its worker
-    closes (held by the plugin) and the controller has asked its trainer to pause."""
+    """Run on the victim: SIGKILL this process in the middle of its hand-over: the moment the
+    controller answers its leaving notice, just before it asks the trainer to pause. Woken by
+    the answer itself, not by a poll: a poll of the pause request lost the race once, when the
+    trainer had already sent its pause report (its state taken, the hand-over rightly done)."""
     from dask_train.runtime._plugin import worker_state
 
     def watch() -> None:
-        while not (dask_worker.status.name == "closing" and any(
-                job.pause_id > 0 for job in list(worker_state(dask_worker).jobs.values()))):
-            time.sleep(0.001)
+        worker_state(dask_worker).hand_over_heard.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
