@@ -409,6 +409,63 @@ def test_a_trainer_with_a_range_of_workers_starts_with_those_there_are_and_grows
     _assert_each_row_at_most_once(result)
 
 
+def _wanted(dask_scheduler: Any) -> int:
+    """The job's placeholder tasks (a worker it would take each) the scheduler holds."""
+    return sum(1 for key in dask_scheduler.tasks if str(key).startswith("dt-wants-a-worker-"))
+
+
+class _WatchAdaptive(dt.Callback):
+    """At each score: the workers there are and the placeholders the scheduler holds; stops
+    the job (returns True) three scores after ``n`` trainers run, whatever the load."""
+
+    def __init__(self, client: Client, n: int) -> None:
+        self.client, self.n, self.after = client, n, 0
+        self.seen: list[tuple[int, int]] = []
+
+    def on_score(self, record: Any) -> bool:
+        self.seen.append((len(self.client.scheduler_info()["workers"]),
+                          int(self.client.run_on_scheduler(_wanted))))
+        if self.after or _ranks_running(self.client) == self.n:
+            self.after += 1
+        return self.after >= 3
+
+
+def test_an_adaptive_cluster_grows_for_a_job_that_wants_more_workers() -> None:
+    # cluster.adapt(minimum=1, maximum=3) on one worker, a job with workers=(1, 3): the job
+    # starts on the one, holds a placeholder task for each worker it lacks (the scheduler's
+    # adaptive target counts them), the cluster grows, and the job takes the new workers in.
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        cluster.adapt(minimum=1, maximum=3, interval="200ms")
+        X, Y, validation = _data()
+        watch = _WatchAdaptive(client, 3)
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy="async-ps", workers=(1, 3),
+                            batch_size=32, epochs=1000, score_every=0.2, timeout=30,
+                            progress=False, client=client, callbacks=[watch],
+                            stop=[dt.StopAfter(seconds=90)]).fit(X, Y, validation=validation)
+        assert result.stopped_by == "callback", watch.seen
+        assert (1, 2) in watch.seen, watch.seen  # one worker: two asked for
+        assert watch.seen[-1] == (3, 0), watch.seen  # three: none asked for any more
+        assert len(result.trainers) == 3 and result.failures == []
+        assert client.run_on_scheduler(_wanted) == 0  # the job's end cancels them
+    _assert_each_row_at_most_once(result)
+
+
+def test_dt_run_on_an_adaptive_cluster_asks_for_its_ranks_before_it_starts() -> None:
+    # dt.run(workers=2) on an adaptive cluster of one worker: it waits for its second worker
+    # and asks for it meanwhile, so the cluster grows and the job runs on two ranks.
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        cluster.adapt(minimum=1, maximum=2, interval="200ms")
+        X, Y, _ = _data()
+        result = dt.run(_run_loop, workers=2, epochs=2, timeout=60, client=client,
+                        data={"train": (X, Y)})
+        assert len(result.returns) == 2 and result.failures == []
+        assert client.run_on_scheduler(_wanted) == 0
+    consumed = result.ledger.groupby("epoch")["consumed"].sum()
+    assert consumed.to_dict() == {e: ROWS for e in range(2)}
+
+
 def test_a_sync_range_whose_least_the_cluster_lacks_is_refused_before_work(
         two_workers: tuple[LocalCluster, Client]) -> None:
     _, client = two_workers

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from dask_train.api._run_result import RunResult
 from dask_train.api._settings import RecoverySettings
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._interrupt import interrupted_early
+from dask_train.controller._wanted import placeholder, weigh_placeholders
 from dask_train.data._blocks import BlockSet
 from dask_train.data._hf_datasets import as_arrays, kind_of
 from dask_train.data._inputs import is_lazy
@@ -28,6 +30,7 @@ from dask_train.engines._registry import engine_entry
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.policy._placement import Roles
+from dask_train.policy._scope import current_scope
 from dask_train.policy._settings import (
     ClusterSettings,
     DataSettings,
@@ -319,13 +322,27 @@ _UNBOUNDED_EPOCHS = 1_000_000_000
 def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any],
             clock: dict[str, float]) -> RunResult:
     """Run the checked ``dt.run`` job on ``client``'s cluster."""
-    from dask_train.engines.run.context import RunSettings
-    from dask_train.runtime._devices import probe_devices
-
     ensure_plugin(client)
     timeout = float(job.cluster.timeout)
     least, most = job.cluster.bounds(len(worker_threads(client)))
-    alive = _wait_for_workers(client, least, timeout=timeout)
+    alive, asked = _wait_for_workers(client, least, timeout=timeout)
+    try:
+        return _run_on(client, job, alive, asked, least=least, most=most, fn_blob=fn_blob,
+                       small=small, clock=clock)
+    finally:
+        if asked:  # not yet handed to the job's controller
+            client.cancel(asked)
+
+
+def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any], *,
+            least: int, most: int, fn_blob: bytes, small: dict[str, Any],
+            clock: dict[str, float]) -> RunResult:
+    """:func:`run_job` once ``alive`` holds its least workers; ``asked``: the placeholders
+    that asked for them (emptied once the controller holds them)."""
+    from dask_train.engines.run.context import RunSettings
+    from dask_train.runtime._devices import probe_devices
+
+    timeout = float(job.cluster.timeout)
     t = time.time()
     blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
                                     mode=str(job.data_mode), timeout=timeout)
@@ -370,6 +387,8 @@ def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any
     started = time.time()
     controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan, roles=roles,
                             rows=blocks.n_rows)
+    controller.wanted.adopt(asked)
+    asked.clear()
     try:
         outcome = controller.run_sync(resume=job.resume)
     finally:
@@ -392,18 +411,35 @@ def _staging(config: Any) -> str:
     return StoragePath(path, config.storage_options) if config.storage_options else path
 
 
-def _wait_for_workers(client: Client, least: int, *, timeout: float) -> dict[str, int]:
-    """The live workers, once there are at least ``least`` of them (up to ``timeout``)."""
+def _wait_for_workers(client: Client, least: int, *,
+                      timeout: float) -> tuple[dict[str, int], list[Any]]:
+    """The live workers, once there are at least ``least`` of them (up to ``timeout``), and the
+    placeholder tasks that asked for them, for the job's controller to hold until its ranks run.
+
+    While it waits, the scheduler holds ``least`` placeholder tasks, so that an adaptive cluster
+    grows to them (see :mod:`dask_train.controller._wanted`): not one per worker lacking, as a
+    running job holds, since the workers there are have no task yet and the scheduler's target
+    counts the tasks only."""
     deadline = time.monotonic() + timeout
     alive = worker_threads(client)
-    while len(alive) < least:
-        if time.monotonic() > deadline:
-            raise InvalidInput([f"workers={least} or more are needed but the cluster has "
-                                f"{len(alive)} Dask workers after {timeout:g} s: add workers, or "
-                                "ask for fewer ranks."])
-        time.sleep(0.2)
-        alive = worker_threads(client)
-    return alive
+    asked: list[Any] = []
+    if len(alive) < least and current_scope() is None:
+        token = uuid.uuid4().hex[:12]
+        client.run_on_scheduler(weigh_placeholders)
+        asked = [placeholder(client, token, n) for n in range(least)]
+    try:
+        while len(alive) < least:
+            if time.monotonic() > deadline:
+                raise InvalidInput([f"workers={least} or more are needed but the cluster has "
+                                    f"{len(alive)} Dask workers after {timeout:g} s: add "
+                                    "workers, or ask for fewer ranks."])
+            time.sleep(0.2)
+            alive = worker_threads(client)
+    except BaseException:
+        if asked:
+            client.cancel(asked)
+        raise
+    return alive, asked
 
 
 def _stream(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode: str = "auto",

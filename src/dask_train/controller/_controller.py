@@ -35,6 +35,7 @@ from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.controller._wanted import WantedWorkers
 from dask_train.engines._events import (
     Epochs,
     Event,
@@ -123,6 +124,8 @@ class Controller:
         # seconds, not the run. Made at the first generation, for the engines that need it.
         self.copies: Checkpoints | None = None
         self.copied = False
+        # A job with room for more workers than the cluster has asks for them (see _wanted).
+        self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -149,6 +152,10 @@ class Controller:
             return await self._generations(resume=resume)
         finally:
             self.hand_overs.close()
+            try:
+                await self.wanted.close()
+            except Exception:  # noqa: BLE001 - a closed client: the scheduler drops them itself
+                logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
             if self.copies is not None:
                 shutil.rmtree(self.copies.config.path, ignore_errors=True)
 
@@ -242,6 +249,9 @@ class Controller:
                 arrival = await self._take_arrivals(engine)
                 if arrival is not None:
                     return arrival
+                if self.wanted.most is not None or self.wanted.waiting:
+                    await self.wanted.update(engine.live_trainers(),
+                                             running=not self.state.stopped_by)
         return None
 
     async def _start(self, engine: Engine) -> Failure | None:
