@@ -78,6 +78,7 @@ def train_bert(ctx, checkpoint=False, **kwargs):
     trainer.train(resume_from_checkpoint=path)
     return {"rank": ctx.rank, "world": trainer.args.world_size, "step": trainer.state.global_step,
             "max_steps": trainer.state.max_steps, "from_step": start,
+            "own_rng": path is not None and (Path(path) / f"rng_state_{ctx.rank}.pth").is_file(),
             "accuracy": trainer.evaluate()["eval_accuracy"]}
 
 
@@ -155,12 +156,12 @@ def test_the_trainer_on_two_ranks_is_as_accurate_as_in_one_process(client, token
 
 
 def test_a_stop_condition_on_an_evaluation_metric_ends_training_on_every_rank(client, token_data):
+    # The datasets.Dataset itself as the training data (its columns, the label among them,
+    # read on the workers from its files).
     train, val = token_data
     result = dt.run(train_bert, workers=2, client=client, timeout=90,
                     config={"num_train_epochs": 4, "eval_strategy": "steps", "eval_steps": 10},
-                    data={"train": dt.huggingface.from_dataset(
-                        train, inputs=["input_ids", "attention_mask"], rows_per_block=500),
-                          "val": val},
+                    data={"train": train, "val": val},
                     stop=[dt.StopAtScore("eval_accuracy", 0.8)])
     assert result.stopped_by == "StopAtScore(eval_accuracy>=0.8)"
     evaluations = result.history["eval_accuracy"].dropna()
@@ -205,6 +206,7 @@ def test_a_trainer_whose_worker_is_killed_goes_on_from_its_checkpoint(tmp_path, 
     assert [r["rank"] for r in ranks] == [0, 1]
     assert {r["from_step"] for r in ranks} <= {20, 40} and len({r["from_step"] for r in ranks}) == 1
     assert all(r["step"] == r["max_steps"] == 96 for r in ranks)
+    assert all(r["own_rng"] for r in ranks)  # each rank's RNG state, saved by that rank
     assert ranks[0]["accuracy"] > 0.85
     # The history's steps went on from the checkpoint too, and every row was read once per epoch.
     steps = list(result.history["step"])

@@ -78,11 +78,37 @@ def _read(path: str) -> dict[str, Any]:
         return {"bytes": np.frombuffer(raw, dtype=np.uint8).copy()}
 
 
-def rebuild(state: Any, *, rank: int) -> str:
+def rng_files(directory: str, rank: int) -> dict[str, Any]:
+    """This rank's RNG file of HF's checkpoint ``directory`` as :func:`capture` reads it
+    (``{}`` when it wrote none: one process, or a save made elsewhere).
+
+    With several processes HF writes ``rng_state_<rank>.pth`` on every rank (Python's, numpy's
+    and torch's generators), each in its own ``output_dir``: rank 0's directory holds only its
+    own, or, on a shared disk, the others' only once they got there.
+    """
+    name = f"rng_state_{rank}.pth"
+    path = os.path.join(directory, name)
+    return {name: _read(path)} if os.path.isfile(path) else {}
+
+
+def gather_to_first(files: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``files`` on rank 0 (``[]`` on the others, and ``[files]`` without a
+    process group of several ranks). A collective: every rank calls it at the same save."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return [files]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    # Between the job's live ranks, not from a file: what they send is what they just read.
+    dist.gather_object(files, gathered, dst=0)
+    return [g for g in gathered or [] if g]
+
+
+def rebuild(state: Any) -> str:
     """Write the checkpoint :func:`capture` read into a new local directory; its path.
 
-    Only this rank's RNG file is written (``rng_state_<rank>.pth`` is each rank's own, and the
-    job's checkpoint holds the writing rank's): HF skips the RNG of a rank that has none.
+    Every rank's RNG file is written (``rng_state_<rank>.pth``, gathered at the save, see
+    :func:`rng_files`): HF's resume on rank ``r`` reads its own.
     """
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise InvalidInput(["checkpoint_path(ctx): the job's checkpoint is not Hugging Face's "
@@ -94,9 +120,6 @@ def rebuild(state: Any, *, rank: int) -> str:
     root = tempfile.mkdtemp(prefix="dask-train-hf-")
     directory = os.path.join(root, str(state.get("name") or "checkpoint"))
     for relative, entry in state["files"].items():
-        name = relative.rsplit("/", 1)[-1]
-        if name.startswith("rng_state_") and name != f"rng_state_{rank}.pth":
-            continue
         path = os.path.join(directory, *relative.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if "safetensors" in entry:

@@ -34,10 +34,11 @@ class Report(TrainerCallback):
     ``epoch`` is not reported (the history has the job's own).
 
     With ``checkpoint=True`` each HF checkpoint (``save_strategy``) is also the job's: the files
-    the ``Trainer`` wrote on rank 0 (weights, optimizer, scheduler, RNG and trainer state) are
-    reported with that step's metrics and written by the job as any ``dt.run`` checkpoint
-    (safetensors and JSON, no pickle) with every rank's place in the data. After a lost worker,
-    :func:`checkpoint_path` hands them back to ``trainer.train(resume_from_checkpoint=...)``.
+    the ``Trainer`` wrote on rank 0 (weights, optimizer, scheduler and trainer state), with
+    every rank's RNG state, are reported with that step's metrics and written by the job as any
+    ``dt.run`` checkpoint (safetensors and JSON, no pickle) with every rank's place in the data.
+    After a lost worker, :func:`checkpoint_path` hands them back to
+    ``trainer.train(resume_from_checkpoint=...)``.
 
     Parameters
     ----------
@@ -95,11 +96,16 @@ class Report(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Report the step, with HF's checkpoint of it when ``checkpoint=True``."""
         saved = None
-        if self.checkpoint and self.ctx.rank == 0 and not self.ctx.should_stop():
+        if self.checkpoint and not self.ctx.should_stop():
             directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isdir(directory):
+            # Every rank's RNG file (each rank writes its own, in its own output_dir) goes to
+            # rank 0, which reports the checkpoint: a resumed rank draws as it would have.
+            rngs = _checkpoint.gather_to_first(_checkpoint.rng_files(directory, self.ctx.rank))
+            if self.ctx.rank == 0 and os.path.isdir(directory):
                 saved = _checkpoint.capture(directory)
-            else:  # a save HF made elsewhere (a hyper-parameter trial's directory)
+                for files in rngs:
+                    saved["files"].update(files)
+            elif self.ctx.rank == 0:  # a save HF made elsewhere (a hyper-parameter trial's)
                 logger.info("Report: no checkpoint at %s to report", directory)
         return self._report(state, control, checkpoint=saved, always=self.checkpoint)
 
@@ -164,7 +170,7 @@ def checkpoint_path(ctx: Any) -> str | None:
     state = ctx.restore()
     if state is None:
         return None
-    return _checkpoint.rebuild(state, rank=int(ctx.rank))
+    return _checkpoint.rebuild(state)
 
 
 def _number(value: Any) -> float | None:
