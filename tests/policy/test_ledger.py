@@ -9,6 +9,7 @@ import pytest
 from dask_train.data import block_order
 from dask_train.errors import InvalidInput
 from dask_train.policy import Assignment, Block, Ledger
+from dask_train.policy._ledger import patch_positions
 
 
 def _blocks(holders: list[str], rows: int = 10) -> list[Block]:
@@ -409,3 +410,27 @@ def test_resume_with_fewer_epochs_reads_nothing_beyond_them() -> None:
     assert rest.segments == []  # epoch 0 was read in full before the checkpoint
     assert resumed.epochs_completed == 1
     assert resumed.retired == frozenset()
+
+
+def test_positions_count_the_blocks_read_before_them_whose_reports_are_missing() -> None:
+    # Trainer 0 was given blocks 0, 2 and 4 and reported only block 0; its position (from the
+    # survivors of a killed sync rank, straight from memory) is 5 rows into block 4: block 2
+    # was read to the end, its report still on its way. Trainer 1 is 3 rows into block 1, with
+    # block 3 given after it: block 3 is not read yet.
+    ledger = Ledger(_blocks(["a", "b", "a", "b", "a", "b"]), ["a", "b"], epochs=1,
+                    shuffle=False, seed=0)
+    given = {t: [ledger.next_for(t).block for _ in range(3 if t == 0 else 2)] for t in (0, 1)}
+    assert given == {0: [0, 2, 4], 1: [1, 3]}
+    ledger.consumed(epoch=0, block=0, trainer=0, rows=10, done=True)
+    state = patch_positions(ledger.state(), {0: [0, 4, 5], 1: [0, 1, 3]})
+    names = state["entry_fields"]
+    entries = {row[names.index("block")]: dict(zip(names, row)) for row in state["entries"]}
+    assert (entries[2]["consumed"], entries[2]["done"]) == (10, True)  # read before block 4
+    assert (entries[4]["consumed"], entries[4]["done"]) == (5, False)
+    assert (entries[1]["consumed"], entries[1]["done"]) == (3, False)
+    assert (entries[3]["consumed"], entries[3]["done"]) == (0, False)  # after trainer 1's place
+    # Resumed from it, block 2 is not read again; blocks 1, 3 and 4 go on where they were.
+    again = Ledger.from_state(_blocks(["a", "b", "a", "b", "a", "b"]), ["a", "b"], epochs=1,
+                              shuffle=False, seed=0, state=json.loads(json.dumps(state)))
+    rest = [a for t in (0, 1) for a in iter(lambda t=t: again.next_for(t), None)]
+    assert sorted((a.block, a.skip) for a in rest) == [(1, 3), (3, 0), (4, 5), (5, 0)]
