@@ -30,6 +30,16 @@ def resume(job: str, pause_id: int, dask_worker: Any = None) -> None:
     state.resume(pause_id)
 
 
+def catch_up(job: str, pause_id: int, resume_id: int, dask_worker: Any = None) -> None:
+    """Run on a leaving worker (directly): the pause request still pending (0: none) and the
+    latest resume, which it may have missed (see ``RoleEngine._catch_up``). Both only raise
+    their ids: a second delivery changes nothing."""
+    state = worker_state(dask_worker).job(job)
+    if pause_id:
+        state.pause_id = max(state.pause_id, int(pause_id))
+    state.resume(resume_id)
+
+
 def shard_positions(job: str, index: int, trainer: int, dask_worker: Any = None) -> list[list[int]]:
     """Run on a server's worker: [epoch, block, rows] applied to shard ``index`` per recent block
     of ``trainer``."""

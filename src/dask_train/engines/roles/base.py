@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -94,6 +95,8 @@ class RoleEngine(Engine):
         self.finished_at = 0.0
         self.last_heartbeat = 0.0
         self.pauses: dict[int, dict[int, Paused]] = {}
+        # The latest pause requested and resume sent, for a leaving worker that missed them.
+        self.requested_pause = self.resumed_upto = 0
         self.subscribed = False  # to this generation's topic (not yet when its start failed)
 
     @property
@@ -237,6 +240,7 @@ class RoleEngine(Engine):
             if event.address not in self.leaving_workers:
                 self.leaving_workers.add(event.address)
                 self._answer(event.address)
+                self._catch_up(event.address)
                 # Its feed tasks that had not run are sent again directly; the dropped futures
                 # release their keys.
                 self.granter.redirect(event.address)
@@ -354,6 +358,7 @@ class RoleEngine(Engine):
     async def pause(self, pause_id: int) -> None:
         """Raise the pause id on every running trainer's worker."""
         self.pauses[pause_id] = {}
+        self.requested_pause = pause_id
         workers = sorted({self.roles["trainer"][i] for i in self._running()})
         await run_on_live(self.client, worker_side.request_pause, self.job, pause_id,
                           leaving=self.leaving_workers, workers=workers)
@@ -375,6 +380,7 @@ class RoleEngine(Engine):
     async def resume(self, pause_id: int) -> None:
         """Let every trainer paused for ``pause_id`` go on."""
         self.pauses.pop(pause_id, None)
+        self.resumed_upto = max(self.resumed_upto, pause_id)
         await run_on_live(self.client, worker_side.resume, self.job, pause_id,
                           leaving=self.leaving_workers, workers=self.roles.addresses)
 
@@ -393,6 +399,17 @@ class RoleEngine(Engine):
         task = asyncio.get_running_loop().create_task(answer())
         self.granter.direct_feeds.add(task)  # held until done, as the direct feeds are
         task.add_done_callback(self.granter.direct_feeds.discard)
+
+    def _catch_up(self, address: str) -> None:
+        """Send a leaving worker the pause still pending and the latest resume, directly.
+
+        The scheduler drops a retiring worker before its notice reaches the job: a call sent
+        through the scheduler's list meanwhile (:func:`run_on_live`) left it out. A ``dt.run``
+        rank on it then waited at its report for a resume that never came, until the hand-over
+        gave up (a retirement right after a report, 2 runs in 10 under load)."""
+        pending = self.requested_pause if self.requested_pause in self.pauses else 0
+        self._answer(address, functools.partial(worker_side.catch_up, self.job, pending,
+                                                self.resumed_upto))
 
     def leaving(self) -> set[str]:
         """Workers of this generation's roles that announced they are leaving with notice."""
