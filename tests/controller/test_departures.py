@@ -414,38 +414,42 @@ def _wanted(dask_scheduler: Any) -> int:
     return sum(1 for key in dask_scheduler.tasks if str(key).startswith("dt-wants-a-worker-"))
 
 
-class _WatchAdaptive(dt.Callback):
-    """At each score: the workers there are and the placeholders the scheduler holds; stops
-    the job (returns True) three scores after ``n`` trainers run, whatever the load."""
+class _AdaptWhenAsked(dt.Callback):
+    """At each score: the workers there are and the placeholders the scheduler holds. Makes
+    the cluster adaptive once the job holds a placeholder for each worker it lacks, and stops
+    the job (returns True) three scores after ``n`` trainers run with none held any more."""
 
-    def __init__(self, client: Client, n: int) -> None:
-        self.client, self.n, self.after = client, n, 0
+    def __init__(self, cluster: LocalCluster, client: Client, n: int) -> None:
+        self.cluster, self.client, self.n, self.after = cluster, client, n, 0
         self.seen: list[tuple[int, int]] = []
+        self.adapting = False
 
     def on_score(self, record: Any) -> bool:
-        self.seen.append((len(self.client.scheduler_info()["workers"]),
-                          int(self.client.run_on_scheduler(_wanted))))
-        if self.after or _ranks_running(self.client) == self.n:
+        workers = len(self.client.scheduler_info()["workers"])
+        wanted = int(self.client.run_on_scheduler(_wanted))
+        self.seen.append((workers, wanted))
+        if not self.adapting and (workers, wanted) == (1, self.n - 1):
+            self.adapting = True
+            self.cluster.adapt(minimum=1, maximum=self.n, interval="200ms")
+        if self.after or (wanted == 0 and _ranks_running(self.client) == self.n):
             self.after += 1
         return self.after >= 3
 
 
 def test_an_adaptive_cluster_grows_for_a_job_that_wants_more_workers() -> None:
-    # cluster.adapt(minimum=1, maximum=3) on one worker, a job with workers=(1, 3): the job
-    # starts on the one, holds a placeholder task for each worker it lacks (the scheduler's
-    # adaptive target counts them), the cluster grows, and the job takes the new workers in.
+    # A job with workers=(1, 3) on one worker holds a placeholder task for each worker it lacks
+    # (the scheduler's adaptive target counts them); made adaptive then (so that no growth of
+    # Dask's own comes first), the cluster grows to three and the job takes the new workers in.
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        cluster.adapt(minimum=1, maximum=3, interval="200ms")
         X, Y, validation = _data()
-        watch = _WatchAdaptive(client, 3)
+        watch = _AdaptWhenAsked(cluster, client, 3)
         result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy="async-ps", workers=(1, 3),
                             batch_size=32, epochs=1000, score_every=0.2, timeout=30,
                             progress=False, client=client, callbacks=[watch],
                             stop=[dt.StopAfter(seconds=90)]).fit(X, Y, validation=validation)
-        assert result.stopped_by == "callback", watch.seen
-        assert (1, 2) in watch.seen, watch.seen  # one worker: two asked for
-        assert watch.seen[-1] == (3, 0), watch.seen  # three: none asked for any more
+        assert watch.adapting, watch.seen  # one worker, two asked for
+        assert result.stopped_by == "callback", watch.seen  # three, none asked for any more
         assert len(result.trainers) == 3 and result.failures == []
         assert client.run_on_scheduler(_wanted) == 0  # the job's end cancels them
     _assert_each_row_at_most_once(result)
