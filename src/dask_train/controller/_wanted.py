@@ -13,9 +13,10 @@ worker; it waits in the scheduler's ``no-worker`` state, where ``adaptive_target
 scheduler weighs a waiting task by its prefix's known duration, 0.5 s for one never run, against a
 target of 5 s of work a worker: two placeholders asked for nothing. So the prefix is declared an
 hour's work on the scheduler (:func:`weigh_placeholders`), and ``adaptive_target`` asks for one
-more worker per placeholder (it caps the count at the tasks there are). Each is cancelled once a
-worker joined for it, and all of them when the job ends. On a cluster that is not adaptive they
-only wait, and cost the scheduler a task each.
+more worker per placeholder (it caps the count at the tasks there are). Each is cancelled once
+the job has a trainer on a worker that joined for it (not as soon as the worker joins: an idle
+worker is what an adaptive cluster retires first), and all of them when the job ends. On a
+cluster that is not adaptive they only wait, and cost the scheduler a task each.
 """
 
 from __future__ import annotations
