@@ -47,7 +47,7 @@ from dask_train.engines._protocol import Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._placement import KINDS
-from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._calls import alive_workers, listens
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +92,6 @@ class _Awaited:
 
 def _host(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-
-
-async def _listens(address: str, timeout: float = 0.2) -> bool:
-    """Whether something still accepts connections at a worker's address (a held worker does;
-    a killed one's port refuses at once, a dead host's times out)."""
-    if "://" in address and not address.startswith(("tcp://", "tls://")):
-        return False
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
-                                           timeout)
-    except (OSError, ValueError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
 
 
 def _what(leaving: set[str], joined: set[str]) -> str:
@@ -182,7 +167,7 @@ class HandOvers:
         """Give lost ``workers`` that still listen (held, not killed) a moment
         (:data:`NOTICE_S`) to say they are leaving. A killed worker's port refuses at once: its
         loss is not delayed (meanwhile the survivors of a lost server would go on consuming)."""
-        listening = {w for w in workers if await _listens(w)}
+        listening = {w for w in workers if await listens(w)}
         deadline = time.monotonic() + NOTICE_S
         while listening - engine.leaving() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

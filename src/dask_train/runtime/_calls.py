@@ -29,6 +29,9 @@ async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str,
                      if not (placeable and w.get("status") in LEAVING_STATES)})
 
 
+#: A direct call's answer from a worker that is gone (left out of :func:`run_on_live`'s).
+_GONE = object()
+
 #: How often a call to the workers looks whether one of them died meanwhile.
 CHECK_S = 0.5
 
@@ -50,12 +53,31 @@ async def run_direct(client: Client, fn: Any, *args: Any, address: str, **kwargs
     return response.get("result")
 
 
+async def listens(address: str, timeout: float = 0.2) -> bool:
+    """Whether something still accepts connections at a worker's address (a held worker does;
+    a killed one's port refuses at once, a dead host's times out)."""
+    if "://" in address and not address.startswith(("tcp://", "tls://")):
+        return False
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
+                                           timeout)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str],
                       leaving: Collection[str] = (), **kwargs: Any) -> Any:
     """``client.run`` on those of ``workers`` still alive.
 
     Those of ``workers`` in ``leaving`` (removed from the scheduler but held for a hand-over)
-    are called directly (:func:`run_direct`); a failed direct call is left out of the answer.
+    are called directly (:func:`run_direct`), together; a failed direct call is left out of the
+    answer, and so is a leaving worker whose port no longer :func:`listens`: a call to a killed
+    one went through distributed's connect retries until the 10 s bound, per worker, and a
+    failed hand-over of a whole cluster killed while held (a pause, then a resume, to each) took
+    40 s.
 
     A call to a dead worker's address waits for the 30 s connect timeout even with
     ``on_error="ignore"``: never send one. A worker killed just as the call goes out is still
@@ -63,13 +85,18 @@ async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str
     :data:`CHECK_S` seconds, and once a target has left, the call is sent again to the live
     ones (every function sent here may run twice: they set flags or read).
     """
-    direct: dict[str, Any] = {}
-    for address in [w for w in workers if w in leaving]:
+    async def direct_call(address: str) -> tuple[str, Any]:
+        # Only a TCP port can be looked at so (an in-process or UCX worker is called as is).
+        if address.startswith(("tcp://", "tls://")) and not await listens(address):
+            return address, _GONE
         try:
-            direct[address] = await asyncio.wait_for(
+            return address, await asyncio.wait_for(
                 run_direct(client, fn, *args, address=address, **kwargs), timeout=10.0)
         except Exception:  # gone meanwhile: a loss, for the caller's failure check
-            pass
+            return address, _GONE
+
+    answers = await asyncio.gather(*(direct_call(w) for w in workers if w in leaving))
+    direct = {address: answer for address, answer in answers if answer is not _GONE}
     workers = [w for w in workers if w not in leaving]
     while True:
         alive = await alive_workers(client)
