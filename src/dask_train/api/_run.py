@@ -327,22 +327,21 @@ def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any
     least, most = job.cluster.bounds(len(worker_threads(client)))
     alive, asked = _wait_for_workers(client, least, timeout=timeout)
     try:
-        return _run_on(client, job, alive, asked, least=least, most=most, fn_blob=fn_blob,
-                       small=small, clock=clock)
+        return _run_on(client, job, alive, asked, least=least, most=most, timeout=timeout,
+                       fn_blob=fn_blob, small=small, clock=clock)
     finally:
         if asked:  # not yet handed to the job's controller
             client.cancel(asked)
 
 
 def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any], *,
-            least: int, most: int, fn_blob: bytes, small: dict[str, Any],
+            least: int, most: int, timeout: float, fn_blob: bytes, small: dict[str, Any],
             clock: dict[str, float]) -> RunResult:
     """:func:`run_job` once ``alive`` holds its least workers; ``asked``: the placeholders
     that asked for them (emptied once the controller holds them)."""
     from dask_train.engines.run.context import RunSettings
     from dask_train.runtime._devices import probe_devices
 
-    timeout = float(job.cluster.timeout)
     t = time.time()
     blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
                                     mode=str(job.data_mode), timeout=timeout)
