@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dask
 import dask.array as da
@@ -126,6 +128,62 @@ def test_numpy_input_lost_with_its_worker_is_sent_again(own_client: Client,
     per_block = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
     assert per_block.sum() == 2 * 12_000 and len(per_block) == 2 * 16
     assert result.history["accuracy"].iloc[-1] > 0.85
+
+
+def _dask_worker(address: str, log: Any) -> subprocess.Popen[bytes]:
+    """A ``dask worker`` process without a nanny, as a batch job starts one: killed, it is
+    gone for good."""
+    dask = str(Path(sys.executable).parent / "dask")
+    return subprocess.Popen([dask, "worker", address, "--no-nanny", "--nthreads", "1",
+                             "--host", "127.0.0.1", "--no-dashboard"], stdout=log, stderr=log)
+
+
+class _KillAllThenStart(dt.Callback):
+    """SIGKILLs every worker at once once the servers have applied ``samples`` samples (a
+    power cut, every batch job lost), and starts two new workers ``after`` seconds later."""
+
+    def __init__(self, address: str, workers: list[subprocess.Popen[bytes]], log: Any,
+                 samples: int, after: float) -> None:
+        self.address, self.workers, self.log = address, workers, log
+        self.samples, self.after, self.done = samples, after, False
+
+    def on_score(self, record):
+        if not self.done and record["samples"] >= self.samples:
+            self.done = True
+            for process in list(self.workers):
+                process.kill()
+            threading.Timer(self.after, self._start).start()
+        return None
+
+    def _start(self) -> None:
+        self.workers += [_dask_worker(self.address, self.log) for _ in range(2)]
+
+
+def test_a_job_whose_every_worker_is_killed_at_once_waits_for_new_ones(tmp_path: Path) -> None:
+    # No worker is alive for seconds: the job waits (up to timeout=) for workers to join,
+    # instead of failing with its checkpoint in hand, and goes on from it on the new ones.
+    X, Y, validation = _data()
+    with LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client, (tmp_path / "workers.log").open("w") as log:
+        workers = [_dask_worker(cluster.scheduler_address, log) for _ in range(2)]
+        try:
+            client.wait_for_workers(2, timeout=60)
+            old = set(client.scheduler_info()["workers"])
+            kill = _KillAllThenStart(cluster.scheduler_address, workers, log, samples=6_000,
+                                     after=2.0)
+            config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None,
+                                         every_steps=40, keep=3)
+            result = _trainer(client, Slow(mlp(8, 16, 3), 0.002), checkpoint=config,
+                              failure=dt.FailureConfig(max_failures=5),
+                              callbacks=[kill]).fit(X, Y, validation=validation)
+        finally:
+            for process in workers:
+                process.terminate()
+                process.wait(30)
+    assert kill.done and result.generations >= 2
+    assert "restart" in {f["action"] for f in result.failures}, result.failures
+    assert not set(result.roles.addresses) & old  # it went on on the new workers
+    _assert_every_sample_once(result, 12_000, 2)
 
 
 def test_parameter_server_killed_restarts_from_the_checkpoint(own_client: Client, tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ class Controller:
         # A report every rank of a dt.run job made and waits on (its checkpoint, then resume).
         self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
+        self.seen_workers: set[str] = set(roles.addresses)  # a worker not in it joined
+        self.stranded_watch = False  # blocks may wait in no-worker (see _schedule_stranded)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The user's hooks run off this loop, in order: they may block and use the client.
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
@@ -261,13 +263,7 @@ class Controller:
         in starting is the job's."""
         try:
             if self.state.generation:
-                # Blocks whose every worker left (the whole cluster replaced) would wait for a
-                # worker they prefer that never comes back.
-                stranded = await self.client.run_on_scheduler(schedule_stranded,
-                                                              asynchronous=True)
-                if stranded:
-                    logger.info("%d data blocks whose workers all left are computed again on "
-                                "the workers there are now", stranded)
+                await self._schedule_stranded()
             await engine.start(self.events.put_nowait)
         except Exception:
             lost, alive = await self.losses.lost(self.client, engine)
@@ -477,9 +473,23 @@ class Controller:
         copy in memory)."""
         return bool(self.log.checkpoints) or self.restore is not None or self.copied
 
+    async def _schedule_stranded(self) -> None:
+        """Blocks whose every worker left (the whole cluster replaced) would wait for a worker
+        they prefer that never comes back: they go to the workers running now. Looked at again
+        at each liveness check while some still wait (the workers that joined had not yet
+        said they run) and whenever workers join."""
+        moved, left = await self.client.run_on_scheduler(schedule_stranded, asynchronous=True)
+        if moved:
+            logger.info("%d data blocks whose workers all left are computed again on the "
+                        "workers there are now", moved)
+        self.stranded_watch = left > 0
+
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
         alive = await alive_workers(self.client)
+        if self.stranded_watch or not set(alive) <= self.seen_workers:
+            await self._schedule_stranded()
+        self.seen_workers |= set(alive)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
         gone = {f.worker for f in failures if f.worker not in alive}
@@ -489,6 +499,8 @@ class Controller:
         # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
         leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]
+        if failures:
+            alive = await self.losses.workers_back(self.client, alive)
         restart = await self.losses.act(engine, failures, alive,
                                         has_checkpoint=self.has_checkpoint)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,
@@ -536,7 +548,7 @@ class Controller:
         while len(alive) < size and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             alive = await alive_workers(self.client, placeable=True)
-        self._next_generation(alive, redone=redone)
+        self._next_generation(await self._enough_workers(alive, tuple(lost)), redone=redone)
         logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
                        "samples applied since are trained again", self.state.generation,
                        f"the surviving ranks' state at step {survived.step}" if survived else

@@ -235,9 +235,12 @@ class HandOvers:
                     await self._still_there(leaving)
                     next_look = time.monotonic() + LOOK_S
                 await asyncio.sleep(0.01)
+            step = await engine.exact_step()
+            if step < 0:
+                raise WorkerLost("the first parameter holder's worker left before its step "
+                                 "was read")
             departure = await self._write(engine, store, leaving, joined, snapshot,
-                                          manifest=manifest, noticed=noticed,
-                                          step=await engine.exact_step())
+                                          manifest=manifest, noticed=noticed, step=step)
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
             if leaving:
                 self._fail(engine, leaving, f"{type(exc).__name__}: {exc}")

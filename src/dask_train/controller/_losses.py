@@ -9,7 +9,9 @@ generation. The same rules hold while a generation runs, while it starts and whi
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 from distributed import Client
@@ -19,6 +21,7 @@ from dask_train.controller._state import JobLog, JobState
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
+from dask_train.policy._scope import current_scope
 from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,25 @@ class Losses:
             raise failure_error(status, decision)
         return decision.action
 
+    async def workers_back(self, client: Client, alive: Mapping[str, int]) -> Mapping[str, int]:
+        """``alive``, or, when no worker is left, the workers that joined within the job's
+        ``timeout`` (none: the loss is then decided with none, and the job fails).
+
+        Why: a cluster whose every worker goes at once (Slurm jobs started together reaching
+        their walltime, a node pool replaced) usually gets new workers seconds later; a job
+        that failed at once would lose what its checkpoint or its copies hold. A job on
+        reserved workers (a search's trial) does not wait: no worker joins its scope.
+        """
+        if alive or current_scope() is not None:
+            return alive
+        logger.warning("no worker is left: waiting up to %g s (timeout=) for workers to join "
+                       "before the job fails", self.spec.timeout)
+        deadline = time.monotonic() + self.spec.timeout
+        while not alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            alive = await alive_workers(client, placeable=True)
+        return alive
+
     async def act(self, engine: Engine, failures: Sequence[Failure], alive: Mapping[str, int],
                   *, has_checkpoint: bool) -> Failure | None:
         """Decide on each failure in turn and act: the scorer replaced, an async trainer
@@ -91,9 +113,13 @@ class Losses:
         return restart
 
     async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
-        """The roles whose worker has left the cluster, and the live workers."""
+        """The roles whose worker has left the cluster, and the live workers (waited for a
+        while when none is left, see :meth:`workers_back`)."""
         alive = await alive_workers(client)
-        return [f for f in await engine.failures(alive) if f.worker not in alive], alive
+        lost = [f for f in await engine.failures(alive) if f.worker not in alive]
+        if lost:
+            alive = dict(await self.workers_back(client, alive))
+        return lost, alive
 
     async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,
                    has_checkpoint: bool) -> Ending | Failure:
