@@ -23,6 +23,10 @@ from distributed import Client, LocalCluster, default_client
 # of that cluster ran one worker short. Read when a worker leaves, in this process.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
+# Plain-torch references in the test process train on one thread, as each worker does: two
+# OpenMP threads spinning on a loaded 2-core machine took a 157-step reference from 0.4 s to 29 s.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

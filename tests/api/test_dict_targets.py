@@ -59,17 +59,6 @@ def _scores(module: nn.Module, x: np.ndarray, y: dict) -> tuple[float, float]:
 
 
 def _plain_torch(x: np.ndarray, y: dict, *, batch: int, epochs: int, seed: int = 0) -> nn.Module:
-    # One thread, as the workers train: two OpenMP threads spinning on a loaded 2-core machine
-    # took a 157-step reference from 0.4 s to 29 s (the test once took 65 s instead of 11).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train_plain(x, y, batch=batch, epochs=epochs, seed=seed)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_plain(x: np.ndarray, y: dict, *, batch: int, epochs: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     net = TwoHeads()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
