@@ -136,7 +136,8 @@ def test_a_module_that_cannot_travel_is_refused_before_any_work(client: Client,
     message = str(info.value)
     assert "module=Sequential cannot be pickled" in message
     assert "dt.Trainer(make_net, ...)" in message and "Traceback" not in message
-    assert set(client.futures) == before  # nothing was submitted
+    # Nothing was submitted (an earlier test's futures may be released meanwhile).
+    assert not set(client.futures) - before
 
 
 class SometimesUnused(nn.Module):

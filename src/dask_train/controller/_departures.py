@@ -356,6 +356,12 @@ class HandOvers:
         for address in workers:
             try:
                 await asyncio.wait_for(self.client.rpc(address).identity(), timeout=LOOK_S * 4)
+            except asyncio.TimeoutError as exc:
+                # A slow answer is not a death: a held worker on a loaded machine took longer.
+                # Its port says which (a killed worker's refuses at once).
+                if not await listens(address):
+                    raise WorkerLost(f"the leaving worker {address} is gone (its port no "
+                                     "longer answers)", worker=address) from exc
             except Exception as exc:
                 raise WorkerLost(f"the leaving worker {address} is gone "
                                  f"({type(exc).__name__})", worker=address) from exc

@@ -53,9 +53,14 @@ async def run_direct(client: Client, fn: Any, *args: Any, address: str, **kwargs
     return response.get("result")
 
 
-async def listens(address: str, timeout: float = 0.2) -> bool:
+async def listens(address: str, timeout: float = 2.0) -> bool:
     """Whether something still accepts connections at a worker's address (a held worker does;
-    a killed one's port refuses at once, a dead host's times out)."""
+    a killed one's port refuses at once, a dead host's times out).
+
+    The kernel accepts the connection even while the worker's process is busy, so only a dead
+    host waits out ``timeout``; it is seconds, not a fraction: on a loaded machine this
+    process's own event loop took more than 0.2 s to see a live worker's answer, and a held
+    worker was taken for gone (its hand-over failed: a SIGTERMed worker's, under load)."""
     if "://" in address and not address.startswith(("tcp://", "tls://")):
         return False
     host, _, port = address.split("://", 1)[-1].rpartition(":")
