@@ -500,7 +500,7 @@ class Controller:
         leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]
         if failures:
-            alive = dict(await self.losses.workers_back(self.client, alive))
+            alive = await self.losses.workers_back(self.client, alive)
         restart = await self.losses.act(engine, failures, alive,
                                         has_checkpoint=self.has_checkpoint)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,

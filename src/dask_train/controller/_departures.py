@@ -167,7 +167,9 @@ class HandOvers:
         """Give lost ``workers`` that still listen (held, not killed) a moment
         (:data:`NOTICE_S`) to say they are leaving. A killed worker's port refuses at once: its
         loss is not delayed (meanwhile the survivors of a lost server would go on consuming)."""
-        listening = {w for w in workers if await listens(w)}
+        looked = sorted(workers)
+        answers = await asyncio.gather(*(listens(w) for w in looked))  # a dead host's: 2 s
+        listening = {w for w, up in zip(looked, answers) if up}
         deadline = time.monotonic() + NOTICE_S
         while listening - engine.leaving() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -70,7 +70,7 @@ class Losses:
             raise failure_error(status, decision)
         return decision.action
 
-    async def workers_back(self, client: Client, alive: Mapping[str, int]) -> Mapping[str, int]:
+    async def workers_back(self, client: Client, alive: Mapping[str, int]) -> dict[str, int]:
         """``alive``, or, when no worker is left, the workers that joined within the job's
         ``timeout`` (none: the loss is then decided with none, and the job fails).
 
@@ -79,15 +79,16 @@ class Losses:
         that failed at once would lose what its checkpoint or its copies hold. A job on
         reserved workers (a search's trial) does not wait: no worker joins its scope.
         """
-        if alive or current_scope() is not None:
-            return alive
+        found = dict(alive)
+        if found or current_scope() is not None:
+            return found
         logger.warning("no worker is left: waiting up to %g s (timeout=) for workers to join "
                        "before the job fails", self.spec.timeout)
         deadline = time.monotonic() + self.spec.timeout
-        while not alive and time.monotonic() < deadline:
+        while not found and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-            alive = await alive_workers(client, placeable=True)
-        return alive
+            found = await alive_workers(client, placeable=True)
+        return found
 
     async def act(self, engine: Engine, failures: Sequence[Failure], alive: Mapping[str, int],
                   *, has_checkpoint: bool) -> Failure | None:
@@ -118,7 +119,7 @@ class Losses:
         alive = await alive_workers(client)
         lost = [f for f in await engine.failures(alive) if f.worker not in alive]
         if lost:
-            alive = dict(await self.workers_back(client, alive))
+            alive = await self.workers_back(client, alive)
         return lost, alive
 
     async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,
