@@ -112,7 +112,9 @@ def _run_on_gpu(ctx):
             model.eval()
             accuracy = (model(xv).argmax(1) == yv).float().mean().item()
             model.train()
-        ctx.report({"accuracy": accuracy}, checkpoint={"model": model.module.state_dict()})
+        # One GPU, one rank: prepare returns the model unwrapped (no DDP of one).
+        own = getattr(model, "module", model)
+        ctx.report({"accuracy": accuracy}, checkpoint={"model": own.state_dict()})
         if ctx.should_stop():
             break
     return str(ctx.device), torch.distributed.get_backend()

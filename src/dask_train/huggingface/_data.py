@@ -105,7 +105,10 @@ class _Rows(Dataset):  # type: ignore[type-arg]
     splits it over the ranks to evaluate, and gathers the predictions)."""
 
     def __init__(self, x: Any, y: Any, *, inputs: str, labels: str) -> None:
-        self.batch = _batch(x, y, inputs=inputs, labels=labels)
+        batch = _batch(x, y, inputs=inputs, labels=labels)
+        # On the host: HF's loader pins each batch (dataloader_pin_memory) and moves it to its
+        # device itself, and a GPU tensor cannot be pinned (ctx.dataset's are on ctx.device).
+        self.batch = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         self.n = int(next(iter(self.batch.values())).shape[0])
 
     def __len__(self) -> int:

@@ -158,6 +158,9 @@ class RunContext:
     def prepare(self, model: Any, **ddp_options: Any) -> Any:
         """``model`` on this rank's device, wrapped for data-parallel training over the ranks.
 
+        With one rank the model comes back unwrapped (as Ray Train's ``prepare_model`` does):
+        reach the user's module with ``getattr(model, "module", model)`` in code that runs at
+        any size.
         With more than one rank every rank starts from rank 0's parameters and ``backward``
         averages the gradients over the ranks. When the ranks share one host and compute on its
         CPU, the model is wrapped in a ``HostDataParallel`` that sums through the host's memory
