@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dask
 import dask.array as da
 import numpy as np
 import pytest
@@ -76,8 +77,12 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-@pytest.mark.parametrize("retired", ["ps-0", "trainer-1"])
+# The server's hand-over goes through two other workers' memory, as on a cluster of several
+# machines (dask-train.memory-state="workers"; the server's worker writes its shard there from
+# its event loop, out of the scheduler's reach); the trainer's through /dev/shm ("auto").
+@pytest.mark.parametrize(("retired", "memory"), [("ps-0", "workers"), ("trainer-1", "auto")])
 def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, retired: str,
+                                                     memory: str,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     client = three_workers
     X, Y, validation = _data()
@@ -85,7 +90,8 @@ def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, reti
     kind, index = retired.rsplit("-", 1)
     victim = roles[kind][int(index)]
     retire = _RetireAt(client, victim, samples=16_000)  # in the second of 6 epochs
-    with caplog.at_level(logging.INFO, logger="dask_train"):
+    with caplog.at_level(logging.INFO, logger="dask_train"), \
+            dask.config.set({"dask-train.memory-state": memory}):
         result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=6,
                             score_every=0.2, timeout=30, progress=False, client=client,
                             callbacks=[retire]).fit(X, Y, validation=validation)
@@ -100,6 +106,10 @@ def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, reti
     assert victim not in client.scheduler_info()["workers"]  # and the worker did leave
     assert result.history["accuracy"].iloc[-1] > 0.85
     assert not _errors(caplog)
+    assert departure["directory"].startswith(
+        "dask-train-workers://" if memory == "workers" else "/dev/shm/"), departure
+    held = client.run(lambda dask_worker: sorted(getattr(dask_worker, "dask_train_files", {})))
+    assert not any(held.values()), held  # the hand-over's files are dropped at the end
 
 
 def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(

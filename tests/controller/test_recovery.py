@@ -203,17 +203,25 @@ def test_parameter_server_killed_restarts_from_the_checkpoint(own_client: Client
     assert set(result.roles.addresses) - set(roles.addresses)
 
 
+def _files_held(client: Client) -> dict[str, list[str]]:
+    """The files each worker keeps for jobs in its memory (runtime._worker_files)."""
+    return client.run(lambda dask_worker: sorted(getattr(dask_worker, "dask_train_files", {})))
+
+
+@pytest.mark.parametrize("where", ["auto", "workers"])
 def test_a_server_killed_without_checkpoints_goes_on_from_the_copy_in_memory(
-        own_client: Client, caplog: pytest.LogCaptureFixture) -> None:
-    # No checkpoint=: every worker is on this machine, so the job keeps a copy of its state in
-    # memory (every 0.1 s here, dask-train.copy-every). The server's worker is killed half way
-    # through, and the job goes on from the newest copy: it trains again what was applied
-    # since that copy, not everything since the start. (Each batch of 8 takes 5 ms: about
-    # 3,200 samples a second, so copies come many times before the kill, on any machine.)
+        own_client: Client, caplog: pytest.LogCaptureFixture, where: str) -> None:
+    # No checkpoint=: the job keeps a copy of its state in memory (every 0.1 s here,
+    # dask-train.copy-every): every worker is on this machine, so in /dev/shm ("auto"), or,
+    # as on a cluster of several machines, in two workers' memory ("workers"). The server's
+    # worker is killed half way through, and the job goes on from the newest copy: it trains
+    # again what was applied since that copy, not everything since the start. (Each batch of 8
+    # takes 5 ms: about 3,200 samples a second, so copies come many times before the kill, on
+    # any machine.)
     X, Y, validation = _data(n=4_000)
     roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
     kill = _KillAt(own_client, roles["ps"][0], samples=4_000)
-    with dask.config.set({"dask-train.copy-every": 0.1}), \
+    with dask.config.set({"dask-train.copy-every": 0.1, "dask-train.memory-state": where}), \
             caplog.at_level(logging.INFO, logger="dask_train"):
         result = _trainer(own_client, Slow(mlp(8, 16, 3), 0.005), callbacks=[kill],
                           batch_size=8).fit(X, Y, validation=validation)
@@ -222,11 +230,16 @@ def test_a_server_killed_without_checkpoints_goes_on_from_the_copy_in_memory(
     assert failure["action"] == "restart" and failure["from"] == "copy", result.failures
     assert failure["redone"] < 2_000, failure  # from the start: 4,000 or more
     assert result.checkpoints == []  # copies are not the user's checkpoints
-    # The copy it went on from was in this machine's memory, and is removed at the end.
+    # The copy it went on from was in memory, and is removed at the end.
     [start] = [r.getMessage().split()[4] for r in caplog.records
                if r.getMessage().startswith("generation 1 starts from ")]
-    assert start.startswith("/dev/shm/dask-train-copies-"), start
-    assert not Path(start).parent.exists()
+    if where == "auto":
+        assert start.startswith("/dev/shm/dask-train-copies-"), start
+        assert not Path(start).parent.exists()
+    else:
+        # On the surviving worker (the killed one's copy went with it), and nowhere at the end.
+        assert start.startswith("dask-train-workers://dask-train-copies-"), start
+        assert not any(_files_held(own_client).values())
     _assert_every_sample_once(result, 4_000, 2)
 
 

@@ -55,8 +55,11 @@ class FitResult(JobResult):
     departures : list of dict
         Each worker that left with notice (retired, scaled down, its ``--lifetime`` over) while
         it held roles: which worker and roles, the step the job handed over at, the seconds from
-        the notice to the next generation's start (``hand_over_s``) and ``redone`` (0). Not a
-        failure: ``max_failures`` does not count it. See :doc:`/cluster-changes`.
+        the notice to the next generation's start (``hand_over_s``), ``redone`` (0) and the
+        ``directory`` the state went through (a checkpoint of ``checkpoint=``, else one kept in
+        memory and removed at the end: in ``/dev/shm``, or ``dask-train-workers://`` in other
+        workers' memory). Not a failure: ``max_failures`` does not count it. See
+        :doc:`/cluster-changes`.
     arrivals : list of dict
         Each regroup of a sync job onto workers that joined (a scale-up), with the same fields:
         the job paused, its state was written and its ranks started again on every worker.

@@ -137,9 +137,9 @@ class RecoverySettings:
         """What is wrong with these values."""
         from dask_train.checkpoint import CheckpointConfig
         from dask_train.errors import InvalidInput
-        from dask_train.policy._failure import FailureConfig
+        from dask_train.policy._failure import FailureConfig, memory_state_problems
 
-        problems = []
+        problems = memory_state_problems()
         try:
             CheckpointConfig.of(self.checkpoint)
         except InvalidInput as exc:

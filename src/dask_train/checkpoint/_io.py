@@ -258,7 +258,7 @@ def load_tensors(path: PathLike) -> dict[str, torch.Tensor]:
     Parameters
     ----------
     path : str or os.PathLike
-        A local path or an fsspec URL.
+        A local path or an fsspec URL (a ``StoragePath`` opens with its own options).
 
     Returns
     -------
@@ -274,7 +274,7 @@ def load_tensors(path: PathLike) -> dict[str, torch.Tensor]:
     """
     import safetensors.torch
 
-    fs, fs_path = url_to_fs(os.fspath(path))
+    fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, None))  # a StoragePath's own
     if isinstance(fs, LocalFileSystem):
         return safetensors.torch.load_file(fs_path)
     return safetensors.torch.load(fs.cat_file(fs_path))
@@ -322,7 +322,7 @@ def load_metadata(path: PathLike) -> dict[str, str]:
     >>> load_metadata(path)
     {'step': '10'}
     """
-    fs, fs_path = url_to_fs(os.fspath(path))
+    fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, None))
     header = _read_header(fs=fs, fs_path=fs_path, shown=os.fspath(path))
     metadata = header.get("__metadata__") or {}
     return {str(key): str(value) for key, value in metadata.items()}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,13 +21,15 @@ from typing import Any
 import dask
 from distributed import Client
 
-from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._departures import (
     Departure,
     HandOvers,
-    memory_dir,
+    drop_store,
+    in_workers,
+    memory_store,
     on_this_machine,
+    rehold,
 )
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
@@ -159,7 +160,7 @@ class Controller:
             except Exception:  # noqa: BLE001 - a closed client: the scheduler drops them itself
                 logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
             if self.copies is not None:
-                shutil.rmtree(self.copies.config.path, ignore_errors=True)
+                await asyncio.to_thread(drop_store, self.copies)
 
     async def _generations(self, *, resume: bool) -> Outcome:
         if resume and self.checkpoints is not None:
@@ -172,7 +173,7 @@ class Controller:
                                       self.restore.engine_state() if self.restore else None)
             self.engine = engine
             self.log.generations = self.state.generation + 1
-            self._copies(engine)
+            await self._copies(engine)
             try:
                 failure: Failure | Departure | None = await self._start(engine)
                 if failure is None:
@@ -357,26 +358,32 @@ class Controller:
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def _copies(self, engine: Engine) -> None:
+    async def _copies(self, engine: Engine) -> None:
         """Keep copies of the state in memory (:data:`COPY_EVERY_S`) for a job without
         ``checkpoint=`` that could otherwise only restart from its initial parameters: an
         engine the controller pauses for checkpoints whose trainers do not hold the state
-        themselves (async-ps: a server's shard is its only copy), every worker on this machine,
-        where ``/dev/shm`` is memory every process reaches and a worker's death does not take."""
+        themselves (async-ps: a server's shard is its only copy). Where: memory that a
+        worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every worker is
+        on this machine, else two live workers' memory, chosen again at each generation."""
         every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
-        if self.copies is not None or self.checkpoints is not None or every <= 0 or \
-                not engine.schedules_checkpoints or engine.recovers_from_survivors or \
-                not on_this_machine(self.roles.addresses):
+        if self.checkpoints is not None or every <= 0 or not engine.schedules_checkpoints or \
+                engine.recovers_from_survivors:
             return
-        path = memory_dir(f"dask-train-copies-{self.spec.job_id}-")
-        self.copies = Checkpoints(CheckpointConfig(path=path, every_seconds=every, keep=1),
-                                  timeout=self.spec.timeout)
+        if self.copies is None:
+            self.copies = memory_store(
+                f"dask-train-copies-{self.spec.job_id}-", workers=self.roles.addresses,
+                alive=await alive_workers(self.client), timeout=self.spec.timeout,
+                every_seconds=every, keep=1)
+        elif in_workers(self.copies):
+            self.copies = rehold(self.copies, alive=await alive_workers(self.client),
+                                 workers=self.roles.addresses)
 
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
         ckpt, state = self.checkpoints or self.copies, self.state
         if ckpt is None or not engine.schedules_checkpoints:
             return
-        if ckpt is self.copies and not on_this_machine(engine.roles.addresses):
+        if ckpt is self.copies and not in_workers(ckpt) and \
+                not on_this_machine(engine.roles.addresses):
             return  # a worker of another machine joined: it could not write its shard here
         if state.phase is Phase.RUNNING:
             # Not once a stop is decided (in this same pass): the final checkpoint follows.
@@ -386,6 +393,10 @@ class Controller:
                 state.pause_id, state.next_pause_id = state.next_pause_id, state.next_pause_id + 1
                 state.pause_started = now
                 await engine.pause(state.pause_id)
+                if ckpt is self.copies and in_workers(ckpt):
+                    # A holder without a role may have left since the generation began.
+                    self.copies = rehold(ckpt, alive=await alive_workers(self.client),
+                                         workers=engine.roles.addresses)
             return
         if not engine.running():  # nothing left to pause: the final checkpoint covers it
             await self._end_pause(engine)
@@ -526,6 +537,10 @@ class Controller:
         # again what was lost with them.
         survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
+        if in_workers(self.copies):  # read from the holders still alive
+            assert self.copies is not None
+            self.copies = rehold(self.copies, alive=await alive_workers(self.client),
+                                 workers=set(engine.roles.addresses) - lost)
         store = self.checkpoints or self.copies
         newest = survived or (None if store is None else store.load(
             n_params=self.spec.n_params, strategy=self.spec.strategy))

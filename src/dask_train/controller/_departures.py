@@ -27,14 +27,16 @@ it at the next look at the roles.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from distributed import Client
@@ -46,8 +48,11 @@ from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.engines._protocol import Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
+from dask_train.policy._failure import memory_state
 from dask_train.policy._placement import KINDS
 from dask_train.runtime._calls import alive_workers, listens
+from dask_train.runtime._worker_files import PROTOCOL, holders_for, register_protocol, remove
+from dask_train.runtime._worker_files import url as worker_files_url
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +117,52 @@ def memory_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
 
+def memory_store(prefix: str, *, workers: Iterable[str], alive: Iterable[str], timeout: float,
+                 **config: Any) -> Checkpoints | None:
+    """A store for state kept in memory, that no single worker's death takes (where:
+    :data:`~dask_train.policy._failure.MEMORY_STATE`). In the workers' memory, each file is
+    kept by two live workers (:func:`~dask_train.runtime._worker_files.holders_for`: workers
+    without a role first). None: in the workers' memory, with no live worker."""
+    workers = list(workers)
+    if memory_state() == "auto" and on_this_machine(workers):
+        return Checkpoints(CheckpointConfig(path=memory_dir(prefix), **config), timeout=timeout)
+    register_protocol()
+    holders = holders_for(alive, roles=workers)
+    if not holders:
+        return None
+    path = worker_files_url(prefix + uuid.uuid4().hex[:8])
+    return Checkpoints(CheckpointConfig(path=path, storage_options={"holders": holders},
+                                        **config), timeout=timeout)
+
+
+def in_workers(store: Checkpoints | None) -> bool:
+    """Whether ``store`` keeps its files in the workers' memory."""
+    return store is not None and os.fspath(store.config.path).startswith(PROTOCOL + "://")
+
+
+def rehold(store: Checkpoints, *, alive: Iterable[str], workers: Iterable[str]) -> Checkpoints:
+    """``store`` with live holders: those of its holders still ``alive`` first (they keep the
+    files written so far), topped up from the others. A directory store as it is."""
+    if not in_workers(store):
+        return store
+    options = dict(store.config.storage_options or {})
+    holders = holders_for(alive, roles=workers, keep=options.get("holders", ()))
+    if not holders or holders == list(options.get("holders", ())):
+        return store
+    options["holders"] = holders
+    return Checkpoints(replace(store.config, storage_options=options), timeout=store.timeout)
+
+
+def drop_store(store: Checkpoints) -> None:
+    """Remove a store of :func:`memory_store` with every file in it (holders gone are
+    skipped)."""
+    if in_workers(store):
+        with contextlib.suppress(Exception):
+            remove(os.fspath(store.config.path), (store.config.storage_options or {})["holders"])
+    else:
+        shutil.rmtree(store.config.path, ignore_errors=True)
+
+
 def _local_addresses() -> set[str]:
     """Every address of this machine: the host name's, and each network interface's (workers
     often listen on the interface that reaches the scheduler, say eth0's, which is not the
@@ -174,14 +225,25 @@ class HandOvers:
         while listening - engine.leaving() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    def _store(self, engine: Engine, alive: Iterable[str]) -> Checkpoints | None:
-        """Where the hand-over's state goes: the job's store, else a scratch directory."""
+    async def _store(self, engine: Engine, alive: Iterable[str] | None = None
+                     ) -> Checkpoints | None:
+        """Where the hand-over's state goes: the job's store, else one in memory
+        (:func:`memory_store`), its holders among the live workers that stay (``alive``, by
+        default the scheduler's). None: no such worker."""
         if self.checkpoints is not None:
             return self.checkpoints
-        if self._scratch is None and on_this_machine([*engine.roles.addresses, *alive]):
-            path = memory_dir(f"dask-train-hand-over-{self.spec.job_id}-")
-            self._scratch = Checkpoints(CheckpointConfig(path=path, keep=1),
-                                        timeout=self.spec.timeout)
+        if alive is None:
+            alive = await alive_workers(self.client)
+        alive = [a for a in alive if a not in engine.leaving()]
+        workers = [*engine.roles.addresses, *alive]
+        if not alive and not on_this_machine(workers):
+            return None
+        if self._scratch is None:
+            self._scratch = memory_store(f"dask-train-hand-over-{self.spec.job_id}-",
+                                         workers=workers, alive=alive, timeout=self.spec.timeout,
+                                         keep=1)
+        else:
+            self._scratch = rehold(self._scratch, alive=alive, workers=engine.roles.addresses)
         return self._scratch
 
     def _fail(self, engine: Engine, leaving: set[str], why: str) -> None:
@@ -200,11 +262,11 @@ class HandOvers:
         leaving, joined = self.pending(engine), set(joined)
         self.started |= leaving
         noticed = time.monotonic()
-        store = self._store(engine, alive)
+        store = await self._store(engine, alive)
         if store is None:
             if leaving:
                 self._fail(engine, leaving, "this job has no checkpoint= to hand them over "
-                           "through, and its workers are not all on this machine; set "
+                           "through, and no other live worker to keep its state in memory; set "
                            "checkpoint= to a path every worker reaches to hand over without loss")
             elif not self._said_no_store:
                 self._said_no_store = True
@@ -278,7 +340,7 @@ class HandOvers:
         if waiting is None:
             return None
         snapshot = engine.paused(report_id)
-        store = self._store(engine, [])
+        store = await self._store(engine)
         try:
             if snapshot is None or store is None:
                 raise ValueError("the report holds no state")
@@ -327,11 +389,11 @@ class HandOvers:
                 n_params=self.spec.n_params, strategy=self.spec.strategy)
             if snapshot is None or (stored is not None and stored.step >= snapshot.step):
                 return None
-            store = self._store(engine, [])
+            store = await self._store(engine)
             if store is None:
                 logger.info("the surviving ranks hold the state at step %d, but this job has no "
-                            "checkpoint= to regroup through and its workers are not all on "
-                            "this machine", snapshot.step)
+                            "checkpoint= to regroup through and no live worker to keep it in "
+                            "memory", snapshot.step)
                 return None
             # Named for the generation it starts: a checkpoint of this generation's at the same
             # step may be the half-written one of the lost holder.
@@ -378,6 +440,7 @@ class HandOvers:
             "roles": list(departure.roles), "step": departure.restore.step,
             "generation": self.state.generation, "redone": 0,
             "hand_over_s": round(time.monotonic() - departure.noticed_at, 3),
+            "directory": departure.restore.directory,
         }
         kind = "departure" if departure.workers else "arrival"
         (self.log.departures if departure.workers else self.log.arrivals).append(record)
@@ -388,7 +451,7 @@ class HandOvers:
                     _what(set(departure.workers), set(departure.joined)))
 
     def close(self) -> None:
-        """Remove the scratch directory, if one was made."""
+        """Remove the scratch store, if one was made."""
         if self._scratch is not None:
-            shutil.rmtree(self._scratch.config.path, ignore_errors=True)
+            drop_store(self._scratch)
             self._scratch = None

@@ -12,6 +12,40 @@ from dataclasses import dataclass
 from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
 from dask_train.policy._placement import KINDS, SEED_TRAINER
 
+#: Where a job without ``checkpoint=`` keeps the state it may need after a loss or a regroup
+#: (Dask config ``dask-train.memory-state``): ``"auto"``, a directory of this machine's
+#: ``/dev/shm`` when every worker of the job runs on this machine, else the memory of two live
+#: workers; ``"workers"``, always the workers' memory (for workers in containers of one host
+#: that do not share ``/dev/shm``).
+MEMORY_STATE = ("auto", "workers")
+
+
+def memory_state() -> str:
+    """The Dask config ``dask-train.memory-state`` (:data:`MEMORY_STATE`).
+
+    Raises
+    ------
+    InvalidInput
+        For another value, naming it and the choices.
+    """
+    import dask
+
+    value = dask.config.get("dask-train.memory-state", "auto")
+    if value not in MEMORY_STATE:
+        raise InvalidInput([f"dask config dask-train.memory-state={value!r} is invalid: use "
+                            "'auto' (this machine's /dev/shm when every worker is on it, else "
+                            "the workers' memory) or 'workers' (always the workers' memory)."])
+    return str(value)
+
+
+def memory_state_problems() -> list[str]:
+    """What is wrong with ``dask-train.memory-state`` (empty when valid)."""
+    try:
+        memory_state()
+    except InvalidInput as exc:
+        return list(exc.problems)
+    return []
+
 
 class Action(enum.Enum):
     """What the controller does about a lost role."""

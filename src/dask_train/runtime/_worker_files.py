@@ -1,0 +1,314 @@
+"""Files kept in the memory of Dask workers: an fsspec filesystem (``dask-train-workers://``) for
+the state a job keeps in memory when its workers share no directory.
+
+A job without ``checkpoint=`` keeps copies of its state in memory (async-ps shards every few
+seconds, the state a hand-over or a regroup passes on). On one machine that memory is a directory
+of ``/dev/shm`` that every worker reaches and no worker's death takes. Across machines there is no
+such directory; these files live instead in the memory of several workers (the *holders*, given
+as the ``holders`` storage option): each file is written to every holder and read from the first
+that has it, so the loss of any holder but the last leaves every file readable. The checkpoint
+code is unchanged: it writes and reads these paths as it writes a local disk or S3.
+
+A holder keeps its files on its worker object and answers the ``dask_train_files`` RPC handler,
+installed on every worker by dask-train's worker plugin (:mod:`._plugin`). The
+calls go from any thread (a role's task, the controller) over Dask's own comms, with the
+calling worker's or client's security settings, on fsspec's I/O loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+from dask_train.errors import InvalidInput
+
+PROTOCOL = "dask-train-workers"
+_FILES_ATTR = "dask_train_files"
+
+
+def url(name: str) -> str:
+    """The URL of a directory ``name`` of this filesystem."""
+    return f"{PROTOCOL}://{name.strip('/')}"
+
+
+def _files(worker: Any) -> dict[str, bytes]:
+    files = getattr(worker, _FILES_ATTR, None)
+    if files is None:
+        files = {}
+        setattr(worker, _FILES_ATTR, files)
+    return files
+
+
+def _under(path: str, files: Iterable[str]) -> list[str]:
+    return [p for p in files if p == path or p.startswith(path + "/")]
+
+
+def serve(files: dict[str, bytes], action: str, path: str, data: Any = None, to: str = "") -> Any:
+    """One action on a holder's ``files``: ``put``, ``get`` (None when absent), ``list``
+    (path -> size of every file at or under ``path``), ``rm`` and ``mv`` (a file, or every file
+    under a directory, to ``to``)."""
+    if action == "put":
+        files[path] = bytes(data)
+        return None
+    if action == "get":
+        return files.get(path)
+    if action == "list":
+        return {p: len(files[p]) for p in _under(path, files)}
+    if action == "rm":
+        for p in _under(path, files):
+            files.pop(p, None)
+        return None
+    if action == "mv":
+        for p in _under(path, files):
+            files[to + p[len(path):]] = files.pop(p)
+        return None
+    raise ValueError(f"unknown action {action!r}")
+
+
+def make_handler(worker: Any) -> Any:
+    """The worker's ``dask_train_files`` handler: :func:`serve` on its files."""
+    from distributed.protocol import to_serialize
+
+    async def dask_train_files(action: str, path: str, data: Any = None, to: str = "") -> Any:
+        answer = serve(_files(worker), action, path, data, to)
+        return {"answer": to_serialize(answer) if isinstance(answer, bytes) else answer}
+
+    return dask_train_files
+
+
+def register_protocol() -> None:
+    """Let fsspec open ``dask-train-workers://`` URLs in this process (the package's
+    ``fsspec.specs`` entry point does it where dask-train is installed)."""
+    from fsspec.registry import known_implementations, register_implementation
+
+    if PROTOCOL not in known_implementations:
+        register_implementation(PROTOCOL, f"{__name__}.WorkerMemoryFileSystem", clobber=True)
+
+
+def _connection_args() -> dict[str, Any]:
+    """The calling worker's or client's connection settings (TLS on a secured cluster)."""
+    from distributed import get_worker
+
+    try:
+        return dict(get_worker().connection_args)
+    except ValueError:
+        pass
+    from distributed import default_client
+
+    try:
+        return dict(default_client().connection_args)
+    except ValueError:
+        return {}
+
+
+class WorkerMemoryFileSystem(AbstractFileSystem):
+    """Files in the memory of the Dask workers ``holders`` (see the module's docstring).
+
+    Parameters
+    ----------
+    holders : sequence of str
+        The workers' addresses. Each file is written to all of them; a write succeeds when one
+        holder at least took it. A holder that is gone is skipped.
+    timeout : float
+        Seconds a call to one holder may take.
+    """
+
+    protocol = PROTOCOL
+    root_marker = ""
+
+    def __init__(self, holders: Sequence[str] = (), timeout: float = 30.0, **kwargs: Any) -> None:
+        if not holders or isinstance(holders, str):
+            raise InvalidInput([f"{PROTOCOL}:// needs storage_options={{'holders': [...]}}: "
+                                "the addresses of the Dask workers that keep the files."])
+        super().__init__(**kwargs)
+        self.holders = tuple(holders)
+        self.timeout = float(timeout)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        text = str(path)
+        if text.startswith(PROTOCOL + "://"):
+            text = text[len(PROTOCOL) + 3:]
+        return text.rstrip("/")
+
+    # -- calls to the holders -----------------------------------------------------------------
+    def _ask(self, **message: Any) -> list[Any]:
+        """``message`` to every holder at once; each one's answer, or the exception it raised."""
+        from distributed import get_worker
+        from fsspec.asyn import get_loop, sync
+
+        try:
+            here = get_worker()
+        except ValueError:
+            here = None
+        # This worker's own files directly: a call from its event loop (a hand-over's direct
+        # write) to itself would wait on that blocked loop.
+        local = here.address if here is not None and here.address in self.holders else None
+        others = [a for a in self.holders if a != local]
+        answers: dict[str, Any] = {}
+        if local is not None:
+            try:
+                answers[local] = serve(_files(here), **message)
+            except Exception as exc:  # noqa: BLE001 - reported as the holder's answer
+                answers[local] = exc
+        if others:
+            args = _connection_args()
+            sent = dict(message)
+            if "data" in sent:
+                from distributed.protocol import to_serialize
+
+                sent["data"] = to_serialize(sent["data"])
+
+            async def one(address: str) -> Any:
+                from distributed.core import rpc
+
+                from dask_train.runtime._calls import listens
+
+                # distributed retries a refused connection until its timeout: a killed
+                # holder's port refuses at once, so it is looked at first (a dead host: 2 s).
+                if address.startswith(("tcp://", "tls://")) and not await listens(address):
+                    raise OSError(f"{address} does not answer")
+                async with rpc(address, connection_args=args, timeout=self.timeout) as holder:
+                    reply = await asyncio.wait_for(holder.dask_train_files(**sent), self.timeout)
+                # A worker without the handler answers None (Dask logs "No handler").
+                if not isinstance(reply, dict) or "answer" not in reply:
+                    raise OSError(f"{address} keeps no {PROTOCOL} files: dask-train's worker "
+                                  "plugin is not registered there")
+                return reply["answer"]
+
+            async def every() -> list[Any]:
+                return await asyncio.gather(*(one(a) for a in others), return_exceptions=True)
+
+            answers.update(zip(others, sync(get_loop(), every)))
+        return [answers[a] for a in self.holders]
+
+    def _answers(self, what: str, **message: Any) -> list[Any]:
+        """The answers of the holders that answered; OSError when none did."""
+        answers = self._ask(**message)
+        got = [a for a in answers if not isinstance(a, BaseException)]
+        if not got:
+            raise OSError(f"{what}: none of the workers holding {PROTOCOL} files answered "
+                          f"({', '.join(self.holders)}): {answers[0]!r}")
+        return got
+
+    def _listing(self, path: str) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for answer in self._answers(f"listing {path}", action="list", path=path):
+            merged.update(answer)
+        return merged
+
+    # -- the filesystem -----------------------------------------------------------------------
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        self._answers(f"writing {path}", action="put", path=self._strip_protocol(path),
+                      data=bytes(value))
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                 **kwargs: Any) -> bytes:
+        path = self._strip_protocol(path)
+        for answer in self._answers(f"reading {path}", action="get", path=path):
+            if answer is not None:
+                return bytes(answer)[start:end]
+        raise FileNotFoundError(path)
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: Any = None, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        if "r" in mode:
+            return io.BytesIO(self.cat_file(path))
+        if "w" in mode:
+            return _Upload(self, path)
+        raise ValueError(f"{PROTOCOL}:// opens files to read or write whole, not {mode!r}")
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        path = self._strip_protocol(path)
+        listing = self._listing(path)
+        if path in listing:
+            entries = [{"name": path, "size": listing[path], "type": "file"}]
+        else:
+            children: dict[str, dict[str, Any]] = {}
+            prefix = path + "/" if path else ""
+            for name, size in listing.items():
+                first, _, rest = name[len(prefix):].partition("/")
+                child = prefix + first
+                children[child] = ({"name": child, "size": 0, "type": "directory"} if rest
+                                   else {"name": child, "size": size, "type": "file"})
+            if not children and path:
+                raise FileNotFoundError(path)
+            entries = [children[name] for name in sorted(children)]
+        return entries if detail else [e["name"] for e in entries]
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._strip_protocol(path)
+        listing = self._listing(path)
+        if path in listing:
+            return {"name": path, "size": listing[path], "type": "file"}
+        if listing or not path:
+            return {"name": path, "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        pass  # directories are the files' path prefixes
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        pass
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for one in [path] if isinstance(path, str) else path:
+            self._answers(f"removing {one}", action="rm", path=self._strip_protocol(one))
+
+    def rm_file(self, path: str) -> None:
+        self.rm(path)
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None,
+           **kwargs: Any) -> None:
+        self._answers(f"moving {path1}", action="mv", path=self._strip_protocol(path1),
+                      to=self._strip_protocol(path2))
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.pipe_file(path2, self.cat_file(path1))
+
+    def created(self, path: str) -> Any:
+        raise NotImplementedError
+
+    def modified(self, path: str) -> Any:
+        raise NotImplementedError
+
+
+class _Upload(io.BytesIO):
+    """A file opened to write: sent to the holders, whole, when closed."""
+
+    def __init__(self, fs: WorkerMemoryFileSystem, path: str) -> None:
+        super().__init__()
+        self.fs, self.path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self.fs.pipe_file(self.path, data)
+
+
+def holders_for(alive: Iterable[str], roles: Mapping[str, Any] | Iterable[str] = (),
+                keep: Sequence[str] = (), copies: int = 2) -> list[str]:
+    """``copies`` workers of ``alive`` to hold a job's files: those of ``keep`` still alive
+    first (they hold the files written so far), then workers without a role, then the others,
+    in a fixed order."""
+    alive = sorted(set(alive))
+    busy = set(roles)
+    order = ([a for a in keep if a in alive] + [a for a in alive if a not in busy] +
+             [a for a in alive if a in busy])
+    chosen: list[str] = []
+    for address in order:
+        if address not in chosen:
+            chosen.append(address)
+    return chosen[:max(1, copies)]
+
+
+def remove(path: str, holders: Sequence[str]) -> None:
+    """Drop a directory of this filesystem on the holders that still answer."""
+    fs = WorkerMemoryFileSystem(holders=holders, skip_instance_cache=True)
+    fs._ask(action="rm", path=fs._strip_protocol(path))
