@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -134,13 +135,15 @@ def test_resume_goes_on_from_the_checkpoints_epoch_and_rows(client, digits, tmp_
 
 
 class _KillAtFirstScore(dt.Callback):
-    """SIGKILLs the worker process ``pid`` at the job's first score."""
+    """SIGKILLs the worker process ``pid`` at the job's first score (its ``at``-th)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.done = pid, False
+    def __init__(self, pid: int, at: int = 1) -> None:
+        self.pid, self.done, self.scores = pid, False, 0
+        self.at = at
 
     def on_score(self, record):
-        if not self.done:
+        self.scores += 1
+        if not self.done and self.scores >= self.at:
             self.done = True
             os.kill(self.pid, signal.SIGKILL)
 
@@ -165,8 +168,11 @@ def test_a_lost_worker_before_any_checkpoint_starts_again_from_scratch(client, d
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[0]]
 
-    result = dt.run(train, workers=2, epochs=2, client=client,
-                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
+    # No copy in memory either (dask-train.copy-every=0): nothing to go on from.
+    with dask.config.set({"dask-train.copy-every": 0}):
+        result = dt.run(train, workers=2, epochs=2, client=client,
+                        data={"train": (X, y), "val": (Xv, yv)},
+                        callbacks=[_KillAtFirstScore(victim)])
     assert result.generations == 2
     assert all(r["epochs"] == [0, 1] and r["restored"] is None for r in result.returns)
     each_epoch_once(result, len(X), 2)
@@ -188,6 +194,28 @@ def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, 
     assert result.generations == 2
     assert [r["restored"] for r in result.returns] == [0, 0]
     assert all(r["epochs"] == [1, 2] for r in result.returns)
+    each_epoch_once(result, len(X), 3)
+
+
+def test_the_reporting_rank_killed_without_checkpoints_goes_on_from_the_copy(client, digits):
+    # No checkpoint=: rank 0 holds the state each report carries, and a copy of it is kept in
+    # memory (this machine's /dev/shm; two other workers' on a cluster of several machines).
+    # Rank 0's worker is killed at the second report: the job goes on from the copy of the
+    # first report (or of the second, when it was written before the kill), not from scratch.
+    X, y, Xv, yv = digits
+    client.wait_for_workers(2, timeout=60)  # an earlier test's victim is back
+    pids = client.run(os.getpid)
+    victim = pids[sorted(pids)[0]]  # rank 0: ranks are placed in address order
+
+    result = dt.run(train, workers=2, epochs=3, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)},
+                    callbacks=[_KillAtFirstScore(victim, at=2)])
+    [failure] = result.failures
+    assert failure["action"] == "restart" and failure["from"] == "copy", failure
+    assert result.generations == 2 and result.checkpoints == []
+    [restored] = {r["restored"] for r in result.returns}
+    assert restored in (0, 1)
+    assert all(r["epochs"] == list(range(restored + 1, 3)) for r in result.returns)
     each_epoch_once(result, len(X), 3)
 
 

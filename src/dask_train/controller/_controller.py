@@ -359,15 +359,19 @@ class Controller:
 
     # -- checkpoints ------------------------------------------------------------------------------
     async def _copies(self, engine: Engine) -> None:
-        """Keep copies of the state in memory (:data:`COPY_EVERY_S`) for a job without
-        ``checkpoint=`` that could otherwise only restart from its initial parameters: an
-        engine the controller pauses for checkpoints whose trainers do not hold the state
-        themselves (async-ps: a server's shard is its only copy). Where: memory that a
+        """Keep copies of the state in memory for a job without ``checkpoint=`` that could
+        otherwise only restart from its initial parameters: an engine the controller pauses
+        for checkpoints whose trainers do not hold the state themselves (async-ps: a server's
+        shard is its only copy), every :data:`COPY_EVERY_S`; a ``dt.run`` job, each report's
+        checkpoint (its ranks wait at the report while it is written, as with
+        ``checkpoint=``), which otherwise only the reporting rank holds. Where: memory that a
         worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every worker is
         on this machine, else two live workers' memory, chosen again at each generation."""
         every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
-        if self.checkpoints is not None or every <= 0 or not engine.schedules_checkpoints or \
-                engine.recovers_from_survivors:
+        # dt.run: a copy of each report's checkpoint, for the loss of the rank that holds it.
+        reports = not engine.schedules_checkpoints
+        if self.checkpoints is not None or every <= 0 or \
+                not reports and engine.recovers_from_survivors:
             return
         if self.copies is None:
             self.copies = memory_store(
@@ -433,31 +437,55 @@ class Controller:
         report, self.pending_report = self.pending_report, None
         if report is None:
             return None
+        if report.checkpoint and self.hand_overs.awaiting is None and \
+                not await self._write_report(engine, report) and self.hand_overs.pending(engine):
+            # A rank's worker gave notice while the report was written: hand over from this
+            # report, which the ranks still hold (by the next one the worker may be gone).
+            await self.hand_overs.hand_over(engine, await alive_workers(self.client),
+                                            manifest=self._manifest)
         if report.checkpoint and self.hand_overs.awaiting is not None:
             departure = await self.hand_overs.at_report(engine, report.id,
                                                         manifest=self._manifest)
             if departure is not None:
                 return departure
-        if report.checkpoint:
-            await self._write_report(engine, report)
         await engine.resume(report.id)
         return None
 
-    async def _write_report(self, engine: Engine, report: ReportReady) -> None:
-        """Write the checkpoint the ranks reported (they wait, paused, until it is written)."""
-        snapshot = engine.paused(report.id)
-        if self.checkpoints is None or snapshot is None:
-            return
+    async def _write_report(self, engine: Engine, report: ReportReady) -> bool:
+        """Write the checkpoint the ranks reported (they wait, paused, until it is written),
+        to ``checkpoint=``'s store, else as the job's copy in memory. False: not written
+        because a rank's worker left or is leaving."""
+        snapshot, store = engine.paused(report.id), self.checkpoints or self.copies
+        if store is None or snapshot is None:
+            return True
+        if store is self.copies:
+            alive = await alive_workers(self.client)
+            gone = set(engine.roles.addresses) - set(alive)
+            if gone:
+                # Leaving or lost: the job regroups, and a copy written through the
+                # scheduler would wait for that worker. A leaving one's notice may follow.
+                await self.hand_overs.wait_for_notices(engine, gone)
+                return False
+            if in_workers(store):
+                self.copies = store = rehold(store, alive=alive, workers=engine.roles.addresses)
         try:
-            info = await self.checkpoints.write(
+            info = await store.write(
                 engine, self.state, self._manifest(snapshot.ledger, snapshot.rng),
                 step=snapshot.step, generation=self.state.generation, pause_s=0.0)
         except WorkerLost as exc:
             # The next look at the roles acts on the loss, from the checkpoint before.
             logger.warning("checkpoint at step %d abandoned: %s", snapshot.step, exc)
-            return
-        if info is not None:
+            return False
+        except Exception as exc:  # noqa: BLE001 - a copy is a spare: the job goes on without
+            if store is self.checkpoints:
+                raise
+            logger.info("the copy of the report at step %d was not kept (%s: %s)",
+                        snapshot.step, type(exc).__name__, exc)
+            return True
+        if info is not None and store is self.checkpoints:
             self.log.checkpoints.append(info)
+        self.copied = self.copied or info is not None and store is self.copies
+        return True
 
     async def _end_pause(self, engine: Engine) -> None:
         if self.state.phase is Phase.CHECKPOINTING:

@@ -138,23 +138,20 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
     # -- calls to the holders -----------------------------------------------------------------
     def _ask(self, **message: Any) -> list[Any]:
         """``message`` to every holder at once; each one's answer, or the exception it raised."""
-        from distributed import get_worker
+        from distributed import Worker
         from fsspec.asyn import get_loop, sync
 
-        try:
-            here = get_worker()
-        except ValueError:
-            here = None
-        # This worker's own files directly: a call from its event loop (a hand-over's direct
-        # write) to itself would wait on that blocked loop.
-        local = here.address if here is not None and here.address in self.holders else None
-        others = [a for a in self.holders if a != local]
+        # The files of a holder in this process directly: a call from its event loop (a
+        # hand-over's direct write; the controller beside an in-process cluster, whose workers
+        # share the client's loop) would wait on that blocked loop.
+        here = {w.address: w for w in list(Worker._instances) if w.address in self.holders}
+        others = [a for a in self.holders if a not in here]
         answers: dict[str, Any] = {}
-        if local is not None:
+        for address, worker in here.items():
             try:
-                answers[local] = serve(_files(here), **message)
+                answers[address] = serve(_files(worker), **message)
             except Exception as exc:  # noqa: BLE001 - reported as the holder's answer
-                answers[local] = exc
+                answers[address] = exc
         if others:
             args = _connection_args()
             sent = dict(message)
