@@ -27,6 +27,12 @@ from fsspec import AbstractFileSystem
 from dask_train.errors import InvalidInput
 
 PROTOCOL = "dask-train-workers"
+
+#: Seconds a connection to a holder may take (distributed retries a refused one until then).
+CONNECT_S = 5.0
+
+#: Holders of this process's calls that failed: looked at before they are called again.
+_SUSPECTS: set[str] = set()
 _FILES_ATTR = "dask_train_files"
 
 
@@ -165,12 +171,22 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
 
                 from dask_train.runtime._calls import listens
 
-                # distributed retries a refused connection until its timeout: a killed
-                # holder's port refuses at once, so it is looked at first (a dead host: 2 s).
-                if address.startswith(("tcp://", "tls://")) and not await listens(address):
+                # distributed retries a refused connection until its timeout. A holder that
+                # failed once is looked at first (a killed one's port refuses at once, a dead
+                # host's takes 2 s); not every holder every time: each look is a connection
+                # that the worker logs as "closed before handshake completed".
+                if address in _SUSPECTS and address.startswith(("tcp://", "tls://")) and \
+                        not await listens(address):
                     raise OSError(f"{address} does not answer")
-                async with rpc(address, connection_args=args, timeout=self.timeout) as holder:
-                    reply = await asyncio.wait_for(holder.dask_train_files(**sent), self.timeout)
+                try:
+                    async with rpc(address, connection_args=args,
+                                   timeout=min(self.timeout, CONNECT_S)) as holder:
+                        reply = await asyncio.wait_for(holder.dask_train_files(**sent),
+                                                       self.timeout)
+                except (OSError, asyncio.TimeoutError):
+                    _SUSPECTS.add(address)
+                    raise
+                _SUSPECTS.discard(address)
                 # A worker without the handler answers None (Dask logs "No handler").
                 if not isinstance(reply, dict) or "answer" not in reply:
                     raise OSError(f"{address} keeps no {PROTOCOL} files: dask-train's worker "
