@@ -27,13 +27,13 @@ from fsspec import AbstractFileSystem
 from dask_train.errors import InvalidInput
 
 PROTOCOL = "dask-train-workers"
+_FILES_ATTR = "dask_train_files"  # where a holder's worker object keeps its files
 
 #: Seconds a connection to a holder may take (distributed retries a refused one until then).
 CONNECT_S = 5.0
 
 #: Holders of this process's calls that failed: looked at before they are called again.
 _SUSPECTS: set[str] = set()
-_FILES_ATTR = "dask_train_files"
 
 
 def url(name: str) -> str:
@@ -142,16 +142,18 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
         return text.rstrip("/")
 
     # -- calls to the holders -----------------------------------------------------------------
-    def _ask(self, **message: Any) -> list[Any]:
-        """``message`` to every holder at once; each one's answer, or the exception it raised."""
+    def _ask(self, holders: Sequence[str] | None = None, **message: Any) -> list[Any]:
+        """``message`` to every holder (of ``holders``, by default all) at once; each one's
+        answer, or the exception it raised."""
         from distributed import Worker
         from fsspec.asyn import get_loop, sync
 
+        holders = self.holders if holders is None else tuple(holders)
         # The files of a holder in this process directly: a call from its event loop (a
         # hand-over's direct write; the controller beside an in-process cluster, whose workers
         # share the client's loop) would wait on that blocked loop.
-        here = {w.address: w for w in list(Worker._instances) if w.address in self.holders}
-        others = [a for a in self.holders if a not in here]
+        here = {w.address: w for w in list(Worker._instances) if w.address in holders}
+        others = [a for a in holders if a not in here]
         answers: dict[str, Any] = {}
         for address, worker in here.items():
             try:
@@ -197,7 +199,7 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
                 return await asyncio.gather(*(one(a) for a in others), return_exceptions=True)
 
             answers.update(zip(others, sync(get_loop(), every)))
-        return [answers[a] for a in self.holders]
+        return [answers[a] for a in holders]
 
     def _answers(self, what: str, **message: Any) -> list[Any]:
         """The answers of the holders that answered; OSError when none did."""
@@ -222,9 +224,17 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
     def cat_file(self, path: str, start: int | None = None, end: int | None = None,
                  **kwargs: Any) -> bytes:
         path = self._strip_protocol(path)
-        for answer in self._answers(f"reading {path}", action="get", path=path):
-            if answer is not None:
+        # One holder after the other: a file is read once, not from every holder.
+        failures = []
+        for address in self.holders:
+            [answer] = self._ask([address], action="get", path=path)
+            if isinstance(answer, BaseException):
+                failures.append(answer)
+            elif answer is not None:
                 return bytes(answer)[start:end]
+        if len(failures) == len(self.holders):
+            raise OSError(f"reading {path}: none of the workers holding {PROTOCOL} files "
+                          f"answered ({', '.join(self.holders)}): {failures[0]!r}")
         raise FileNotFoundError(path)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
