@@ -55,10 +55,8 @@ demo: $(VENV)/.setup
 # suite in 604 s against 790 s. More would overload the 2-core CI machine the tests' bounds are
 # sized for: set PYTEST_WORKERS=1 to run them one at a time.
 PYTEST_WORKERS ?= 2
-# Each module to one process (--dist loadscope): a module's own cluster (a module-scoped fixture)
-# then starts once, not once in each process that runs some of its tests.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=30
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
 bench: $(VENV)/.setup
 	$(PY) benchmarks/throughput.py
