@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import dask
 import numpy as np
 import pytest
 import torch
@@ -168,11 +167,8 @@ def test_a_lost_worker_before_any_checkpoint_starts_again_from_scratch(client, d
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[0]]
 
-    # No copy in memory either (dask-train.copy-every=0): nothing to go on from.
-    with dask.config.set({"dask-train.copy-every": 0}):
-        result = dt.run(train, workers=2, epochs=2, client=client,
-                        data={"train": (X, y), "val": (Xv, yv)},
-                        callbacks=[_KillAtFirstScore(victim)])
+    result = dt.run(train, workers=2, epochs=2, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
     assert result.generations == 2
     assert all(r["epochs"] == [0, 1] and r["restored"] is None for r in result.returns)
     each_epoch_once(result, len(X), 2)
@@ -194,28 +190,6 @@ def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, 
     assert result.generations == 2
     assert [r["restored"] for r in result.returns] == [0, 0]
     assert all(r["epochs"] == [1, 2] for r in result.returns)
-    each_epoch_once(result, len(X), 3)
-
-
-def test_the_reporting_rank_killed_without_checkpoints_goes_on_from_the_copy(client, digits):
-    # No checkpoint=: rank 0 holds the state each report carries, and a copy of it is kept in
-    # memory (this machine's /dev/shm; two other workers' on a cluster of several machines).
-    # Rank 0's worker is killed at the second report: the job goes on from the copy of the
-    # first report (or of the second, when it was written before the kill), not from scratch.
-    X, y, Xv, yv = digits
-    client.wait_for_workers(2, timeout=60)  # an earlier test's victim is back
-    pids = client.run(os.getpid)
-    victim = pids[sorted(pids)[0]]  # rank 0: ranks are placed in address order
-
-    result = dt.run(train, workers=2, epochs=3, client=client,
-                    data={"train": (X, y), "val": (Xv, yv)},
-                    callbacks=[_KillAtFirstScore(victim, at=2)])
-    [failure] = result.failures
-    assert failure["action"] == "restart" and failure["from"] == "copy", failure
-    assert result.generations == 2 and result.checkpoints == []
-    [restored] = {r["restored"] for r in result.returns}
-    assert restored in (0, 1)
-    assert all(r["epochs"] == list(range(restored + 1, 3)) for r in result.returns)
     each_epoch_once(result, len(X), 3)
 
 

@@ -103,6 +103,29 @@ def test_a_holder_killed_leaves_the_files_readable_from_the_other(client3: Clien
     client3.wait_for_workers(3, timeout=60)  # the nanny restarts the killed one
 
 
+async def _block_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # on the worker's event loop: nothing else of it runs meanwhile
+
+
+def test_a_holder_that_does_not_answer_does_not_hold_up_a_write(client3: Client) -> None:
+    # One holder's event loop is blocked (a worker busy on its loop, or hung): the write stands
+    # on the other holder within GRACE_S of its answer, not after the call's whole timeout.
+    from dask_train.runtime._worker_files import GRACE_S
+
+    workers = sorted(live_workers(client3))
+    stuck, fine = workers[0], workers[1]
+    fs, root = url_to_fs(url("job-d"), holders=[stuck, fine], skip_instance_cache=True)
+    client3.run(_block_the_loop, GRACE_S + 6, workers=[stuck], wait=False)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    fs.pipe_file(f"{root}/state.bin", b"y" * 100)
+    took = time.monotonic() - t0
+    assert took < GRACE_S + 2.5, took
+    assert fs.cat_file(f"{root}/state.bin") == b"y" * 100
+    assert _held(client3)[fine] == ["job-d/state.bin"]
+    fs.rm(root, recursive=True)
+
+
 def test_holders_are_the_kept_ones_then_workers_without_a_role() -> None:
     alive = ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://d:1"]
     assert holders_for(alive, roles=["tcp://a:1", "tcp://b:1"]) == ["tcp://c:1", "tcp://d:1"]

@@ -362,16 +362,15 @@ class Controller:
         """Keep copies of the state in memory for a job without ``checkpoint=`` that could
         otherwise only restart from its initial parameters: an engine the controller pauses
         for checkpoints whose trainers do not hold the state themselves (async-ps: a server's
-        shard is its only copy), every :data:`COPY_EVERY_S`; a ``dt.run`` job, each report's
-        checkpoint (its ranks wait at the report while it is written, as with
-        ``checkpoint=``), which otherwise only the reporting rank holds. Where: memory that a
+        shard is its only copy), every :data:`COPY_EVERY_S`. Where: memory that a
         worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every worker is
         on this machine, else two live workers' memory, chosen again at each generation."""
         every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
-        # dt.run: a copy of each report's checkpoint, for the loss of the rank that holds it.
-        reports = not engine.schedules_checkpoints
-        if self.checkpoints is not None or every <= 0 or \
-                not reports and engine.recovers_from_survivors:
+        # Not a dt.run job's reports: a copy written at a report delayed its ranks there, and a
+        # rank's worker retiring meanwhile was gone before the hand-over at the next report
+        # (LocalCluster kills a closing worker after 4 s); the reporting rank holds the state.
+        if self.checkpoints is not None or every <= 0 or not engine.schedules_checkpoints or \
+                engine.recovers_from_survivors:
             return
         if self.copies is None:
             self.copies = memory_store(

@@ -32,6 +32,9 @@ _FILES_ATTR = "dask_train_files"  # where a holder's worker object keeps its fil
 #: Seconds a connection to a holder may take (distributed retries a refused one until then).
 CONNECT_S = 5.0
 
+#: Seconds the other holders get once one has answered (a hung one does not hold up a write).
+GRACE_S = 5.0
+
 #: Holders of this process's calls that failed: looked at before they are called again.
 _SUSPECTS: set[str] = set()
 
@@ -196,7 +199,24 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
                 return reply["answer"]
 
             async def every() -> list[Any]:
-                return await asyncio.gather(*(one(a) for a in others), return_exceptions=True)
+                # Every holder's answer, but not a hung one's for long: once one holder has
+                # answered, the others get GRACE_S more (a write then stands on the holders
+                # that took it, and a read goes to the next holder).
+                tasks = [asyncio.ensure_future(one(a)) for a in others]
+                pending = set(tasks)
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    if any(not t.cancelled() and t.exception() is None for t in done):
+                        if pending:
+                            _, pending = await asyncio.wait(pending, timeout=GRACE_S)
+                        break
+                late = [others[i] for i, t in enumerate(tasks) if t in pending]
+                for task in pending:
+                    task.cancel()
+                _SUSPECTS.update(late)
+                return [OSError(f"{a} did not answer within {GRACE_S:g} s of the others")
+                        if t in pending else t.exception() or t.result()
+                        for a, t in zip(others, tasks)]
 
             answers.update(zip(others, sync(get_loop(), every)))
         return [answers[a] for a in holders]
