@@ -451,39 +451,21 @@ class Controller:
         return None
 
     async def _write_report(self, engine: Engine, report: ReportReady) -> bool:
-        """Write the checkpoint the ranks reported (they wait, paused, until it is written),
-        to ``checkpoint=``'s store, else as the job's copy in memory. False: not written
-        because a rank's worker left or is leaving."""
-        snapshot, store = engine.paused(report.id), self.checkpoints or self.copies
-        if store is None or snapshot is None:
+        """Write the checkpoint the ranks reported to ``checkpoint=``'s store (they wait,
+        paused, until it is written). False: not written because a rank's worker left."""
+        snapshot = engine.paused(report.id)
+        if self.checkpoints is None or snapshot is None:
             return True
-        if store is self.copies:
-            alive = await alive_workers(self.client)
-            gone = set(engine.roles.addresses) - set(alive)
-            if gone:
-                # Leaving or lost: the job regroups, and a copy written through the
-                # scheduler would wait for that worker. A leaving one's notice may follow.
-                await self.hand_overs.wait_for_notices(engine, gone)
-                return False
-            if in_workers(store):
-                self.copies = store = rehold(store, alive=alive, workers=engine.roles.addresses)
         try:
-            info = await store.write(
+            info = await self.checkpoints.write(
                 engine, self.state, self._manifest(snapshot.ledger, snapshot.rng),
                 step=snapshot.step, generation=self.state.generation, pause_s=0.0)
         except WorkerLost as exc:
             # The next look at the roles acts on the loss, from the checkpoint before.
             logger.warning("checkpoint at step %d abandoned: %s", snapshot.step, exc)
             return False
-        except Exception as exc:  # noqa: BLE001 - a copy is a spare: the job goes on without
-            if store is self.checkpoints:
-                raise
-            logger.info("the copy of the report at step %d was not kept (%s: %s)",
-                        snapshot.step, type(exc).__name__, exc)
-            return True
-        if info is not None and store is self.checkpoints:
+        if info is not None:
             self.log.checkpoints.append(info)
-        self.copied = self.copied or info is not None and store is self.copies
         return True
 
     async def _end_pause(self, engine: Engine) -> None:

@@ -27,7 +27,6 @@ from typing import Any
 
 from distributed import Worker, WorkerPlugin, get_worker
 
-from dask_train.runtime import _worker_files
 from dask_train.runtime._compat import fix_keras_serialization, pause_profiler
 
 logger = logging.getLogger(__name__)
@@ -492,7 +491,6 @@ class DaskTrainPlugin(WorkerPlugin):
             threading.Thread(target=_preload, args=(self.preload,), daemon=True,
                              name="dask-train-preload").start()
         _quiet_closing_heartbeat(worker)
-        _worker_files.register_protocol()  # state kept in workers' memory, without entry points
         state = worker_state(worker)
         state.torch_threads = self.torch_threads or state.torch_threads
         configure_tensorflow(int(state.torch_threads or worker.state.nthreads))

@@ -90,8 +90,8 @@ def make_handler(worker: Any) -> Any:
 
 
 def register_protocol() -> None:
-    """Let fsspec open ``dask-train-workers://`` URLs in this process (the package's
-    ``fsspec.specs`` entry point does it where dask-train is installed)."""
+    """Let fsspec open ``dask-train-workers://`` URLs in this process. Where dask-train is
+    installed (every worker of a job), the package's ``fsspec.specs`` entry point does it."""
     from fsspec.registry import known_implementations, register_implementation
 
     if PROTOCOL not in known_implementations:
