@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import msgpack
+import numpy as np
 import pytest
 
 from dask_train.engines._events import (
@@ -61,7 +62,7 @@ def test_a_bad_message_is_refused_at_once() -> None:
 
 
 def test_the_score_keeper_names_nonfinite_scores_and_keeps_the_last_snapshots() -> None:
-    keeper = ScoreKeeper(keep=2)
+    keeper = ScoreKeeper(keep=2, window_s=0.0)
     first = keeper.record(step=1, samples=10, scores={"loss": math.inf, "accuracy": 0.5},
                           snapshot="p1")
     assert first.nonfinite == ["loss"] and first.metrics["accuracy"] == 0.5
@@ -69,3 +70,17 @@ def test_the_score_keeper_names_nonfinite_scores_and_keeps_the_last_snapshots() 
         keeper.record(step=step, samples=10 * step, scores={"loss": 1.0}, snapshot=f"p{step}")
     assert 1 not in keeper and keeper.get(1) is None
     assert keeper.get(3) == "p3" and keeper.get(None) is None
+
+
+def test_the_score_keeper_keeps_recent_snapshots_for_a_controller_that_lags() -> None:
+    # A loaded machine's controller may hear of a score after several newer ones: a snapshot
+    # stays for window_s seconds beyond the newest `keep`, within extra_bytes.
+    params = np.zeros(100, dtype=np.float32)  # 400 bytes
+    keeper = ScoreKeeper(keep=2, window_s=10.0, extra_bytes=1000)
+    for step in range(1, 6):  # one score a second
+        keeper.keep_snapshot(step, (None, params.copy(), None), now=float(step))
+    # 4 and 5 are the newest; 3 and 2 (800 bytes) fit in the window and the bytes; 1 does not fit.
+    assert sorted(keeper.snapshots) == [2, 3, 4, 5]
+    keeper.keep_snapshot(6, (None, params.copy(), None), now=13.5)
+    # At 13.5 s, 3 (taken at 3 s) is older than the window; 4 is kept beyond the newest two.
+    assert sorted(keeper.snapshots) == [4, 5, 6]

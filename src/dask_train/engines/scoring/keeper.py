@@ -1,9 +1,12 @@
 """The score keeper the scorer role and the array engine share: a score's record, and the last few
 scored parameter snapshots; and the scorer's schedule, which keeps it within its CPU budget.
 
-Scores reach the controller within milliseconds, so the one that stops a job is among the last
-few taken: keeping :data:`SNAPSHOTS` of them lets the result hold the parameters that earned the
-stopping score, not those of a few asynchronous steps later.
+A score reaches the controller within milliseconds on an idle machine, but seconds later on a
+loaded one (a Keras job on a busy CI machine stopped on a score that four newer ones had pushed
+out, and its result held parameters four scores later, below the bar). So the keeper holds the
+newest :data:`SNAPSHOTS` snapshots, and besides them every snapshot taken in the last
+:data:`WINDOW_S` seconds, as long as those extra ones stay within :data:`EXTRA_BYTES`: the result
+holds the parameters that earned the stopping score, not those of a few asynchronous steps later.
 
 The scorer shares the cores with the trainers, so it must not take more than its share of them:
 :class:`ScoreSchedule` scores every ``score_every`` seconds, and skips a score that would lift
@@ -29,8 +32,13 @@ from typing import Any
 
 from dask_train.engines._events import Score
 
-#: Scored snapshots kept (the newest).
+#: Scored snapshots always kept (the newest).
 SNAPSHOTS = 4
+#: Older snapshots are kept this long too: the controller's lag behind the scorer on a loaded
+#: machine (seconds), with room to spare.
+WINDOW_S = 30.0
+#: At most this many bytes of snapshots are kept beyond the newest :data:`SNAPSHOTS`.
+EXTRA_BYTES = 256 * 2**20
 
 
 def score_event(*, step: int, samples: int, scores: Mapping[str, float],
@@ -42,11 +50,14 @@ def score_event(*, step: int, samples: int, scores: Mapping[str, float],
 
 
 class ScoreKeeper:
-    """Builds score events and keeps the parameters of the last :data:`SNAPSHOTS` scored steps."""
+    """Builds score events and keeps the parameters of recent scored steps: the newest ``keep``,
+    and older ones taken within ``window_s`` seconds while they fit in ``extra_bytes``."""
 
-    def __init__(self, keep: int = SNAPSHOTS) -> None:
-        self.keep = keep
+    def __init__(self, keep: int = SNAPSHOTS, *, window_s: float = WINDOW_S,
+                 extra_bytes: int = EXTRA_BYTES) -> None:
+        self.keep, self.window_s, self.extra_bytes = keep, float(window_s), int(extra_bytes)
         self.snapshots: dict[int, Any] = {}
+        self._taken: dict[int, tuple[float, int]] = {}  # step -> (monotonic time, bytes)
 
     def __contains__(self, step: int) -> bool:
         return step in self.snapshots
@@ -57,15 +68,32 @@ class ScoreKeeper:
         self.keep_snapshot(step, snapshot)
         return score_event(step=step, samples=samples, scores=scores)
 
-    def keep_snapshot(self, step: int, snapshot: Any) -> None:
-        """Keep ``snapshot`` as the parameters of ``step``, dropping the oldest beyond ``keep``."""
+    def keep_snapshot(self, step: int, snapshot: Any, *, now: float | None = None) -> None:
+        """Keep ``snapshot`` as the parameters of ``step``; drop those no longer kept."""
+        now = time.monotonic() if now is None else now
         self.snapshots[int(step)] = snapshot
-        for old in sorted(self.snapshots)[:-self.keep]:
-            del self.snapshots[old]
+        self._taken[int(step)] = (now, _nbytes(snapshot))
+        steps = sorted(self.snapshots)
+        extra = 0
+        for old in reversed(steps[:-self.keep] if self.keep else steps):
+            taken, size = self._taken[old]
+            if now - taken > self.window_s or extra + size > self.extra_bytes:
+                del self.snapshots[old], self._taken[old]
+            else:
+                extra += size
 
     def get(self, step: int | None) -> Any:
         """The snapshot kept for ``step``, or None."""
         return None if step is None else self.snapshots.get(int(step))
+
+
+def _nbytes(snapshot: Any) -> int:
+    """The bytes of the arrays in ``snapshot`` (an array, or a tuple, list or dict of them)."""
+    if isinstance(snapshot, (tuple, list)):
+        return sum(_nbytes(part) for part in snapshot)
+    if isinstance(snapshot, dict):
+        return sum(_nbytes(part) for part in snapshot.values())
+    return int(getattr(snapshot, "nbytes", 0) or 0)
 
 
 class ScoreSchedule:

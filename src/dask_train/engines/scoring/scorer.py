@@ -15,6 +15,7 @@ not counted.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,8 @@ from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.engines.scoring.keeper import ScoreKeeper, ScoreSchedule, score_event
 from dask_train.engines.scoring.spread_eval import SpreadValidation
 from dask_train.runtime._plugin import worker_state
+
+logger = logging.getLogger(__name__)
 
 
 @role_task
@@ -94,6 +97,10 @@ def run_scorer(
     if state.dropped:  # no final score: the generation was closed, its parameters freed
         return {"record": None, "params": None, "buffers": None, **where()}
     kept = keeper.get(state.scorer_keep)
+    if kept is None and state.scorer_keep is not None:
+        logger.warning("the parameters scored at step %d are no longer kept (kept: steps %s); "
+                       "the result holds the final parameters", state.scorer_keep,
+                       sorted(keeper.snapshots))
     if kept is not None:
         record, params, buffers = kept
         return {"record": record, "params": params, "buffers": buffers, **where()}
