@@ -101,9 +101,13 @@ def test_two_heads_train_on_a_dict_of_targets(client: Client, data: tuple, strat
                         # one push at a time: staleness that load cannot grow
                         prefetch=strategy == "sync").fit(X, yd, validation=validation)
     acc, mae = _scores(result.model, xv, yv)
-    assert acc >= ref_acc - (0.1 if strategy == "async-ps" else 0.05), (acc, ref_acc)
+    # Twelve async-ps runs here, idle and under load, ended at MAE 0.198-0.242 (references
+    # 0.202-0.231); CI saw 0.405 and 0.60 once each, cause unknown: say what the run did.
+    run = (f"failures={result.failures} departures={result.departures} steps={result.steps} "
+           f"trainers={[(t['trainer'], t['steps']) for t in result.trainers]}")
+    assert acc >= ref_acc - (0.1 if strategy == "async-ps" else 0.05), (acc, ref_acc, run)
     # An untrained value head is off by about 1.8; async staleness adds to the final noise.
-    assert mae <= ref_mae * (1.75 if strategy == "async-ps" else 1.25), (mae, ref_mae)
+    assert mae <= ref_mae * (1.75 if strategy == "async-ps" else 1.25), (mae, ref_mae, run)
     last = result.history.iloc[-1]
     assert last["acc"] == pytest.approx(acc, abs=1e-6)
     assert last["mae"] == pytest.approx(mae, rel=1e-4)

@@ -134,8 +134,27 @@ def _dask_worker(address: str, log: Any) -> subprocess.Popen[bytes]:
     """A ``dask worker`` process without a nanny, as a batch job starts one: killed, it is
     gone for good."""
     dask = str(Path(sys.executable).parent / "dask")
+    # faulthandler: a worker that does not exit is sent SIGABRT and prints its threads' stacks.
     return subprocess.Popen([dask, "worker", address, "--no-nanny", "--nthreads", "1",
-                             "--host", "127.0.0.1", "--no-dashboard"], stdout=log, stderr=log)
+                             "--host", "127.0.0.1", "--no-dashboard"], stdout=log, stderr=log,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def _terminate(workers: list[subprocess.Popen[bytes]], log: Path) -> None:
+    """SIGTERM each worker and wait for it; one still running after 30 s fails the test with
+    its threads' stacks (a fresh-clone run once saw such a worker, cause not found)."""
+    for process in workers:
+        process.terminate()
+    stuck = []
+    for process in workers:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            process.wait(10)
+            stuck.append(process.pid)
+    assert not stuck, f"workers {stuck} did not exit 30 s after SIGTERM:\n" + \
+        log.read_text()[-20_000:]
 
 
 class _KillAllThenStart(dt.Callback):
@@ -177,9 +196,8 @@ def test_a_job_whose_every_worker_is_killed_at_once_waits_for_new_ones(tmp_path:
                               failure=dt.FailureConfig(max_failures=5),
                               callbacks=[kill]).fit(X, Y, validation=validation)
         finally:
-            for process in workers:
-                process.terminate()
-                process.wait(30)
+            log.flush()
+            _terminate(workers, tmp_path / "workers.log")
     assert kill.done and result.generations >= 2
     assert "restart" in {f["action"] for f in result.failures}, result.failures
     assert not set(result.roles.addresses) & old  # it went on on the new workers
