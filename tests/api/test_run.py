@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -22,8 +23,9 @@ def make_net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def train(ctx, lr=3e-3, epochs=None, batch_size=64, fail_rank=None, hold_s=0.0):
-    """A loop as a user writes it: DDP, AdamW, a checkpoint and the held-out accuracy each epoch."""
+def train(ctx, lr=3e-3, epochs=None, batch_size=64, fail_rank=None, hold_s=0.0, state_on=None):
+    """A loop as a user writes it: DDP, AdamW, a checkpoint and the held-out accuracy each epoch
+    (the state passed on every rank, or only on rank ``state_on``)."""
     model = ctx.prepare(make_net())
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     state = ctx.restore()
@@ -47,7 +49,7 @@ def train(ctx, lr=3e-3, epochs=None, batch_size=64, fail_rank=None, hold_s=0.0):
         epochs_run.append(epoch)
         ctx.report({"loss": loss.item(), "accuracy": accuracy, "rows": batches},
                    checkpoint={"model": model.module.state_dict(), "opt": opt.state_dict(),
-                               "epoch": epoch})
+                               "epoch": epoch} if state_on in (None, ctx.rank) else None)
         if ctx.should_stop():
             break
     return {"rank": ctx.rank, "epochs": epochs_run, "batches": batches,
@@ -162,16 +164,57 @@ def test_a_lost_worker_restarts_every_rank_from_the_newest_checkpoint(client, di
     each_epoch_once(result, len(X), 3)
 
 
-def test_a_lost_worker_before_any_checkpoint_starts_again_from_scratch(client, digits):
+def test_a_lost_worker_that_held_the_only_state_starts_again_from_scratch(client, digits):
+    # No checkpoint=, and only rank 0 passes its state to ctx.report: killed at the first
+    # report's score, before the ranks went on and its copy was written, it takes the only
+    # state there is with it.
     X, y, Xv, yv = digits
     pids = client.run(os.getpid)
     victim = pids[sorted(pids)[0]]
 
-    result = dt.run(train, workers=2, epochs=2, client=client,
+    result = dt.run(train, workers=2, epochs=2, client=client, config={"state_on": 0},
                     data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
     assert result.generations == 2
     assert all(r["epochs"] == [0, 1] and r["restored"] is None for r in result.returns)
     each_epoch_once(result, len(X), 2)
+
+
+@pytest.mark.parametrize("memory", ["auto", "workers"])
+def test_a_killed_rank_that_alone_held_the_state_goes_on_from_its_copy(client, digits, memory):
+    # No checkpoint=, only rank 0 passes its state: after each report, while the ranks go on,
+    # the job copies it to memory a worker's death does not take (/dev/shm here, or two other
+    # workers' memory as on a cluster of several machines). Rank 0 killed at the third report:
+    # the job goes on from the newest copy (the first or second report's), not from scratch.
+    X, y, Xv, yv = digits
+    pids = client.run(os.getpid)
+    victim = pids[sorted(pids)[0]]
+
+    with dask.config.set({"dask-train.memory-state": memory}):
+        result = dt.run(train, workers=2, epochs=4, client=client, config={"state_on": 0},
+                        data={"train": (X, y), "val": (Xv, yv)},
+                        callbacks=[_KillAtFirstScore(victim, at=3)])
+    [failure] = result.failures
+    assert failure["action"] == "restart" and failure["from"] == "copy", failure
+    [restored] = {r["restored"] for r in result.returns}
+    assert restored in (0, 1)
+    assert all(r["epochs"] == list(range(restored + 1, 4)) for r in result.returns)
+    each_epoch_once(result, len(X), 4)
+
+
+def test_a_killed_rank_0_goes_on_from_the_state_another_rank_reported(client, digits):
+    # No checkpoint=, every rank passes the same state (as DDP's ranks hold it): rank 0, the
+    # one that writes it, is killed after the first report; rank 1's copy is written instead.
+    X, y, Xv, yv = digits
+    pids = client.run(os.getpid)
+    victim = pids[sorted(pids)[0]]
+
+    result = dt.run(train, workers=2, epochs=3, client=client,
+                    data={"train": (X, y), "val": (Xv, yv)}, callbacks=[_KillAtFirstScore(victim)])
+    [failure] = result.failures
+    assert failure["action"] == "restart" and failure["from"] == "survivors", failure
+    assert [r["restored"] for r in result.returns] == [0, 0]
+    assert all(r["epochs"] == [1, 2] for r in result.returns)
+    each_epoch_once(result, len(X), 3)
 
 
 def test_a_rank_killed_without_checkpoints_goes_on_from_the_last_report(client, digits):

@@ -81,9 +81,12 @@ class Checkpoints:
                 "s; check the workers' logs, or raise timeout=")
 
     async def write(self, engine: Engine, state: JobState, manifest: dict[str, Any], *, step: int,
-                    generation: int, pause_s: float) -> dict[str, Any] | None:
+                    generation: int, pause_s: float,
+                    version: int | None = None) -> dict[str, Any] | None:
         """Have the engine write its files, then write the manifest; None when the parameters
-        were not finite (the last good checkpoint stays)."""
+        were not finite, or when a holder wrote another ``version`` than the one given (its
+        state moved on while it was written: the files are not the manifest's), and the last
+        good checkpoint stays."""
         directory = self.store.directory(step, generation)
         t0 = time.perf_counter()
         records = await engine.save(
@@ -92,6 +95,10 @@ class Checkpoints:
         state.last_checkpoint_time, state.last_checkpoint_step = time.time(), step
         if not all(r["finite"] for r in records):
             logger.warning("checkpoint at step %d skipped: the parameters are not finite", step)
+            return None
+        if version is not None and any(int(r["version"]) != version for r in records):
+            logger.info("checkpoint at step %d skipped: its holder had moved on to step %s", step,
+                        sorted({int(r["version"]) for r in records}))
             return None
         manifest = {
             # The holders' own counts, taken under their locks while every trainer is paused.

@@ -11,6 +11,7 @@ checkpoint, or raise). Phases live in one explicit :class:`~._state.JobState`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -127,6 +128,7 @@ class Controller:
         # seconds, not the run. Made at the first generation, for the engines that need it.
         self.copies: Checkpoints | None = None
         self.copied = False
+        self.report_copy: asyncio.Task[None] | None = None  # a dt.run report's copy being written
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
 
@@ -159,6 +161,7 @@ class Controller:
                 await self.wanted.close()
             except Exception:  # noqa: BLE001 - a closed client: the scheduler drops them itself
                 logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
+            await self._drop_report_copy()
             if self.copies is not None:
                 await asyncio.to_thread(drop_store, self.copies)
 
@@ -366,11 +369,10 @@ class Controller:
         worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every worker is
         on this machine, else two live workers' memory, chosen again at each generation."""
         every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
-        # Not a dt.run job's reports: a copy written at a report delayed its ranks there, and a
-        # rank's worker retiring meanwhile was gone before the hand-over at the next report
-        # (LocalCluster kills a closing worker after 4 s); the reporting rank holds the state.
-        if self.checkpoints is not None or every <= 0 or not engine.schedules_checkpoints or \
-                engine.recovers_from_survivors:
+        # Not a sync Trainer job: every rank holds the same state. A dt.run job's copies are of
+        # its reports, written after its ranks went on (see _copy_report).
+        if self.checkpoints is not None or every <= 0 or \
+                engine.schedules_checkpoints and engine.recovers_from_survivors:
             return
         if self.copies is None:
             self.copies = memory_store(
@@ -380,6 +382,47 @@ class Controller:
         elif in_workers(self.copies):
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=self.roles.addresses)
+
+    def _copy_report(self, engine: Engine) -> None:
+        """Start writing a copy of the newest report's state when one worker alone holds it (a
+        ``dt.run`` job without ``checkpoint=`` whose state only rank 0 passes): its worker's
+        loss then costs what was trained since that report, not the run. Written while the
+        ranks go on (written at the report, with the ranks waiting there, a worker retired
+        meanwhile was gone before the hand-over could take the next report); one at a time,
+        a report that comes while one is written is copied at the next."""
+        if self.copies is None or engine.schedules_checkpoints or \
+                self.report_copy is not None and not self.report_copy.done():
+            return
+        held = engine.report_copy()
+        if held is None:
+            return
+        snapshot, version = held
+        manifest = self._manifest(snapshot.ledger, snapshot.rng)
+        store = self.copies
+
+        async def write() -> None:
+            try:
+                info = await store.write(engine, self.state, manifest, step=snapshot.step,
+                                         generation=self.state.generation, pause_s=0.0,
+                                         version=version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the copy before stays the newest
+                logger.info("the copy of the report at step %d was not kept: %s: %s",
+                            snapshot.step, type(exc).__name__, exc)
+                return
+            self.copied = self.copied or info is not None
+
+        self.report_copy = asyncio.get_running_loop().create_task(write())
+
+    async def _drop_report_copy(self) -> None:
+        """Cancel a report's copy still being written (its files without a manifest are not
+        a checkpoint, and go with the store)."""
+        task, self.report_copy = self.report_copy, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
         ckpt, state = self.checkpoints or self.copies, self.state
@@ -448,6 +491,8 @@ class Controller:
             if departure is not None:
                 return departure
         await engine.resume(report.id)
+        if report.checkpoint:
+            self._copy_report(engine)
         return None
 
     async def _write_report(self, engine: Engine, report: ReportReady) -> bool:
@@ -527,7 +572,9 @@ class Controller:
         # and the pause would wait for it until the timeout (seen in the chaos test, a
         # restarted worker adopted while the other trainer was paused); the next pass adopts.
         if not failures and not self.state.stopped_by and self.state.phase is Phase.RUNNING:
-            await engine.adopt_workers(alive)
+            # Not a worker on its way out (retiring, closing after a SIGTERM): the scheduler
+            # lists it for a moment, and a role placed there would leave with it.
+            await engine.adopt_workers(await alive_workers(self.client, placeable=True))
         return restart
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
@@ -545,6 +592,7 @@ class Controller:
         # if none was written since), else the initial parameters: the next generation trains
         # again what was lost with them.
         survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
+        await self._drop_report_copy()
         await engine.close()
         if in_workers(self.copies):  # read from the holders still alive
             assert self.copies is not None
@@ -604,6 +652,7 @@ class Controller:
         next on the live workers, from the state just handed over."""
         self.state.enter(Phase.RESTARTING)
         self.pending_report = None
+        await self._drop_report_copy()
         await engine.close()
         self.restore = departure.restore
         alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()

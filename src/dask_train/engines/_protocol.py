@@ -148,6 +148,13 @@ class Engine(ABC):
         default: the job restarts from its stored checkpoint)."""
         return None
 
+    def report_copy(self) -> tuple[Snapshot, int] | None:
+        """The newest report's state when one worker alone holds it (a ``dt.run`` job whose
+        state only rank 0 passes), as its snapshot and the step its holder must still be at;
+        the controller keeps a copy on another worker, written while the ranks go on. None
+        (the default) when the state is held twice already or kept otherwise."""
+        return None
+
     # -- checkpoints ------------------------------------------------------------------------------
     @abstractmethod
     def running(self) -> bool:

@@ -447,8 +447,15 @@ class RoleEngine(Engine):
             metadata=m, address=a), timeout=self.spec.timeout) for i, a, m in direct))
         written = dict(zip([i for i, _, _ in direct], records))
         if futures:
-            written.update(zip([i for i, _, _ in pinned], await self.gather_from_holders(
-                futures, what=f"writing checkpoint {directory}")))
+            try:
+                written.update(zip([i for i, _, _ in pinned], await self.gather_from_holders(
+                    futures, what=f"writing checkpoint {directory}")))
+            except asyncio.CancelledError:
+                # A write given up (a dt.run report's copy when its generation ends): its tasks
+                # go now, while this loop runs, not when the client closes at the program's
+                # exit (their done callbacks then meet a closed executor: an ERROR line).
+                await self.client.cancel(futures, asynchronous=True)
+                raise
         return written
 
     async def wait_for_holders(self, futures: list[Future], *, what: str,

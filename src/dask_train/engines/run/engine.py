@@ -84,10 +84,10 @@ class RunEngine(TorchSyncEngine):
         # The sharded state (DCP) every rank of a ready report wrote, for save to adopt.
         self.sharded: Reported | None = None
         self.writer = 0  # the rank whose report holds the state a checkpoint writes
-        # The newest ready report whose state the writer holds in memory (not sharded): its
-        # snapshot, samples and the writer's steps, what a job goes on from when a rank is
-        # killed (survivors). Saved with the report's samples then (saving_samples).
-        self.held_report: tuple[Snapshot, int, int] | None = None
+        # The newest ready report whose state ranks hold in memory (not sharded): its
+        # snapshot, samples and each holding rank's steps, what a job goes on from when a rank
+        # is killed (survivors). Saved with the report's samples then (saving_samples).
+        self.held_report: tuple[Snapshot, int, dict[int, int]] | None = None
         self.saving_samples: int | None = None
 
     def make_shards(self) -> list[ShardRef]:
@@ -176,7 +176,10 @@ class RunEngine(TorchSyncEngine):
             # Every rank waits at this report: the ledger is exactly where it was made.
             snapshot = self.paused(report_id)
             if snapshot is not None and self.sharded is None:
-                self.held_report = (snapshot, samples, got[writer].steps)
+                # Every rank that passed the state holds it (DDP's ranks hold the same): any
+                # one of them left alive is enough to go on from this report.
+                self.held_report = (snapshot, samples,
+                                    {i: got[i].steps for i in ranks if got[i].checkpoint})
         self.emit(ReportReady(id=report_id, checkpoint=writer is not None))
 
     def epochs_completed(self) -> int:
@@ -226,22 +229,37 @@ class RunEngine(TorchSyncEngine):
         return [{**written[0], "samples": samples, "index": 0, "start": 0, "stop": 0}]
 
     async def survivors(self, lost: set[str]) -> Snapshot | None:
-        """The last ready report's state, when the rank that reported it is alive and still
-        holds it (a later report's state replaces it only once every rank made that one):
-        written as that report's checkpoint, the job goes on from it, without ``checkpoint=``
-        too. What was trained since the report is trained again."""
+        """The last ready report's state, when a rank that reported it (the writer, or another
+        rank that passed the same state) is alive and still holds it (a later report's state
+        replaces it only once every rank made that one): written as that report's checkpoint,
+        the job goes on from it, without ``checkpoint=`` too. What was trained since the report
+        is trained again."""
         if self.held_report is None:
             return None
-        snapshot, samples, steps = self.held_report
-        address = self.writer_address
-        if address in lost:
+        snapshot, samples, holders = self.held_report
+        ranks = sorted(holders, key=lambda i: (i != self.writer, i))
+        for rank in ranks:
+            address = str(self.roles["trainer"][rank])
+            if address in lost:
+                continue
+            held = await run_on_live(self.client, worker_side.shard_version, self.job, 0,
+                                     workers=[address], leaving=self.leaving_workers)
+            if held.get(address) == holders[rank]:
+                self.writer = rank
+                self.sharded, self.saving_samples = None, samples
+                return snapshot
+        return None
+
+    def report_copy(self) -> tuple[Snapshot, int] | None:
+        """The newest report's state and its writer's steps, when the writer's worker alone
+        holds it (no other rank's worker passed the same state)."""
+        if self.held_report is None:
             return None
-        held = await run_on_live(self.client, worker_side.shard_version, self.job, 0,
-                                 workers=[address], leaving=self.leaving_workers)
-        if held.get(address) != steps:
+        snapshot, _, holders = self.held_report
+        ranks = self.roles["trainer"]
+        if len({ranks[i] for i in holders}) > 1 or self.writer not in holders:
             return None
-        self.sharded, self.saving_samples = None, samples
-        return snapshot
+        return snapshot, holders[self.writer]
 
     def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
         """``holders``, by default the rank whose reported state a checkpoint writes."""

@@ -96,11 +96,7 @@ def run_scorer(
 
     if state.dropped:  # no final score: the generation was closed, its parameters freed
         return {"record": None, "params": None, "buffers": None, **where()}
-    kept = keeper.get(state.scorer_keep)
-    if kept is None and state.scorer_keep is not None:
-        logger.warning("the parameters scored at step %d are no longer kept (kept: steps %s); "
-                       "the result holds the final parameters", state.scorer_keep,
-                       sorted(keeper.snapshots))
+    kept = _kept(keeper, state.scorer_keep)
     if kept is not None:
         record, params, buffers = kept
         return {"record": record, "params": params, "buffers": buffers, **where()}
@@ -118,6 +114,16 @@ def run_scorer(
     stats.report(step=record.step if record is not None else step, force=True,
                  cpu_s=clock.cpu_s, scores=clock.scores, skipped=clock.skipped)
     return {"record": record, "params": None, "buffers": None, **where()}
+
+
+def _kept(keeper: ScoreKeeper, step: int | None) -> Any:
+    """The snapshot scored at ``step`` (the score that stopped the job), or None; a snapshot
+    no longer kept is said, as the result then holds the final parameters."""
+    kept = keeper.get(step)
+    if kept is None and step is not None:
+        logger.warning("the parameters scored at step %d are no longer kept (kept: steps %s); "
+                       "the result holds the final parameters", step, sorted(keeper.snapshots))
+    return kept
 
 
 class _Scorer:
