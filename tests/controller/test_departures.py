@@ -203,7 +203,13 @@ def _assert_handed_over(result: Any, output: str, *, retired: bool = True) -> No
     assert departure["redone"] == 0 and departure["step"] > 0
     consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
     assert (consumed <= BLOCK).all()
-    assert int(consumed.sum()) == result.samples  # each sample applied once
+    # Each sample applied once. A fresh-clone run once counted 288 samples more on the servers
+    # than in the ledger after a SIGTERM (not reproduced): show the blocks read more than once,
+    # or not to their end, and the departure.
+    ledger = result.ledger
+    shared = ledger.groupby(["epoch", "block"])["trainer"].transform("size") > 1
+    odd = ledger[shared | (ledger["consumed"] < ledger["rows"])]
+    assert int(consumed.sum()) == result.samples, (departure, result.trainers, odd.to_string())
     if retired:
         for word in ("Traceback", "ERROR"):
             assert word not in output, output

@@ -398,6 +398,7 @@ class Controller:
             return
         snapshot, version = held
         manifest = self._manifest(snapshot.ledger, snapshot.rng)
+        manifest["records"] = list(manifest["records"])  # as at the report, not at the write
         store = self.copies
 
         async def write() -> None:
@@ -591,8 +592,10 @@ class Controller:
         # The surviving ranks' state (sync), else the newest checkpoint (the one resumed from,
         # if none was written since), else the initial parameters: the next generation trains
         # again what was lost with them.
-        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
+        # A report's copy being written is given up first: it would write through the engine
+        # as the survivors' state does, and a live writer's state is the survivors' anyway.
         await self._drop_report_copy()
+        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
         if in_workers(self.copies):  # read from the holders still alive
             assert self.copies is not None
