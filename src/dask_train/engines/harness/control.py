@@ -10,6 +10,7 @@ own side of a pause is :class:`~dask_train.engines.harness.role.Pauser`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +69,16 @@ def save_shard_task(*, job: str, index: int, path: str, metadata: Mapping[str, s
     """Dask task on a server's worker: write shard ``index`` (parameters and optimizer state)."""
     return save_shard_here(job=job, index=index, path=path, metadata=metadata,
                            dask_worker=get_worker())
+
+
+async def save_shard_direct(*, job: str, index: int, path: str, metadata: Mapping[str, str],
+                            dask_worker: Any = None) -> dict[str, Any]:
+    """Called directly on a leaving server's worker (out of the scheduler's reach): write shard
+    ``index`` in a thread. Dask runs a direct call's plain function on the worker's event loop,
+    which the write (a disk, an object store, other workers' memory) would block meanwhile: its
+    connections, its heartbeats and the hold of its own hand-over."""
+    return await asyncio.to_thread(save_shard_here, job=job, index=index, path=path,
+                                   metadata=metadata, dask_worker=dask_worker)
 
 
 def save_shard_here(*, job: str, index: int, path: str, metadata: Mapping[str, str],

@@ -443,7 +443,7 @@ class RoleEngine(Engine):
                                key=f"dt-save-{time.monotonic_ns()}-{i}", job=self.job, index=i,
                                path=paths(i), metadata=m) for i, a, m in pinned]
         records = await asyncio.gather(*(asyncio.wait_for(run_direct(
-            self.client, worker_side.save_shard_here, job=self.job, index=i, path=paths(i),
+            self.client, worker_side.save_shard_direct, job=self.job, index=i, path=paths(i),
             metadata=m, address=a), timeout=self.spec.timeout) for i, a, m in direct))
         written = dict(zip([i for i, _, _ in direct], records))
         if futures:
