@@ -1,9 +1,9 @@
 """The score keeper the scorer role and the array engine share: a score's record, and the last few
 scored parameter snapshots; and the scorer's schedule, which keeps it within its CPU budget.
 
-A score reaches the controller within milliseconds on an idle machine, but seconds later on a
-loaded one (a Keras job on a busy CI machine stopped on a score that four newer ones had pushed
-out, and its result held parameters four scores later, below the bar). So the keeper holds the
+A score reaches the controller within milliseconds on an idle machine, but may take seconds on
+a loaded one (a Keras job on a busy CI machine stopped on a score whose snapshot was no longer
+among the four kept then, and its result held the final parameters, below the bar). So the keeper holds the
 newest :data:`SNAPSHOTS` snapshots, and besides them every snapshot taken in the last
 :data:`WINDOW_S` seconds, as long as those extra ones stay within :data:`EXTRA_BYTES`: the result
 holds the parameters that earned the stopping score, not those of a few asynchronous steps later.
