@@ -24,6 +24,7 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 
 @contextmanager
@@ -48,7 +49,7 @@ def pid_of(client: Client, address: str) -> int:
 
 def alive(client: Client) -> set[str]:
     """The workers the scheduler knows now."""
-    return set(client.scheduler_info(n_workers=-1)["workers"])
+    return set(live_workers(client))
 
 
 def kill(client: Client, address: str, *, timeout: float = 30.0) -> None:
@@ -213,7 +214,7 @@ def retire(client: Client, address: str, *, timeout: float = 60.0) -> None:
     cluster = client.cluster
     assert cluster is not None, "a retire needs the client's own cluster"
     size = len(cluster.worker_spec)
-    name = client.scheduler_info(n_workers=-1)["workers"][address]["name"]
+    name = live_workers(client)[address]["name"]
     cluster.sync(cluster.scale_down, [name])
     deadline = time.monotonic() + timeout
     while address in alive(client) and time.monotonic() < deadline:

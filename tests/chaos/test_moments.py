@@ -24,6 +24,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.errors import WorkerLost
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -236,7 +237,7 @@ def test_a_rank_lost_while_the_torch_group_starts_is_named_at_once(own_client: C
     from dask_train.runtime import start_torch
 
     client = own_client
-    a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a, b = sorted(live_workers(client))
     busy = client.submit(time.sleep, 20, workers=[b], pure=False)
     outcome: dict[str, BaseException] = {}
 

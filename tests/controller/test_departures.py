@@ -27,6 +27,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,7 +104,7 @@ def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, reti
     assert result.generations == 2
     _assert_every_sample_once(result, 6)
     assert victim not in result.roles.addresses  # the next generation runs on the others
-    assert victim not in client.scheduler_info()["workers"]  # and the worker did leave
+    assert victim not in live_workers(client)  # and the worker did leave
     assert result.history["accuracy"].iloc[-1] > 0.85
     assert not _errors(caplog)
     assert departure["directory"].startswith(
@@ -178,7 +179,7 @@ class _StopAfterDeparture(dt.Callback):
         self.client, self.workers, self.after = client, workers, -1
 
     def on_score(self, record: Any) -> bool:
-        if self.after < 0 and len(self.client.scheduler_info()["workers"]) <= self.workers:
+        if self.after < 0 and len(live_workers(self.client)) <= self.workers:
             self.after = 0
         elif self.after >= 0:
             self.after += 1
@@ -292,7 +293,7 @@ def test_dt_run_hands_over_at_the_next_report(three_workers: Client, tmp_path: P
                                               stored: bool) -> None:
     client = three_workers
     X, Y, _ = _data()
-    victim = sorted(client.scheduler_info()["workers"])[1]
+    victim = sorted(live_workers(client))[1]
     retire = _RetireAtFirstScore(client, victim)
     result = dt.run(_run_loop, workers=(2, 3), epochs=8, client=client, data={"train": (X, Y)},
                     callbacks=[retire],
@@ -356,7 +357,7 @@ class _ScaleDownThenUp(dt.Callback):
         if self.step == 0:
             self.step = 1
             self.cluster.scale(2)
-        elif self.step == 1 and len(self.client.scheduler_info()["workers"]) == 2 and \
+        elif self.step == 1 and len(live_workers(self.client)) == 2 and \
                 _ranks_running(self.client) == 2:
             self.step = 2
             self.cluster.scale(3)
@@ -441,7 +442,7 @@ class _AdaptWhenAsked(dt.Callback):
         self.adapting = False
 
     def on_score(self, record: Any) -> bool:
-        workers = len(self.client.scheduler_info()["workers"])
+        workers = len(live_workers(self.client))
         wanted = int(self.client.run_on_scheduler(_wanted))
         self.seen.append((workers, wanted))
         if not self.adapting and (workers, wanted) == (1, self.n - 1):
@@ -521,7 +522,7 @@ def test_a_job_whose_whole_cluster_is_replaced_goes_on_on_the_new_workers(
     # once waited forever for the workers they were placed on).
     cluster, client = two_workers
     X, Y, validation = _data()
-    old = set(client.scheduler_info()["workers"])
+    old = set(live_workers(client))
     # 2 ms a batch: the job trains for seconds, so the cluster is replaced while it does.
     result = dt.Trainer(Slow(mlp(8, 16, 3), 0.002), lr=1e-2, strategy="async-ps", workers=(1, 2),
                         batch_size=32, epochs=2, score_every=0.2, timeout=30, progress=False,

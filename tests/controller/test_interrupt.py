@@ -27,6 +27,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.controller._interrupt import job_tasks_running
+from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dask_cli import dask_cli_cluster  # noqa: E402
@@ -133,10 +134,10 @@ def test_ctrl_c_in_a_script_on_a_dask_scheduler_leaves_its_workers_free(tmp_path
     with dask_cli_cluster(tmp_path) as (address, _):
         with Client(address) as client:
             client.wait_for_workers(2, timeout=30)
-            before = set(client.scheduler_info()["workers"])
+            before = set(live_workers(client))
         status, output, took = _interrupt_script(tmp_path, address)
         with Client(address) as client:
-            workers = set(client.scheduler_info()["workers"])
+            workers = set(live_workers(client))
             busy = client.run(job_tasks_running, "dt-")
             X = np.random.default_rng(1).normal(size=(2_000, 16)).astype("float32")
             result = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2,

@@ -187,7 +187,7 @@ def test_a_job_whose_every_worker_is_killed_at_once_waits_for_new_ones(tmp_path:
         workers = [_dask_worker(cluster.scheduler_address, log) for _ in range(2)]
         try:
             client.wait_for_workers(2, timeout=60)
-            old = set(client.scheduler_info()["workers"])
+            old = set(live_workers(client))
             kill = _KillAllThenStart(cluster.scheduler_address, workers, log, samples=6_000,
                                      after=2.0)
             config = dt.CheckpointConfig(str(tmp_path / "ckpt"), every_seconds=None,

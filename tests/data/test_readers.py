@@ -104,7 +104,7 @@ def test_blocks_that_share_no_task_are_each_read_by_one_task(client: Client,
     # Each read where it belongs, worker by worker in proportion to their threads: none moved
     # after (a moved block's key is "dt-spread-dt-block-...").
     assert all(str(f.key).startswith("dt-block-") for f in blocks.futures)
-    threads = {a: w["nthreads"] for a, w in client.scheduler_info()["workers"].items()}
+    threads = {a: w["nthreads"] for a, w in live_workers(client).items()}
     held = Counter(b.holders[0] for b in blocks.blocks)
     assert set(held) <= set(threads)
     assert max(held.values()) - min(held.get(a, 0) for a in threads) <= 1

@@ -24,6 +24,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _slurm import slurm, slurm_available  # noqa: E402
@@ -54,10 +55,10 @@ class _StopWhenBack(dt.Callback):
 
     def __init__(self, client: Client) -> None:
         self.client, self.after = client, -1
-        self.first = set(client.scheduler_info()["workers"])
+        self.first = set(live_workers(client))
 
     def on_score(self, record: Any) -> bool:
-        workers = set(self.client.scheduler_info()["workers"])
+        workers = set(live_workers(self.client))
         if self.after < 0 and len(workers) == 2 and workers - self.first:
             self.after = 0
         elif self.after >= 0:

@@ -12,6 +12,7 @@ import torch
 from distributed import Client
 
 from dask_train.checkpoint._state import load_state
+from dask_train.data._cluster import live_workers
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.run.context import StateHolder
 from dask_train.runtime._calls import run_direct
@@ -37,7 +38,7 @@ def _drop(job: str, dask_worker: Any = None) -> None:
 
 
 def test_a_direct_save_writes_off_the_workers_event_loop(client: Client, tmp_path: Path) -> None:
-    address = sorted(client.scheduler_info()["workers"])[0]
+    address = sorted(live_workers(client))[0]
     job = "direct-save-test"
     loop_thread = client.run(_hold, job, workers=[address])[address]
     path = str(tmp_path / "shard-0.safetensors")

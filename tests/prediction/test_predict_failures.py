@@ -15,6 +15,7 @@ import torch
 from distributed import Client, LocalCluster, wait
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def _kill_mid_prediction(client: Client, p: da.Array) -> np.ndarray:
     wait(futures, timeout=120)
     got = p.compute()
     assert sum(f.status == "finished" for f in futures) == len(futures)
-    assert victim not in client.scheduler_info(n_workers=-1)["workers"]
+    assert victim not in live_workers(client)
     return np.asarray(got)
 
 

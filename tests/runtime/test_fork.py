@@ -24,6 +24,7 @@ _INFO = textwrap.dedent("""
     import json, os, sys, time
     import torch
     import dask_train as dt
+    from dask_train.data._cluster import live_workers
 
     def info():
         import os, sys
@@ -33,7 +34,7 @@ _INFO = textwrap.dedent("""
     def wait_for(client, n, old=()):
         deadline = time.time() + 120
         while time.time() < deadline:
-            workers = set(client.scheduler_info()["workers"])
+            workers = set(live_workers(client))
             if len(workers) == n and not workers & set(old):
                 return
             time.sleep(0.1)

@@ -23,6 +23,7 @@ import torch
 from distributed import Client, LocalCluster, Security
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput
 
 
@@ -83,7 +84,7 @@ EPOCHS = 8
 def test_both_strategies_train_on_tls_as_plain_torch_does(tls_client: Client,
                                                           digits: Any) -> None:
     X, y, Xv, yv = digits
-    workers = list(tls_client.scheduler_info(n_workers=-1)["workers"])
+    workers = list(live_workers(tls_client))
     assert tls_client.scheduler.address.startswith("tls://")
     assert len(workers) == 2 and all(w.startswith("tls://") for w in workers)
     Xn, yn = X.compute(), y.compute()
@@ -240,7 +241,7 @@ def test_a_dask_scheduler_and_workers_started_with_certificate_files(tmp_path: P
                "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": str(files["cert"]),
                "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY": str(files["key"])}
         code = (f"import dask_train as dt; c = dt.connect({address!r}, quiet=True); "
-                "print(len(c.scheduler_info(n_workers=-1)['workers'])); c.close()")
+                "print(len(c.nthreads())); c.close()")
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.split() == ["2"], proc.stderr[-2000:]

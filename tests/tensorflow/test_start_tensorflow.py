@@ -14,6 +14,7 @@ import pytest
 from distributed import Client
 
 import dask_train as dt
+from dask_train.data._cluster import live_workers
 from dask_train.policy import plan_roles
 from dask_train.tensorflow import _server
 from dask_train.tensorflow._start import _wait
@@ -34,7 +35,7 @@ def _listening(target: str) -> bool:
 
 
 def _workers(client: Client) -> dict[str, int]:
-    return {a: int(w["nthreads"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {a: int(w["nthreads"]) for a, w in live_workers(client).items()}
 
 
 def test_start_close_and_start_again(tf_client: Client) -> None:

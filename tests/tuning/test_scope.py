@@ -10,13 +10,14 @@ import numpy as np
 from distributed import Client
 
 from dask_train.data import persist_blocks
+from dask_train.data._cluster import live_workers
 from dask_train.policy._scope import current_scope, use_workers
 from dask_train.runtime import worker_threads
 from dask_train.runtime._calls import alive_workers
 
 
 def test_a_scope_restricts_what_the_job_sees_in_every_thread(client: Client) -> None:
-    first, second = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    first, second = sorted(live_workers(client))
     seen: dict[str, object] = {}
 
     def job() -> None:
@@ -35,7 +36,7 @@ def test_a_scope_restricts_what_the_job_sees_in_every_thread(client: Client) -> 
 
 
 def test_blocks_are_persisted_on_the_scope_and_reused_from_its_cache(client: Client) -> None:
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(live_workers(client))
     X = da.from_array(np.arange(4_000, dtype=np.float32).reshape(1_000, 4), chunks=(100, 4))
     y = da.from_array(np.arange(1_000) % 3, chunks=100)
     cache: dict = {}
