@@ -406,8 +406,6 @@ class Controller:
                 info = await store.write(engine, self.state, manifest, step=snapshot.step,
                                          generation=self.state.generation, pause_s=0.0,
                                          version=version)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - the copy before stays the newest
                 logger.info("the copy of the report at step %d was not kept: %s: %s",
                             snapshot.step, type(exc).__name__, exc)

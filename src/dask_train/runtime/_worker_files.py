@@ -226,9 +226,13 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
         answers = self._ask(**message)
         got = [a for a in answers if not isinstance(a, BaseException)]
         if not got:
-            raise OSError(f"{what}: none of the workers holding {PROTOCOL} files answered "
-                          f"({', '.join(self.holders)}): {answers[0]!r}")
+            raise self._none_answered(what, answers)
         return got
+
+    def _none_answered(self, what: str, failures: Sequence[Any]) -> OSError:
+        """The error of a call no holder answered (the first holder's failure named)."""
+        return OSError(f"{what}: none of the workers holding {PROTOCOL} files answered "
+                       f"({', '.join(self.holders)}): {failures[0]!r}")
 
     def _listing(self, path: str) -> dict[str, int]:
         merged: dict[str, int] = {}
@@ -253,8 +257,7 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
             elif answer is not None:
                 return bytes(answer)[start:end]
         if len(failures) == len(self.holders):
-            raise OSError(f"reading {path}: none of the workers holding {PROTOCOL} files "
-                          f"answered ({', '.join(self.holders)}): {failures[0]!r}")
+            raise self._none_answered(f"reading {path}", failures)
         raise FileNotFoundError(path)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
