@@ -294,7 +294,9 @@ def _await_all(
     failed, lost = _wait_ranks(client, ranks, futures, timeout)
     late = {r: a for r, a in ranks.items() if r < len(futures) and not futures[r].done()}
     if failed is None and not late:
-        return [f.result() for f in futures]
+        results, lost, late = _results(client, ranks, futures, timeout)
+        if not (lost or late):
+            return results
     client.cancel([f for f in futures if not f.done()])  # queued joins must not start a dead group
     started = _leave_all(client, gid, [ranks[r] for r in range(len(futures))],
                          settle=0.0 if lost else timeout, tombstone=True)
@@ -314,6 +316,29 @@ def _await_all(
         ) from failed
     assert failed is not None
     raise failed
+
+
+def _results(client: Client, ranks: dict[int, str], futures: list[Future], timeout: float
+             ) -> tuple[list[Any], list[tuple[int, str]], dict[int, str]]:
+    """The results of finished tasks; else the ranks whose worker left before its result was
+    fetched (the result went with the worker, and Dask would wait for that pinned task to run
+    there again, for ever: a worker killed just after its rendezvous store had started), or the
+    rank whose result did not come within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    results: list[Any] = []
+    for rank, fut in enumerate(futures):
+        while True:
+            try:
+                results.append(fut.result(timeout=1.0))
+                break
+            except (TimeoutError, CancelledError):
+                present = set(live_workers(client))
+                gone = [(r, a) for r, a in ranks.items() if r < len(futures) and a not in present]
+                if gone:
+                    return [], gone, {}
+                if time.monotonic() > deadline or fut.cancelled():
+                    return [], [], {rank: ranks[rank]}
+    return results, [], {}
 
 
 def _wait_ranks(client: Client, ranks: dict[int, str], futures: list[Future], timeout: float
