@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 import socket
 import weakref
 from collections.abc import Iterator
@@ -100,3 +101,15 @@ def own_client(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> Iterat
         with pytest.raises(ValueError, match="No clients found"):
             default_client()
         yield client
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` during the test, as in a terminal or a notebook: a
+    process started with SIGINT ignored (a background job of a non-interactive shell, as CI may
+    start pytest) would never raise it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -167,14 +167,8 @@ class _PressCtrlC(dt.Callback):
 
 def test_ctrl_c_in_a_notebook_leaves_the_client_ready_for_the_next_fit(
         client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # A process started with SIGINT ignored (a background job of a non-interactive shell) is
-    # given Python's handler back for this test, as an interactive session has it.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _notebook_interrupt(client, tmp_path, capsys, monkeypatch)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        monkeypatch: pytest.MonkeyPatch, ctrl_c: None) -> None:
+    _notebook_interrupt(client, tmp_path, capsys, monkeypatch)
 
 
 def _notebook_interrupt(client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -210,14 +204,13 @@ def _slow_block(block: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("door", ["fit", "run"])
 def test_ctrl_c_before_training_started_prints_one_line(
         client: Client, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-        door: str) -> None:
+        door: str, ctrl_c: None) -> None:
     import dask.array as da
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
     x = np.random.default_rng(0).normal(size=(4_000, 16)).astype("float32")
     X = da.from_array(x, chunks=(1_000, 16)).map_blocks(_slow_block, dtype="float32")
     y = da.from_array((x[:, 0] > 0).astype("int64"), chunks=1_000)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
     try:
         timer.start()
@@ -229,7 +222,6 @@ def test_ctrl_c_before_training_started_prints_one_line(
                 dt.run(lambda ctx: None, workers=2, data={"train": (X, y)}, client=client)
     finally:
         timer.cancel()
-        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("dask-train: interrupted (Ctrl-C) before training started; nothing was "
                        "trained"), err

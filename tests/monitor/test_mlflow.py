@@ -226,7 +226,7 @@ def reports_slowly(ctx, reports=200):
             break
 
 
-def test_ctrl_c_ends_the_run_killed(client, tmp_path: Path) -> None:
+def test_ctrl_c_ends_the_run_killed(client, tmp_path: Path, ctrl_c: None) -> None:
     uri = f"file://{tmp_path}/mlruns"
     tracker = dt.callbacks.MLflow(tracking_uri=uri)
     with pytest.raises(KeyboardInterrupt):

@@ -187,7 +187,8 @@ class Watch(dt.Callback):
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_the_running_trials_and_returns_what_finished(client4: Client,
-                                                                   digits: Any) -> None:
+                                                                   digits: Any,
+                                                                   ctrl_c: None) -> None:
     X, y, Xv, yv = digits
     watch = Watch()
 
