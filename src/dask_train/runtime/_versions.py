@@ -111,6 +111,19 @@ def check_versions(client: Any) -> None:
     problems = version_problems(versions)
     if problems:
         raise ClusterMismatch(problems)
+    _quiet_scheduler(client)
+
+
+def _quiet_scheduler(client: Any) -> None:
+    """Keep distributed's "Batched Comm Closed" traceback out of a remote scheduler's log, as
+    the embedded cluster's (``_plugin.quiet_batched_close``): a script that ends while the
+    scheduler still sends to its client (after a lost worker, say) printed one there."""
+    from dask_train.runtime._plugin import quiet_batched_close
+
+    try:
+        client.run_on_scheduler(quiet_batched_close)
+    except Exception:  # a scheduler refusing to run functions keeps Dask's own logging
+        logger.debug("the scheduler did not install the quiet close", exc_info=True)
 
 
 #: Attribute of a client: its cluster has passed :func:`check_versions`.
