@@ -437,3 +437,39 @@ def test_classical_fit_loads_no_torch_in_client_or_workers() -> None:
     assert len(result["workers"]) == 2
     loaded = [address for address, has in result["workers"].items() if has]
     assert not loaded, f"the classical fit imported torch in workers {loaded}"
+
+
+def test_dt_run_loads_no_torch_in_the_client() -> None:
+    # The ranks import torch; the client only places them and follows their reports. Importing
+    # torch there put a second (more on a loaded machine) before the job's first step.
+    result = _run_fresh(
+        """
+        import json, sys
+
+        import numpy as np
+
+        import dask_train as dt
+
+        def train(ctx):
+            import torch
+
+            for x, y in ctx.batches(batch_size=8):
+                pass
+            ctx.report({"rows": float(torch.tensor(ctx.step))})
+            return ctx.rank
+
+        client = dt.connect(n_workers=2, threads_per_worker=1, quiet=True)
+        try:
+            x = np.arange(64, dtype="float32").reshape(32, 2)
+            result = dt.run(train, workers=2, data={"train": (x, np.zeros(32))}, client=client)
+        finally:
+            cluster = client.cluster
+            client.close()
+            if cluster is not None:
+                cluster.close()
+        print(json.dumps({"client": "torch" in sys.modules, "returns": result.returns,
+                          "history": len(result.history)}))
+        """
+    )
+    assert result["returns"] == [0, 1] and result["history"] == 1  # the job really ran
+    assert result["client"] is False, "dt.run imported torch in the client"

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dask_train.api._job_result import JobResult
 from dask_train.errors import InvalidInput
 
 if TYPE_CHECKING:  # annotations only: pandas loads when a result is built (0.45 s of start-up)
+    import torch  # and torch where a prediction needs it: `dt.run` needs none (1 s of start-up)
 
     from dask_train.models import ArrayModel
 
@@ -148,6 +148,8 @@ class FitResult(JobResult):
 
             x = x.astype(keras_float_dtype(self.model), copy=False) if x.dtype.kind == "f" else x
             return predict(self.model, x, batch_size=batch_size)
+        import torch
+
         if not isinstance(self.model, torch.nn.Module):
             if self.model.predict is None:
                 raise InvalidInput(["this ArrayModel has no predict function: pass "

@@ -248,7 +248,7 @@ def _check_data(data: Any) -> list[str]:
     if not isinstance(data, Mapping) or not data or not all(isinstance(k, str) for k in data):
         return [f"data={type(data).__name__} is invalid: pass a dict of named data sets, "
                 "{'train': (X, y)} (the first is streamed to the ranks)."]
-    from dask_train.api._validate import check_data
+    from dask_train.api._check_data import check_data
     from dask_train.data._blocks import as_dask_array
 
     problems = []

@@ -25,6 +25,7 @@ from distributed.protocol import to_serialize
 
 from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.push_socket import PushConnection, connection_error
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.holders.shard import ShardServer
 from dask_train.runtime._plugin import WorkerJob
 
@@ -48,18 +49,6 @@ def _reply(reply: dict[str, Any]) -> dict[str, Any]:
     if "missing" in reply:
         raise KeyError(reply["missing"])
     return reply
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """Where one shard lives: its slice of the flat vector and its worker's address."""
-
-    index: int
-    start: int
-    stop: int
-    address: str
-    #: The file name of the shard's segment in host memory (``host_memory``); "" for none.
-    segment: str = ""
 
 
 @dataclass

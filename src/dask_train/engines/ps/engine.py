@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders import host_memory
-from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.holders.push_socket import SECRET_BYTES
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.ps.server import start_shard_task
 from dask_train.engines.ps.trainer import run_trainer
 from dask_train.engines.roles.base import RoleEngine

@@ -24,12 +24,11 @@ from dask_train.engines._events import Block, Epochs, Exit, Leaving, Paused, Pro
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
 from dask_train.engines.harness import control as worker_side
-from dask_train.engines.holders.params import ShardRef
 from dask_train.engines.holders.reach import pull_params_task
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.roles.granting import Granter, pin
 from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.engines.roles.waiting import gather_watching, raise_if_gone
-from dask_train.engines.scoring import scorer as _scorer
 from dask_train.errors import RoleFailed, TrainingTimeout
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
@@ -172,10 +171,14 @@ class RoleEngine(Engine):
         else:
             [val_f] = await self.client.scatter([self.validation], workers=[address], hash=False,
                                                 asynchronous=True)
+        # Here, not at the module's top: the scorer's worker side imports torch, which the
+        # controller's process of a job without one (dt.run's) never needs.
+        from dask_train.engines.scoring.scorer import run_scorer
+
         suffix = f"-r{self.scorer_restarts}" if self.scorer_restarts else ""
         await self.module_again()
         self.scorer_future = self.pinned(
-            _scorer.run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
+            run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
             job=self.job, shards=self.shards, config=config)
         self.roles = self.roles.replace("scorer", [address])
 

@@ -34,7 +34,7 @@ from dask_train.engines._events import (
 from dask_train.engines._protocol import Emit, Ending, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig
 from dask_train.engines.harness import control as worker_side
-from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.run.context import RunSettings
 from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.torch_sync.engine import TorchSyncEngine

@@ -14,9 +14,8 @@ from typing import Any
 from dask_train.engines._protocol import Snapshot
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
-from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.roles.base import RoleEngine
-from dask_train.engines.torch_sync.rank import run_rank
 from dask_train.policy._ledger import patch_positions
 from dask_train.runtime._calls import run_on_live
 from dask_train.runtime._torch_group import start_torch
@@ -36,8 +35,15 @@ class TorchSyncEngine(RoleEngine):
     strategy = "sync"
     grows_by_regroup = True  # a process group's size is fixed: joiners come in a new one
     recovers_from_survivors = True
-    run_trainer = staticmethod(run_rank)
     group: Any = None
+
+    @staticmethod
+    def run_trainer(*args: Any, **kwargs: Any) -> Any:
+        """Dask task: one rank (:func:`~dask_train.engines.torch_sync.rank.run_rank`), imported
+        on the worker: the controller's process needs no torch for it."""
+        from dask_train.engines.torch_sync.rank import run_rank
+
+        return run_rank(*args, **kwargs)
 
     def make_shards(self) -> list[ShardRef]:
         """Rank 0's parameters, the only copy the scorer and the controller read."""

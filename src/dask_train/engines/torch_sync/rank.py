@@ -41,7 +41,7 @@ from dask_train.engines.collectives.reducer import GradientReducer
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.optim import FlatOptimizer
-from dask_train.engines.holders.params import ShardRef
+from dask_train.engines.holders.ref import ShardRef
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
