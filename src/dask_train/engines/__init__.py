@@ -26,3 +26,5 @@ What the engines share, by concern:
 The job's settings are :mod:`._spec` (``JobSpec``, and the ``RoleConfig`` the roles receive).
 Modules load when an engine is used.
 """
+
+from dask_train.engines import _handlers  # noqa: F401  (the workers' RPC handlers, by name)

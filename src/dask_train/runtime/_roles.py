@@ -53,8 +53,8 @@ def worker_threads(client: Client) -> dict[str, int]:
 def ensure_plugin(client: Client) -> None:
     """Register the dask-train worker plugin unless every worker has it with every handler.
 
-    Engines register their RPC handlers when their module is imported (in the client), so a
-    plugin installed at ``connect`` may lack a handler of an engine used later: register again.
+    The engines register their RPC handlers when :mod:`dask_train.engines` is imported (in the
+    client), so a plugin installed at ``connect`` may lack them: register again.
     """
     check_once(client)  # a client the user made: its scheduler and workers, before any role
     need = handler_names()

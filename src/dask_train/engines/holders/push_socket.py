@@ -41,7 +41,6 @@ import numpy as np
 from distributed import Worker
 
 from dask_train.engines.holders.reach import holder_or_reason
-from dask_train.runtime._plugin import register_handler
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +269,3 @@ def make_endpoint_handler(worker: Worker) -> Any:
         return push_endpoint(worker)
 
     return dask_train_endpoint
-
-
-register_handler("dask_train_endpoint", f"{__name__}:make_endpoint_handler")

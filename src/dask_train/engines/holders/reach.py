@@ -14,7 +14,7 @@ import numpy as np
 from distributed import Worker, get_worker
 from distributed.protocol import to_serialize
 
-from dask_train.runtime._plugin import register_handler, worker_state
+from dask_train.runtime._plugin import worker_state
 
 
 def pull_params_task(*, job: str, index: int) -> tuple[np.ndarray, int, int, np.ndarray | None]:
@@ -55,6 +55,3 @@ def make_pull_handler(worker: Worker) -> Any:
         return reply
 
     return dask_train_pull
-
-
-register_handler("dask_train_pull", f"{__name__}:make_pull_handler")

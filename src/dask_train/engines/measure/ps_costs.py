@@ -37,7 +37,7 @@ try:  # where FlatModel lives on main since the device work
 except ImportError:  # before it: drop this fallback once the branches are merged
     from dask_train.models._torch import FlatModel  # type: ignore[attr-defined,no-redef]
 from dask_train.policy._cost import CostModel
-from dask_train.runtime._plugin import register_handler, worker_state
+from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
 #: Largest echo payload: enough to see a link's rate through its fixed costs, small enough to take
@@ -54,9 +54,6 @@ def make_echo_handler(worker: Worker) -> Any:
         return {"payload": to_serialize(payload) if payload is not None else None}
 
     return dask_train_echo
-
-
-register_handler("dask_train_echo", f"{__name__}:make_echo_handler")
 
 
 def _time(fn: Callable[[], object], *, repeats: int, budget_s: float,

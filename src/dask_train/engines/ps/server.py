@@ -26,7 +26,7 @@ from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import unwrap
-from dask_train.runtime._plugin import register_handler, worker_state
+from dask_train.runtime._plugin import worker_state
 
 
 def start_shard_task(
@@ -105,6 +105,3 @@ def make_push_handler(worker: Worker) -> Any:
         return {"params": to_serialize(params), "version": version, "stop": stop}
 
     return dask_train_push
-
-
-register_handler("dask_train_push", f"{__name__}:make_push_handler")

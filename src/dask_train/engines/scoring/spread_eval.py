@@ -25,7 +25,7 @@ from dask_train.models._outputs import join, to_host
 from dask_train.models._torch import call_module
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import worker_data
-from dask_train.runtime._plugin import register_handler, worker_state
+from dask_train.runtime._plugin import worker_state
 
 if TYPE_CHECKING:
     from dask_train.engines._spec import RoleConfig
@@ -101,9 +101,6 @@ def make_evaluate_handler(worker: Any) -> Any:
         return reply
 
     return dask_train_evaluate
-
-
-register_handler("dask_train_evaluate", f"{__name__}:make_evaluate_handler")
 
 
 class SpreadValidation:
