@@ -73,7 +73,7 @@ def test_a_batched_stream_closed_by_its_peer_logs_its_line_without_a_traceback()
 
     from distributed.comm.core import CommClosedError
 
-    from dask_train.runtime._plugin import quiet_batched_close
+    from dask_train.runtime._quiet_logs import quiet_batched_close
 
     log = logging.getLogger("distributed.batched")
     out = io.StringIO()
@@ -137,3 +137,33 @@ def test_a_role_failed_by_its_peers_death_logs_no_error_and_its_own_error_does(
     assert "raised ConnectionResetError" in log and "raised ValueError" in log, log[-3000:]
     assert "dt-trainer-1-job-g0" not in log, log[-3000:]  # the peer's death: not logged
     assert "Compute Failed" in log and "dt-trainer-0-job-g0" in log, log[-3000:]
+
+
+def test_lost_blocks_that_dask_train_sends_again_are_no_error() -> None:
+    # The scheduler's line when a killed worker held scattered data: at ERROR, "can't be
+    # recovered". dask-train sends its own blocks again (dt-sent- keys), so that line is INFO;
+    # any other scattered key lost keeps Dask's ERROR.
+    import io
+    import logging
+
+    from dask_train.data._scatter import RESENT_PREFIX
+    from dask_train.runtime._quiet_logs import quiet_scheduler
+
+    log = logging.getLogger("distributed.scheduler")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    line = ("Removing worker 'tcp://127.0.0.1:1' caused the cluster to lose scattered data, "
+            "which can't be recovered: {keys} (stimulus_id='handle-worker-cleanup-1')")
+    try:
+        quiet_scheduler()
+        quiet_scheduler()  # installed once however often it is asked
+        log.error(line.format(keys=f"{{'{RESENT_PREFIX}a1', '{RESENT_PREFIX}b2'}}"))
+        log.error(line.format(keys=f"{{'{RESENT_PREFIX}a1', 'tuple-9f'}}"))
+    finally:
+        log.removeHandler(handler)
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("INFO ") and "which dask-train sends again from its client" in first
+    assert second.startswith("ERROR ") and "can't be recovered" in second
+    assert len([f for f in log.filters if type(f).__name__ == "_ResentData"]) == 1

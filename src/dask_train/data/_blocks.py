@@ -14,6 +14,7 @@ import numpy as np
 from dask.base import tokenize
 from distributed import Client, Future
 
+from dask_train.data._scatter import scatter_resendable, scatter_resendable_async
 from dask_train.data._stall import wait_futures, wait_persisted
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
@@ -165,7 +166,7 @@ class BlockSet:
         if not lost or self.client is None:
             return 0
         assert self.source is not None
-        sent = self.client.scatter([self.source.block(i) for i in lost], hash=False, direct=True)
+        sent = scatter_resendable(self.client, [self.source.block(i) for i in lost], direct=True)
         for i, future in zip(lost, sent):
             self.futures[i] = future
         logger.warning("%d of %d blocks of the in-memory input sent again: the worker holding "
@@ -175,7 +176,7 @@ class BlockSet:
     async def rescatter(self, client: Client, i: int) -> Future:
         """Send block ``i`` to the cluster again from the in-memory source; its new future."""
         assert self.source is not None
-        [future] = await client.scatter([self.source.block(i)], hash=False, direct=True)
+        [future] = await scatter_resendable_async(client, [self.source.block(i)], direct=True)
         self.futures[i] = future
         logger.info("block %d of the in-memory input sent again: the worker holding it was lost", i)
         return future
@@ -409,8 +410,8 @@ async def scatter_blocks(client: Client, X: np.ndarray, y: np.ndarray, *,
     n_blocks = max(1, min(n, max(8 * threads, math.ceil(n / block_rows))))
     bounds = [int(b) for b in np.linspace(0, n, n_blocks + 1)]
     source = LocalSource(X, y, weights, bounds, dtype)
-    futures = await client.scatter([source.block(i) for i in range(n_blocks)], hash=False,
-                                   direct=True)
+    futures = await scatter_resendable_async(client, [source.block(i) for i in range(n_blocks)],
+                                             direct=True)
     rows = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     futures = await spread_blocks(client, list(futures), rows)
     return await _locate(client, futures, rows, source)

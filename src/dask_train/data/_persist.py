@@ -28,6 +28,7 @@ from dask_train.data._blocks import (
 )
 from dask_train.data._cluster import live_workers
 from dask_train.data._inputs import is_collection
+from dask_train.data._scatter import scatter_resendable
 from dask_train.data._stall import wait_futures
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope, in_scope
@@ -123,8 +124,8 @@ def _scatter_local(X: np.ndarray, y: np.ndarray | None, client: Client, dtype: A
         as_pair(X[a:b], None if y is None else y[a:b], dtype) for a, b in zip(bounds[:-1], bounds[1:])
     ]
     # Only to the job's workers (all of them, or a search trial's own).
-    futures = client.scatter(blocks, hash=False, direct=True,
-                             workers=sorted(threads) if current_scope() is not None else None)
+    futures = scatter_resendable(client, blocks, direct=True,
+                                 workers=sorted(threads) if current_scope() is not None else None)
     who_has = client.who_has(futures)
     rows = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]
     # Kept to send a block again when its worker dies (Dask cannot recompute scattered data).

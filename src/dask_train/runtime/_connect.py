@@ -15,7 +15,8 @@ from distributed import Client, get_client
 from dask_train.errors import ClusterUnreachable, InvalidInput
 from dask_train.runtime._compat import start_workers_without_main
 from dask_train.runtime._fork import fork_workers
-from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, quiet_batched_close
+from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
+from dask_train.runtime._quiet_logs import quiet_scheduler
 from dask_train.runtime._roles import remember_handlers
 from dask_train.runtime._versions import check_once, check_versions, mark_checked
 
@@ -156,7 +157,7 @@ def _embedded(
     # Workers never re-run the user's script (see _compat): it saves each of them the script's
     # own imports, and a script without the __main__ guard starts as a notebook would.
     start_workers_without_main()
-    quiet_batched_close()  # the embedded cluster's scheduler runs in this process
+    quiet_scheduler()  # the embedded cluster's scheduler runs in this process
     if dask.config.get("distributed.deploy.lost-worker-timeout") == _LOST_WORKER_DEFAULT:
         # The embedded cluster closes for good a nanny whose killed worker is not back within
         # this time; Dask's 15 s was short on a loaded 2-core machine (a restart took 18 s) and

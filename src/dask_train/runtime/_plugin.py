@@ -21,13 +21,14 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from distributed import Worker, WorkerPlugin, get_worker
 
+from dask_train.runtime._calls import LEAVING_STATES
 from dask_train.runtime._compat import fix_keras_serialization, pause_profiler
+from dask_train.runtime._quiet_logs import quiet_worker
 
 logger = logging.getLogger(__name__)
 
@@ -276,111 +277,6 @@ def _lazy_handler(worker: Worker, name: str, target: str) -> Any:
     return handler
 
 
-_HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
-
-
-class _ClosingHeartbeat(logging.Filter):
-    """Leaves out distributed's heartbeat error of a worker that is closing.
-
-    A heartbeat in flight when its worker closes fails as the worker closes its own connections,
-    and distributed logs it as an ERROR with a traceback, though nothing went wrong: seen at the
-    end of a script on the embedded cluster under load. A heartbeat that fails while its worker
-    runs is still logged. The workers of one process are one set: an in-process cluster's
-    closing worker quiets the others' heartbeat errors while it closes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.workers: weakref.WeakSet[Worker] = weakref.WeakSet()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not str(record.msg).startswith(_HEARTBEAT_FAILED):
-            return True
-        return not any(w.status.name in _CLOSING for w in list(self.workers))
-
-
-_CLOSING = frozenset({"closing", "closed", "closing_gracefully", "failed"})
-_closing_heartbeat = _ClosingHeartbeat()
-
-
-class _RoleCancelled(logging.Filter):
-    """Leaves out distributed's WARNING that a role's task "ended with CancelledError" as its
-    worker closes.
-
-    A worker that leaves with notice cancels the coroutines awaiting its running tasks before
-    its plugins' teardown; a role runs as one task for the whole job, so every departure of a
-    role's worker logged it, though the role goes on until its hand-over ends (see
-    :func:`hold_for_hand_over`). Other tasks' cancellations are still logged.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage() if record.levelno == logging.WARNING else ""
-        return not (text.startswith("Async instruction for") and "execute('dt-" in text
-                    and text.endswith("ended with CancelledError"))
-
-
-_role_cancelled = _RoleCancelled()
-
-#: What a rank's collective raises when a peer's process died (host_sum.HostSum.check, gloo).
-_PEER_GONE = ("Connection reset: rank", "Connection closed by peer", "its server's process")
-
-
-class _PeerLost(logging.Filter):
-    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of a role's task that
-    ended because a peer's process died: the peer's loss is the job's to report, and it does
-    (``result.failures``, a WARNING line); the survivors' own error would read as a second,
-    unexplained failure. A role's own error is still logged, as are other tasks'."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.ERROR:
-            return True
-        text = record.getMessage()
-        return not (text.startswith("Compute Failed") and "Key:       dt-" in text
-                    and any(cause in text for cause in _PEER_GONE))
-
-
-_peer_lost = _PeerLost()
-
-
-def _quiet_closing_heartbeat(worker: Worker) -> None:
-    log = logging.getLogger("distributed.worker")
-    if _closing_heartbeat not in log.filters:
-        log.addFilter(_closing_heartbeat)
-    if _peer_lost not in log.filters:
-        log.addFilter(_peer_lost)
-    _closing_heartbeat.workers.add(worker)
-    machine = logging.getLogger("distributed.worker.state_machine")
-    if _role_cancelled not in machine.filters:
-        machine.addFilter(_role_cancelled)
-    quiet_batched_close()
-
-
-class _BatchedClosed(logging.Filter):
-    """Keeps distributed's INFO line "Batched Comm Closed" but drops its traceback.
-
-    When a cluster closes, a batched stream whose other end closed first (a worker retired
-    while the scheduler still sends to it) logs that line with the ``CommClosedError``'s whole
-    traceback, at INFO: seen at the end of a script on the embedded cluster whose logging was
-    at INFO. Nothing went wrong, and a normal run's log should show no traceback.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("Batched Comm Closed") and record.exc_info \
-                and type(record.exc_info[1]).__name__ == "CommClosedError":
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-_batched_closed = _BatchedClosed()
-
-
-def quiet_batched_close() -> None:
-    """Install :class:`_BatchedClosed` in this process (the scheduler's, or a worker's)."""
-    log = logging.getLogger("distributed.batched")
-    if _batched_closed not in log.filters:
-        log.addFilter(_batched_closed)
-
-
 #: How long a leaving worker waits for a job's controller to answer its notice before it goes.
 ANSWER_S = 5.0
 
@@ -481,7 +377,7 @@ class DaskTrainPlugin(WorkerPlugin):
         objects alive now moves them out of the collector's reach; the process ends right after.
         Only when the worker is closing: a plugin is also torn down when it is registered again.
         """
-        if worker.status.name not in _CLOSING:
+        if worker.status.name not in LEAVING_STATES:
             return
         await hold_for_hand_over(worker, worker_state(worker))
         gc.freeze()
@@ -490,7 +386,7 @@ class DaskTrainPlugin(WorkerPlugin):
         if self.preload:
             threading.Thread(target=_preload, args=(self.preload,), daemon=True,
                              name="dask-train-preload").start()
-        _quiet_closing_heartbeat(worker)
+        quiet_worker(worker)
         state = worker_state(worker)
         state.torch_threads = self.torch_threads or state.torch_threads
         configure_tensorflow(int(state.torch_threads or worker.state.nthreads))

@@ -115,13 +115,14 @@ def check_versions(client: Any) -> None:
 
 
 def _quiet_scheduler(client: Any) -> None:
-    """Keep distributed's "Batched Comm Closed" traceback out of a remote scheduler's log, as
-    the embedded cluster's (``_plugin.quiet_batched_close``): a script that ends while the
-    scheduler still sends to its client (after a lost worker, say) printed one there."""
-    from dask_train.runtime._plugin import quiet_batched_close
+    """Filter a remote scheduler's log as the embedded cluster's (``_quiet_logs.quiet_scheduler``):
+    no "Batched Comm Closed" traceback (a script that ends while the scheduler still sends to
+    its client, after a lost worker, say, printed one there), and no ERROR for lost blocks that
+    dask-train sends again."""
+    from dask_train.runtime._quiet_logs import quiet_scheduler
 
     try:
-        client.run_on_scheduler(quiet_batched_close)
+        client.run_on_scheduler(quiet_scheduler)
     except Exception:  # a scheduler refusing to run functions keeps Dask's own logging
         logger.debug("the scheduler did not install the quiet close", exc_info=True)
 

@@ -1,0 +1,154 @@
+"""Filters of distributed's log for what dask-train's own handling makes no error: a heartbeat
+cut by its worker closing, a role's task cancelled by its worker's departure, a rank that failed
+because a peer died, a batched stream's close, scattered blocks dask-train sends again. Each
+leaves every other record as distributed logs it. Installed on the workers by the plugin
+(:func:`quiet_worker`) and on the scheduler by ``dt.connect`` (:func:`quiet_scheduler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import weakref
+
+from distributed import Worker
+
+from dask_train.runtime._calls import LEAVING_STATES
+
+_HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+
+
+class _ClosingHeartbeat(logging.Filter):
+    """Leaves out distributed's heartbeat error of a worker that is closing.
+
+    A heartbeat in flight when its worker closes fails as the worker closes its own connections,
+    and distributed logs it as an ERROR with a traceback, though nothing went wrong: seen at the
+    end of a script on the embedded cluster under load. A heartbeat that fails while its worker
+    runs is still logged. The workers of one process are one set: an in-process cluster's
+    closing worker quiets the others' heartbeat errors while it closes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not str(record.msg).startswith(_HEARTBEAT_FAILED):
+            return True
+        return not any(w.status.name in LEAVING_STATES for w in list(self.workers))
+
+
+_closing_heartbeat = _ClosingHeartbeat()
+
+
+class _RoleCancelled(logging.Filter):
+    """Leaves out distributed's WARNING that a role's task "ended with CancelledError" as its
+    worker closes.
+
+    A worker that leaves with notice cancels the coroutines awaiting its running tasks before
+    its plugins' teardown; a role runs as one task for the whole job, so every departure of a
+    role's worker logged it, though the role goes on until its hand-over ends (see
+    :func:`dask_train.runtime._plugin.hold_for_hand_over`). Other tasks' cancellations are still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() if record.levelno == logging.WARNING else ""
+        return not (text.startswith("Async instruction for") and "execute('dt-" in text
+                    and text.endswith("ended with CancelledError"))
+
+
+_role_cancelled = _RoleCancelled()
+
+#: What a rank's collective raises when a peer's process died (host_sum.HostSum.check, gloo).
+_PEER_GONE = ("Connection reset: rank", "Connection closed by peer", "its server's process")
+
+
+class _PeerLost(logging.Filter):
+    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of a role's task that
+    ended because a peer's process died: the peer's loss is the job's to report, and it does
+    (``result.failures``, a WARNING line); the survivors' own error would read as a second,
+    unexplained failure. A role's own error is still logged, as are other tasks'."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR:
+            return True
+        text = record.getMessage()
+        return not (text.startswith("Compute Failed") and "Key:       dt-" in text
+                    and any(cause in text for cause in _PEER_GONE))
+
+
+_peer_lost = _PeerLost()
+
+
+def quiet_worker(worker: Worker) -> None:
+    """Install this module's filters of a worker's log (by the dask-train plugin)."""
+    log = logging.getLogger("distributed.worker")
+    if _closing_heartbeat not in log.filters:
+        log.addFilter(_closing_heartbeat)
+    if _peer_lost not in log.filters:
+        log.addFilter(_peer_lost)
+    _closing_heartbeat.workers.add(worker)
+    machine = logging.getLogger("distributed.worker.state_machine")
+    if _role_cancelled not in machine.filters:
+        machine.addFilter(_role_cancelled)
+    quiet_batched_close()
+
+
+class _BatchedClosed(logging.Filter):
+    """Keeps distributed's INFO line "Batched Comm Closed" but drops its traceback.
+
+    When a cluster closes, a batched stream whose other end closed first (a worker retired
+    while the scheduler still sends to it) logs that line with the ``CommClosedError``'s whole
+    traceback, at INFO: seen at the end of a script on the embedded cluster whose logging was
+    at INFO. Nothing went wrong, and a normal run's log should show no traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Batched Comm Closed") and record.exc_info \
+                and type(record.exc_info[1]).__name__ == "CommClosedError":
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_batched_closed = _BatchedClosed()
+
+
+class _ResentData(logging.Filter):
+    """Logs the scheduler's "lose scattered data, which can't be recovered" at INFO when every
+    lost key is in-memory data dask-train sends again (:mod:`dask_train.data._scatter`): a
+    killed worker's blocks are not lost to the job, and an ERROR line would say they were."""
+
+    _KEY = re.compile(r"'([^']*)'")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.msg
+        if record.levelno >= logging.ERROR and isinstance(text, str) \
+                and "caused the cluster to lose scattered data" in text:
+            from dask_train.data._scatter import RESENT_PREFIX
+
+            lost = text.partition("can't be recovered: ")[2].rpartition(" (stimulus_id")[0]
+            keys = self._KEY.findall(lost)
+            if keys and all(k.startswith(RESENT_PREFIX) for k in keys):
+                record.levelno, record.levelname = logging.INFO, "INFO"
+                record.msg = text.replace("which can't be recovered",
+                                          "which dask-train sends again from its client")
+        return True
+
+
+_resent_data = _ResentData()
+
+
+def quiet_scheduler() -> None:
+    """Install this module's filters of the scheduler's log in this process (the embedded
+    cluster's, or, through ``run_on_scheduler``, a remote one's)."""
+    quiet_batched_close()
+    log = logging.getLogger("distributed.scheduler")
+    if _resent_data not in log.filters:
+        log.addFilter(_resent_data)
+
+
+def quiet_batched_close() -> None:
+    """Install :class:`_BatchedClosed` in this process (the scheduler's, or a worker's)."""
+    log = logging.getLogger("distributed.batched")
+    if _batched_closed not in log.filters:
+        log.addFilter(_batched_closed)
