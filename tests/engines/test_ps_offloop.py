@@ -122,7 +122,10 @@ def test_event_loop_stays_responsive_during_large_updates(client: Client, path: 
     pusher_addr = server_addr if path == "local" else other_addr
     job = f"offloop-{uuid.uuid4().hex[:8]}"
     shard = ShardRef(index=0, start=0, stop=N_PARAMS, address=server_addr)
-    started, enough, stop = (Event(f"{job}-{name}") for name in ("started", "enough", "stop"))
+    # client=: the test's own cluster's, not the default client (another session cluster's,
+    # when a test of it ran last in this process: the events then never met the workers').
+    started, enough, stop = (Event(f"{job}-{name}", client=client)
+                             for name in ("started", "enough", "stop"))
     try:
         client.submit(_start_shard, job, shard, workers=[server_addr], pure=False).result()
         baseline = min(_round_trip(client, server_addr) for _ in range(5))

@@ -191,7 +191,7 @@ def test_gather_timeout_names_the_slow_rank(client: Client) -> None:
         with pytest.raises(dt.TrainingTimeout) as info:
             group.gather(futures, timeout=0.5)
     finally:
-        Event(name).set()
+        Event(name, client=client).set()
     assert f"rank 0 on {group.ranks[0]} did not finish within 0.5 s" in str(info.value)
     assert "rank 1" not in str(info.value) and group.closed
 
@@ -205,14 +205,16 @@ def test_missing_rank_times_out_and_names_it(client: Client, blocked: int, stage
     name = f"blocker-{uuid.uuid4().hex}"
     # Occupy the victim's only worker thread, so its rank's task cannot start.
     blocker = client.submit(_block, name, workers=[victim], allow_other_workers=False, pure=False)
-    assert Event(f"{name}-started").wait(30)
+    # client=: this cluster's, not the default client (client4's, when a test of it ran
+    # last in this process: the wait then never saw the worker's event).
+    assert Event(f"{name}-started", client=client).wait(30)
     start = time.monotonic()
     try:
         with pytest.raises(dt.TrainingTimeout) as info:
             dt.start_torch(client, workers=workers, timeout=3)
         elapsed = time.monotonic() - start
     finally:
-        Event(name).set()
+        Event(name, client=client).set()
     blocker.result(timeout=30)
     message = str(info.value)
     assert f"rank {blocked} on {victim} did not {stage} within 3 s" in message
