@@ -86,7 +86,8 @@ def _scheduler_problem(want: str, have: str | None, error: str | None) -> str:
 
 
 def check_versions(client: Any) -> None:
-    """Raise :class:`~dask_train.errors.ClusterMismatch` when the cluster differs from the client.
+    """Raise :class:`~dask_train.errors.ClusterMismatch` when the cluster differs from the client;
+    a scheduler that passes gets dask-train's log filters (it can import dask-train now).
 
     Raises
     ------
