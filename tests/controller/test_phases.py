@@ -521,3 +521,46 @@ def test_a_loss_seen_with_the_stopping_score_keeps_what_the_stop_claims(tmp_path
     # step 4 under the stop's reason from a generation stopped before it trained.
     assert outcome.model_step == 8
     np.testing.assert_array_equal(outcome.ending.params, np.full(N_PARAMS, outcome.model_step))
+
+
+def test_scores_queued_behind_the_stopping_score_stay_out_of_the_history() -> None:
+    # On a loaded machine the scorer runs ahead of the controller: scores of later steps are
+    # already queued when a score stops the job. The result holds the parameters scored at the
+    # stopping step, so the history ends with that score (a later, lower one after it once
+    # made the history's last row contradict `stopped_by`).
+    engine = FakeEngine([(0.0, Started(trainer=-1)), (0.0, Progress(step=9)),
+                         (0.02, _score(4, accuracy=0.5, loss=1.2)),
+                         (0.04, _score(7, accuracy=0.95, loss=0.3)),
+                         (0.04, _score(8, accuracy=0.85, loss=0.6)),
+                         (0.04, _score(9, accuracy=0.97, loss=0.2))])
+    run = _run([engine], _spec(stop=[StopAtScore("accuracy", 0.9)]))
+    outcome = _ok(run)
+
+    assert outcome.stopped_by == "StopAtScore(accuracy>=0.9)" and outcome.model_step == 7
+    np.testing.assert_array_equal(outcome.ending.params, np.full(N_PARAMS, 7.0))
+    assert [r["step"] for r in outcome.log.records] == [4, 7]
+    assert outcome.log.records[-1]["accuracy"] == 0.95
+
+
+class _Forgetful(FakeEngine):
+    """An engine whose scorer no longer holds the stopping score's snapshot at the stop."""
+
+    async def stop(self, *, keep_step: int | None) -> Any:
+        self.scored.clear()
+        return await super().stop(keep_step=keep_step)
+
+
+def test_a_stopping_snapshot_no_longer_kept_is_closed_by_the_final_parameters_score() -> None:
+    engine = _Forgetful([(0.0, Started(trainer=-1)), (0.0, Progress(step=9)),
+                         (0.02, _score(4, accuracy=0.5, loss=1.2)),
+                         (0.04, _score(7, accuracy=0.95, loss=0.3)),
+                         (0.04, _score(8, accuracy=0.85, loss=0.6))],
+                        final_score={"accuracy": 0.8, "loss": 0.7})
+    run = _run([engine], _spec(stop=[StopAtScore("accuracy", 0.9)]))
+    outcome = _ok(run)
+
+    assert outcome.stopped_by == "StopAtScore(accuracy>=0.9)"
+    # The result holds the final parameters, and the history ends with their score.
+    assert outcome.model_step == 9
+    assert [(r["step"], r["accuracy"]) for r in outcome.log.records] == \
+        [(4, 0.5), (7, 0.95), (9, 0.8)]

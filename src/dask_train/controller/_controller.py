@@ -312,6 +312,14 @@ class Controller:
 
     def on_score(self, event: Score) -> None:
         """A score: a history record, a progress update, callbacks and stop conditions."""
+        if self.state.stop_step is not None and event.step > self.state.stop_step and \
+                self.engine is not None and self.engine.keeps_scored:
+            # The scorer runs ahead of this loop on a loaded machine: scores of later steps may
+            # be queued behind the one that stopped the job. The result holds the parameters of
+            # the stopping score, so the history ends with it.
+            logger.debug("score of step %d after the stop at step %d not recorded", event.step,
+                         self.state.stop_step)
+            return
         record = self._record(event)
         bad = list(event.nonfinite)
         if bad:
@@ -722,7 +730,10 @@ class Controller:
             ending.params = final["params"]  # a score stopped the job: the parameters that earned it
             ending.buffers = final.get("buffers")  # and the buffers they were scored with
         elif final is not None and final["record"] is not None:
-            self.on_score(final["record"])  # the final parameters' score closes the history
+            # The final parameters' score closes the history: the result holds them (the
+            # stopping score's snapshot, if there was one, was not kept).
+            self.state.stop_step = None
+            self.on_score(final["record"])
         if self.checkpoints is not None and not self.state.nan_stop and \
                 engine.schedules_checkpoints:
             manifest = self._manifest(engine.ledger_state(), ending.rng)

@@ -83,6 +83,11 @@ class Engine(ABC):
     #: True for an engine whose surviving trainers hold the state to go on from after a trainer
     #: is killed (:meth:`survivors`): sync ranks.
     recovers_from_survivors: ClassVar[bool] = False
+    #: True for an engine whose result, after a score stopped the job, holds the parameters that
+    #: score was taken of (``stop(keep_step=...)``); the scores of later steps still queued then
+    #: describe parameters the result does not hold. False for ``dt.run``: its ranks' final
+    #: state is the result.
+    keeps_scored: ClassVar[bool] = True
 
     @abstractmethod
     async def start(self, emit: Emit) -> None:

@@ -2,11 +2,11 @@
 scored parameter snapshots; and the scorer's schedule, which keeps it within its CPU budget.
 
 A score reaches the controller within milliseconds on an idle machine, but may take seconds on
-a loaded one (a Keras job on a busy CI machine stopped on a score whose snapshot was no longer
-among the four kept then, and its result held the final parameters, below the bar). So the keeper holds the
-newest :data:`SNAPSHOTS` snapshots, and besides them every snapshot taken in the last
-:data:`WINDOW_S` seconds, as long as those extra ones stay within :data:`EXTRA_BYTES`: the result
-holds the parameters that earned the stopping score, not those of a few asynchronous steps later.
+a loaded one, while the scorer goes on scoring newer parameters. So the keeper holds the newest
+:data:`SNAPSHOTS` snapshots, and besides them every snapshot taken in the last :data:`WINDOW_S`
+seconds, as long as those extra ones stay within :data:`EXTRA_BYTES`: the result holds the
+parameters that earned the stopping score, not those of a few asynchronous steps later (and the
+controller leaves the scores queued behind the stopping one out of the history).
 
 The scorer shares the cores with the trainers, so it must not take more than its share of them:
 :class:`ScoreSchedule` scores every ``score_every`` seconds, and skips a score that would lift
