@@ -173,27 +173,33 @@ def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
 
 
 class _StopAfterDeparture(dt.Callback):
-    """Stops the job two scores after the cluster shrank to ``workers``."""
+    """Stops the job two scores after the cluster shrank to ``workers`` and the ``leaving``
+    worker's process ended. Not on the shrinking alone: the scheduler forgets a retired worker
+    before the worker's close holds it for the hand-over, and a stop two scores later came
+    before the hand-over on a loaded machine (the job then stopped the leaving worker's roles
+    with the others, and had no departure to show)."""
 
-    def __init__(self, client: Client, workers: int) -> None:
-        self.client, self.workers, self.after = client, workers, -1
+    def __init__(self, client: Client, workers: int, leaving: subprocess.Popen[bytes]) -> None:
+        self.client, self.workers, self.leaving, self.after = client, workers, leaving, -1
 
     def on_score(self, record: Any) -> bool:
-        if self.after < 0 and len(live_workers(self.client)) <= self.workers:
+        if self.after < 0 and len(live_workers(self.client)) <= self.workers and \
+                self.leaving.poll() is not None:
             self.after = 0
         elif self.after >= 0:
             self.after += 1
         return self.after >= 2
 
 
-def _train_until_one_left(client: Client, *callbacks: dt.Callback) -> Any:
-    """An async job that runs until the cluster has two workers, and two scores more; every
-    worker holds a role (the one that leaves holds one too)."""
+def _train_until_one_left(client: Client, leaving: subprocess.Popen[bytes],
+                          *callbacks: dt.Callback) -> Any:
+    """An async job that runs until the cluster has two workers and ``leaving`` has ended, and
+    two scores more; every worker holds a role (the one that leaves holds one too)."""
     client.wait_for_workers(3, timeout=30)
     X, Y, validation = _data()
     return dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=1000,
                       score_every=0.2, timeout=30, progress=False, client=client,
-                      callbacks=[*callbacks, _StopAfterDeparture(client, 2)],
+                      callbacks=[*callbacks, _StopAfterDeparture(client, 2, leaving)],
                       stop=[dt.StopAfter(seconds=120)]).fit(X, Y, validation=validation)
 
 
@@ -226,9 +232,9 @@ def _assert_handed_over(result: Any, output: str, *, retired: bool = True) -> No
 def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(tmp_path: Path) -> None:
     # What dask-jobqueue recommends: `dask worker --lifetime` closes each worker before its
     # batch job's walltime (Worker.close_gracefully: retired, then closed).
-    with dask_cli_cluster(tmp_path, ["--lifetime", "12s"]) as (address, _), \
+    with dask_cli_cluster(tmp_path, ["--lifetime", "12s"]) as (address, [leaving]), \
             Client(address) as client:
-        result = _train_until_one_left(client)
+        result = _train_until_one_left(client, leaving)
         output = (tmp_path / "cluster.log").read_text()  # the job's, not the cluster's end
     _assert_handed_over(result, output)
 
@@ -250,7 +256,7 @@ def test_a_dask_worker_sent_sigterm_hands_its_roles_over(tmp_path: Path) -> None
     # retiring: the worker's close still holds for the hand-over, well inside those 10 s.
     with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
         client.wait_for_workers(3, timeout=30)
-        result = _train_until_one_left(client, _TerminateAt(leaving))
+        result = _train_until_one_left(client, leaving, _TerminateAt(leaving))
         output = (tmp_path / "cluster.log").read_text()
     _assert_handed_over(result, output, retired=False)
 

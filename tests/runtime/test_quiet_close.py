@@ -167,3 +167,44 @@ def test_lost_blocks_that_dask_train_sends_again_are_no_error() -> None:
     assert first.startswith("INFO ") and "which dask-train sends again from its client" in first
     assert second.startswith("ERROR ") and "can't be recovered" in second
     assert len([f for f in log.filters if type(f).__name__ == "_ResentData"]) == 1
+
+
+def test_a_closed_workers_stop_queue_read_at_its_exit_is_no_error() -> None:
+    # distributed's nanny thread in a worker process reads its stop queue; a worker that closed
+    # by itself (--lifetime) closes that queue on its way out under the read, and distributed
+    # logged "Worker process died unexpectedly" with a TypeError traceback (half of the lifetime
+    # workers' exits in the departure tests). Once the worker has closed it is an INFO line.
+    import asyncio
+    import io
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    from dask_train.runtime._quiet_logs import quiet_worker
+
+    def died() -> str:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        log = logging.getLogger("distributed.nanny")
+        log.addHandler(handler)
+        try:
+            try:
+                raise TypeError("'NoneType' object cannot be interpreted as an integer")
+            except TypeError:
+                log.exception("Worker process died unexpectedly")
+        finally:
+            log.removeHandler(handler)
+        return stream.getvalue()
+
+    async def main() -> tuple[str, str]:
+        async with Scheduler(dashboard_address=":0") as s:
+            worker = await Worker(s.address)
+            quiet_worker(worker)
+            running = died()
+            await worker.close()
+            return running, died()
+
+    running, closed = asyncio.run(main())
+    assert running.startswith("ERROR Worker process died unexpectedly") and "Traceback" in running
+    assert closed.startswith("INFO the worker's stop queue was closed") and "Traceback" not in closed

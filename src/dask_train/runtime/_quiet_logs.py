@@ -1,6 +1,7 @@
 """Filters of distributed's log for what dask-train's own handling makes no error: a heartbeat
 cut by its worker closing, a role's task cancelled by its worker's departure, a rank that failed
-because a peer died, a batched stream's close, scattered blocks dask-train sends again. Each
+because a peer died, a batched stream's close, scattered blocks dask-train sends again, a closed
+worker's stop queue read as its process ends. Each
 leaves every other record as distributed logs it. Installed on the workers by the plugin
 (:func:`quiet_worker`) and on the scheduler by ``dt.connect`` (:func:`quiet_scheduler`).
 """
@@ -80,8 +81,39 @@ class _PeerLost(logging.Filter):
 _peer_lost = _PeerLost()
 
 
+class _ClosedStopQueue(logging.Filter):
+    """Logs distributed's "Worker process died unexpectedly" at INFO, without its traceback,
+    when the worker of this process had closed already.
+
+    A nanny's worker process watches a queue for its nanny's stop message on a thread. When the
+    worker closes by itself (``dask worker --lifetime``, a retirement), the process closes that
+    queue on its way out while the thread still reads it, and the read fails (``TypeError``:
+    the queue's handle is gone). distributed then logs an ERROR with a traceback after "Worker
+    closed", though nothing died: seen on half of the lifetime workers' exits once torch was
+    imported in them (a slower end of the process gives the thread time to wake). A worker
+    that dies while it runs is still logged as distributed logs it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        workers = list(_closing_heartbeat.workers)  # this process's (one, under a nanny)
+        if record.levelno >= logging.ERROR and record.msg == "Worker process died unexpectedly" \
+                and record.exc_info and isinstance(record.exc_info[1], (TypeError, OSError)) \
+                and workers and all(w.status.name == "closed" for w in workers):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = ("the worker's stop queue was closed as its process ended (the worker "
+                          "had closed; nothing died)")
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_closed_stop_queue = _ClosedStopQueue()
+
+
 def quiet_worker(worker: Worker) -> None:
     """Install this module's filters of a worker's log (by the dask-train plugin)."""
+    nanny = logging.getLogger("distributed.nanny")
+    if _closed_stop_queue not in nanny.filters:
+        nanny.addFilter(_closed_stop_queue)
     log = logging.getLogger("distributed.worker")
     if _closing_heartbeat not in log.filters:
         log.addFilter(_closing_heartbeat)
