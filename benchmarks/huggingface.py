@@ -145,7 +145,7 @@ def _dt_run_rank(ctx: Any, target: float, out: str) -> Any:
 
     import dask_train as dt
 
-    trainer = Trainer(model=make_bert(), args=arguments(tempfile.mkdtemp()),
+    trainer = Trainer(model=make_bert(), args=arguments(ctx.scratch_dir),
                       train_dataset=dt.huggingface.dataset(ctx),
                       eval_dataset=dt.huggingface.dataset(ctx, "val"), compute_metrics=accuracy,
                       callbacks=[dt.huggingface.Report(ctx, checkpoint=True),

@@ -284,6 +284,27 @@ def test_a_function_without_data_or_reports(client):
     assert result.returns == ["hey from 0 of 2 on cpu", "hey from 1 of 2 on cpu"]
 
 
+def test_each_rank_has_a_scratch_dir_removed_when_its_function_ends(client):
+    def scratch(ctx, fail=False):
+        path = ctx.scratch_dir
+        assert ctx.scratch_dir == path  # one per rank for the whole run
+        with open(os.path.join(path, "written"), "w") as f:
+            f.write(str(ctx.rank))
+        if fail and ctx.rank == 1:
+            raise ValueError(path)
+        return path, os.listdir(path)
+
+    result = dt.run(scratch, client=client, workers=2)
+    (first, files), (second, _) = result.returns
+    assert first != second and files == ["written"]
+    # Removed on the workers (which share this machine's disk) when each function returned.
+    assert not os.path.exists(first) and not os.path.exists(second)
+    with pytest.raises(RoleFailed) as info:
+        dt.run(scratch, client=client, workers=2, config={"fail": True})
+    failed = str(info.value.__cause__)
+    assert "dask-train-rank1-" in failed and not os.path.exists(failed)
+
+
 def test_reduced_metrics_combine_the_ranks(client, digits):
     X, y, _, _ = digits
 

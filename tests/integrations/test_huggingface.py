@@ -8,8 +8,8 @@ SIGKILLed, and both ranks going on from HF's checkpoint with its global step; an
 
 from __future__ import annotations
 
+import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -50,12 +50,12 @@ def accuracy(prediction):
     return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
 
 
-def arguments(**kwargs):
+def arguments(output_dir, **kwargs):
     from transformers import TrainingArguments
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" at each save
-    options = {"output_dir": tempfile.mkdtemp(), "per_device_train_batch_size": BATCH,
+    options = {"output_dir": output_dir, "per_device_train_batch_size": BATCH,
                "learning_rate": 3e-3, "logging_steps": 10, "report_to": [], "use_cpu": True,
                "disable_tqdm": True, "dataloader_pin_memory": False,
                "ddp_find_unused_parameters": False, "seed": 0, "save_strategy": "no",
@@ -68,7 +68,7 @@ def train_bert(ctx, checkpoint=False, **kwargs):
     the checkpoint to resume from come from dask-train."""
     from transformers import Trainer
 
-    trainer = Trainer(model=make_bert(), args=arguments(**kwargs),
+    trainer = Trainer(model=make_bert(), args=arguments(ctx.scratch_dir, **kwargs),
                       train_dataset=dt.huggingface.dataset(ctx),
                       eval_dataset=dt.huggingface.dataset(ctx, "val"), compute_metrics=accuracy,
                       callbacks=[dt.huggingface.Report(ctx, checkpoint=checkpoint)])
@@ -79,7 +79,7 @@ def train_bert(ctx, checkpoint=False, **kwargs):
     return {"rank": ctx.rank, "world": trainer.args.world_size, "step": trainer.state.global_step,
             "max_steps": trainer.state.max_steps, "from_step": start,
             "own_rng": path is not None and (Path(path) / f"rng_state_{ctx.rank}.pth").is_file(),
-            "accuracy": trainer.evaluate()["eval_accuracy"]}
+            "accuracy": trainer.evaluate()["eval_accuracy"], "resumed_from": path}
 
 
 def _step_of(path: str) -> int:
@@ -101,7 +101,7 @@ def token_data(tmp_path_factory):
     return train, val
 
 
-def test_the_trainer_on_two_ranks_is_as_accurate_as_in_one_process(client, token_data):
+def test_the_trainer_on_two_ranks_is_as_accurate_as_in_one_process(client, token_data, tmp_path):
     train, val = token_data
     X, y = dt.huggingface.from_dataset(train, inputs=["input_ids", "attention_mask"],
                                        rows_per_block=500)
@@ -118,7 +118,8 @@ def test_the_trainer_on_two_ranks_is_as_accurate_as_in_one_process(client, token
     held = [{"input_ids": torch.as_tensor(i), "attention_mask": torch.as_tensor(m),
              "labels": torch.as_tensor(t)}
             for i, m, t in zip(val[0]["input_ids"], val[0]["attention_mask"], val[1])]
-    alone = Trainer(model=make_bert(), args=arguments(num_train_epochs=2), train_dataset=rows,
+    alone = Trainer(model=make_bert(), args=arguments(str(tmp_path), num_train_epochs=2),
+                    train_dataset=rows,
                     eval_dataset=held, compute_metrics=accuracy)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank has: 2 threads on 2 busy cores spin (30x slower once)
@@ -207,6 +208,8 @@ def test_a_trainer_whose_worker_is_killed_goes_on_from_its_checkpoint(tmp_path, 
     assert {r["from_step"] for r in ranks} <= {20, 40} and len({r["from_step"] for r in ranks}) == 1
     assert all(r["step"] == r["max_steps"] == 96 for r in ranks)
     assert all(r["own_rng"] for r in ranks)  # each rank's RNG state, saved by that rank
+    # The checkpoint written back for HF went with each rank's scratch_dir when it returned.
+    assert not any(os.path.exists(r["resumed_from"]) for r in ranks)
     assert ranks[0]["accuracy"] > 0.85
     # The history's steps went on from the checkpoint too, and every row was read once per epoch.
     steps = list(result.history["step"])

@@ -104,20 +104,26 @@ def gather_to_first(files: dict[str, Any]) -> list[dict[str, Any]]:
     return [g for g in gathered or [] if g]
 
 
-def rebuild(state: Any) -> str:
-    """Write the checkpoint :func:`capture` read into a new local directory; its path.
-
-    Every rank's RNG file is written (``rng_state_<rank>.pth``, gathered at the save, see
-    :func:`rng_files`): HF's resume on rank ``r`` reads its own.
-    """
+def check(state: Any) -> None:
+    """Raise InvalidInput unless ``state`` is a checkpoint :func:`capture` read."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise InvalidInput(["checkpoint_path(ctx): the job's checkpoint is not Hugging Face's "
                             "(it was not reported by dt.huggingface.Report(ctx, "
                             "checkpoint=True)); read it with ctx.restore()."])
+
+
+def rebuild(state: Any, root: str) -> str:
+    """Write the checkpoint :func:`capture` read (see :func:`check`) into a new directory under
+    ``root``; its path.
+
+    Every rank's RNG file is written (``rng_state_<rank>.pth``, gathered at the save, see
+    :func:`rng_files`): HF's resume on rank ``r`` reads its own.
+    """
+    check(state)
     import torch
     from safetensors.torch import save_file
 
-    root = tempfile.mkdtemp(prefix="dask-train-hf-")
+    root = tempfile.mkdtemp(prefix="resume-", dir=root)
     directory = os.path.join(root, str(state.get("name") or "checkpoint"))
     for relative, entry in state["files"].items():
         path = os.path.join(directory, *relative.split("/"))

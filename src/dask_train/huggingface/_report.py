@@ -156,8 +156,9 @@ def checkpoint_path(ctx: Any) -> str | None:
     ``trainer.train(resume_from_checkpoint=...)``, or None on a fresh start (HF starts from
     scratch).
 
-    The files :class:`Report` reported (``checkpoint=True``) are written back into a new local
-    directory on this rank's worker (``torch.save`` of the tensors and plain values the job read
+    The files :class:`Report` reported (``checkpoint=True``) are written back into a new
+    directory in ``ctx.scratch_dir``, on this rank's worker and removed when the function returns
+    (``torch.save`` of the tensors and plain values the job read
     back, which HF loads with ``weights_only=True``): HF restores the weights, the optimizer, the
     scheduler and its ``TrainerState`` (the global step goes on from the checkpoint's), and
     :func:`dataset` goes on from the rows the ledger had not given out, so every row is still read
@@ -170,7 +171,8 @@ def checkpoint_path(ctx: Any) -> str | None:
     state = ctx.restore()
     if state is None:
         return None
-    return _checkpoint.rebuild(state)
+    _checkpoint.check(state)
+    return _checkpoint.rebuild(state, ctx.scratch_dir)
 
 
 def _number(value: Any) -> float | None:

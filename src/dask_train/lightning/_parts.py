@@ -167,8 +167,9 @@ def checkpoint_path(ctx: Any) -> str | None:
     ckpt_path=...)``, or None on a fresh start (Lightning then starts from scratch).
 
     The state :class:`Report` reported (``checkpoint=True``), read back from the job's
-    checkpoint (safetensors and JSON) and saved with ``torch.save`` in a local temporary file
-    on this rank's worker: tensors, numbers, strings and containers only, which Lightning loads
+    checkpoint (safetensors and JSON) and saved with ``torch.save`` in ``ctx.scratch_dir`` (on
+    this rank's worker, removed when the function returns): tensors, numbers, strings and
+    containers only, which Lightning loads
     with ``torch.load(weights_only=True)``.
     """
     state = ctx.restore()
@@ -180,7 +181,7 @@ def checkpoint_path(ctx: Any) -> str | None:
         raise InvalidInput(["checkpoint_path(ctx): the job's checkpoint is not Lightning's (it "
                             "was not reported by dt.lightning.Report(ctx, checkpoint=True)); "
                             "read it with ctx.restore()."])
-    path = os.path.join(tempfile.mkdtemp(prefix="dask-train-lightning-"), "resume.ckpt")
+    path = os.path.join(tempfile.mkdtemp(prefix="resume-", dir=ctx.scratch_dir), "resume.ckpt")
     torch.save(state, path)
     return path
 

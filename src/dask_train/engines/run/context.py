@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -127,6 +129,9 @@ class RunContext:
         The epoch :meth:`epochs` is in (-1 before it starts).
     step : int
         Batches this rank has taken (counted on from the checkpoint after a restart).
+    scratch_dir : str
+        A directory of this rank's own in its Dask worker's local directory, removed when the
+        function returns or raises (a framework's ``output_dir``, a resume checkpoint).
     """
 
     def __init__(self, role: TrainerRole, *, run: RunSettings, config: Mapping[str, Any],
@@ -153,6 +158,22 @@ class RunContext:
         # epoch, whatever share of it the rank got (none, with fewer blocks than ranks).
         self._data_epoch = int(restore.get("next_epoch", 0)) if restore else 0
         self._first_epoch = self._data_epoch
+        self._scratch: str | None = None
+
+    @property
+    def scratch_dir(self) -> str:
+        """A directory of this rank's own on its worker's local disk, made at the first read and
+        removed with what is in it when the function returns or raises: for what a framework
+        writes only to read back in the same run (Hugging Face's ``output_dir``, the checkpoint
+        ``dt.huggingface.checkpoint_path`` rebuilds). The job's checkpoints are kept elsewhere
+        (:meth:`report`)."""
+        if self._scratch is None:
+            # In the worker's own directory: Dask removes what a killed worker left there when
+            # the next worker starts on that machine.
+            self._scratch = tempfile.mkdtemp(prefix=f"dask-train-rank{self.rank}-",
+                                             dir=getattr(self._role.worker, "local_directory",
+                                                         None))
+        return self._scratch
 
     # -- the model ---------------------------------------------------------------------------------
     def prepare(self, model: Any, **ddp_options: Any) -> Any:
@@ -491,12 +512,19 @@ class RunContext:
             self._report_stats(self._cursor, force=True)
         if self._host is not None:
             self._host.close()
+        self._drop_scratch()
 
     def abort(self) -> None:
         """This rank's own code raised: release the peers waiting for it in a host-memory sum
         (they fail at once, as over gloo when its process goes)."""
         if self._host is not None:
             self._host.abort()
+        self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 class StateHolder:
