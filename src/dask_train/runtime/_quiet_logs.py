@@ -90,9 +90,9 @@ class _ClosedStopQueue(logging.Filter):
     queue on its way out while the thread still reads it, and the read fails (``TypeError``:
     the queue's handle is gone). distributed then logs an ERROR with a traceback after "Worker
     closed", though nothing died: seen on 3 of 6 ``dask worker --lifetime`` exits with
-    dask-train's plugin on them, and 0 of 6 without (the process ended about 2 s after its
-    worker closed, time for the thread to wake). A worker that dies while it runs is still
-    logged as distributed logs it.
+    dask-train's plugin on them, and 0 of 6 without (why the plugin changes the race is not
+    known; the nanny closes about 2 s after "Worker closed" either way). A worker that dies
+    while it runs is still logged as distributed logs it.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
