@@ -113,13 +113,12 @@ def check(state: Any) -> None:
 
 
 def rebuild(state: Any, root: str) -> str:
-    """Write the checkpoint :func:`capture` read (see :func:`check`) into a new directory under
-    ``root``; its path.
+    """Write the checkpoint :func:`capture` read (one that passed :func:`check`) into a new
+    directory under ``root``; its path.
 
     Every rank's RNG file is written (``rng_state_<rank>.pth``, gathered at the save, see
     :func:`rng_files`): HF's resume on rank ``r`` reads its own.
     """
-    check(state)
     import torch
     from safetensors.torch import save_file
 

@@ -18,6 +18,10 @@ from dask_train.runtime._calls import LEAVING_STATES
 
 _HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
 
+#: The workers of this process that have dask-train's plugin (one under a nanny; several in an
+#: in-process cluster): the filters below ask whether they are closing or closed.
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
+
 
 class _ClosingHeartbeat(logging.Filter):
     """Leaves out distributed's heartbeat error of a worker that is closing.
@@ -29,14 +33,10 @@ class _ClosingHeartbeat(logging.Filter):
     closing worker quiets the others' heartbeat errors while it closes.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.workers: weakref.WeakSet[Worker] = weakref.WeakSet()
-
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or not str(record.msg).startswith(_HEARTBEAT_FAILED):
             return True
-        return not any(w.status.name in LEAVING_STATES for w in list(self.workers))
+        return not any(w.status.name in LEAVING_STATES for w in list(_workers))
 
 
 _closing_heartbeat = _ClosingHeartbeat()
@@ -96,7 +96,7 @@ class _ClosedStopQueue(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        workers = list(_closing_heartbeat.workers)  # this process's (one, under a nanny)
+        workers = list(_workers)
         if record.levelno >= logging.ERROR and record.msg == "Worker process died unexpectedly" \
                 and record.exc_info and isinstance(record.exc_info[1], (TypeError, OSError)) \
                 and workers and all(w.status.name == "closed" for w in workers):
@@ -120,7 +120,7 @@ def quiet_worker(worker: Worker) -> None:
         log.addFilter(_closing_heartbeat)
     if _peer_lost not in log.filters:
         log.addFilter(_peer_lost)
-    _closing_heartbeat.workers.add(worker)
+    _workers.add(worker)
     machine = logging.getLogger("distributed.worker.state_machine")
     if _role_cancelled not in machine.filters:
         machine.addFilter(_role_cancelled)

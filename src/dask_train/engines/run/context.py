@@ -162,11 +162,11 @@ class RunContext:
 
     @property
     def scratch_dir(self) -> str:
-        """A directory of this rank's own on its worker's local disk, made at the first read and
-        removed with what is in it when the function returns or raises: for what a framework
-        writes only to read back in the same run (Hugging Face's ``output_dir``, the checkpoint
-        ``dt.huggingface.checkpoint_path`` rebuilds). The job's checkpoints are kept elsewhere
-        (:meth:`report`)."""
+        """A directory of this rank's own in its Dask worker's local directory, made at the first
+        read and removed with what is in it when the function returns or raises: for what a
+        framework writes only to read back in the same run (Hugging Face's ``output_dir``, the
+        checkpoint ``dt.huggingface.checkpoint_path`` rebuilds). The job's checkpoints are kept
+        elsewhere (:meth:`report`)."""
         if self._scratch is None:
             # In the worker's own directory: Dask removes what a killed worker left there when
             # the next worker starts on that machine.
