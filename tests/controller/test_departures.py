@@ -261,6 +261,33 @@ def test_a_dask_worker_sent_sigterm_hands_its_roles_over(tmp_path: Path) -> None
     _assert_handed_over(result, output, retired=False)
 
 
+class _TerminateJobAt(dt.Callback):
+    """Sends SIGTERM to ``process`` and to its worker process together at the third score, as
+    a batch system does to every process of a job at its walltime (or on ``scancel``)."""
+
+    def __init__(self, client: Client, process: subprocess.Popen[bytes]) -> None:
+        self.client, self.process, self.scores = client, process, 0
+
+    def on_score(self, record: Any) -> None:
+        self.scores += 1
+        if self.scores == 3:
+            pids, parents = self.client.run(os.getpid), self.client.run(os.getppid)
+            [worker] = [pids[a] for a, parent in parents.items() if parent == self.process.pid]
+            for pid in (self.process.pid, worker):
+                os.kill(pid, signal.SIGTERM)
+
+
+def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
+        tmp_path: Path) -> None:
+    # The worker process gets SIGTERM beside its nanny. It once died of it at once, before the
+    # nanny's close: a loss. It now closes as the nanny asks, holding for the hand-over.
+    with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
+        client.wait_for_workers(3, timeout=30)
+        result = _train_until_one_left(client, leaving, _TerminateJobAt(client, leaving))
+        output = (tmp_path / "cluster.log").read_text()
+    _assert_handed_over(result, output, retired=False)
+
+
 def _run_loop(ctx: Any) -> dict[str, Any]:
     """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report."""
     import torch.nn.functional as F

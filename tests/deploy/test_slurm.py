@@ -1,10 +1,12 @@
 """dask-train on dask-jobqueue's ``SLURMCluster``, against a real one-node Slurm (``_slurm.py``).
 
-The workers are Slurm batch jobs running ``dask worker --lifetime ... --lifetime-restart``, as
-dask-jobqueue recommends for jobs that must end before their walltime: each worker closes with
-notice when its lifetime ends (and its nanny starts a new one in the same job) while a
-dask-train job trains on it. What a user is promised: the worker's roles are handed over (a
-record in ``result.departures``, not a failure), no sample is applied twice, and training goes on.
+The workers are Slurm batch jobs. In the first test they run ``dask worker --lifetime ...
+--lifetime-restart``, as dask-jobqueue recommends for jobs that must end before their walltime:
+each worker closes with notice when its lifetime ends (and its nanny starts a new one in the
+same job) while a dask-train job trains on it. In the second, a batch job reaches its walltime:
+Slurm sends SIGTERM to each of its processes, the worker process too. What a user is promised
+in both: the worker's roles are handed over (a record in ``result.departures``, not a failure),
+no sample is applied twice, and training goes on.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,3 +131,78 @@ def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert errors == [], logs
     assert not [line for line in logs.splitlines() if "ERROR" in line and "dask_train" in line], logs
+
+
+class _StopWhenGone(dt.Callback):
+    """Stops the job two scores after every worker that was there at its first score has
+    left (and another one runs)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.after = client, -1
+        self.first: set[str] = set()
+
+    def on_score(self, record: Any) -> bool:
+        workers = set(live_workers(self.client))
+        self.first = self.first or workers
+        if self.after < 0 and workers and not workers & self.first:
+            self.after = 0
+        elif self.after >= 0:
+            self.after += 1
+        return self.after >= 2
+
+
+# Slurm looks for jobs past their time limit every 30 s: jobs started this far apart reach it
+# at different looks, one at a time.
+WALLTIME_APART = 35
+
+
+def test_a_slurm_job_that_reaches_its_walltime_hands_its_roles_over(
+        slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # No --lifetime: at the walltime (one minute, Slurm's least) Slurm sends SIGTERM to the
+    # batch job's processes, and SIGKILL KillWait (5 s here, 30 s by default) later. The
+    # worker process once died of the SIGTERM at once: the job lost its roles.
+    previous = signal.getsignal(signal.SIGINT)
+    from dask_jobqueue import SLURMCluster
+
+    signal.signal(signal.SIGINT, previous)  # see the test above
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(1)
+    X, Y = da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with SLURMCluster(cores=1, processes=1, memory="2GB", walltime="00:01:00", python=sys.executable,
+                      local_directory=str(tmp_path), log_directory=str(tmp_path),
+                      job_script_prologue=["export DASK_LOGGING__DASK_TRAIN=info"],
+                      scheduler_options={"dashboard_address": ":0"}) as cluster:
+        cluster.scale(jobs=1)
+        with dt.connect(cluster.scheduler_address, quiet=True) as client:
+            client.wait_for_workers(1, timeout=60)
+            later = threading.Timer(WALLTIME_APART, cluster.scale, kwargs={"jobs": 2})
+            later.start()
+            watch = _StopWhenGone(client)
+            try:
+                with caplog.at_level(logging.INFO, logger="dask_train"):
+                    result = dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1,
+                                        lr=1e-2, batch_size=32, epochs=1000, score_every=0.5,
+                                        timeout=60, progress=False, client=client,
+                                        callbacks=[watch],
+                                        checkpoint=str(tmp_path / "checkpoints"),
+                                        stop=[dt.StopAfter(seconds=150)]).fit(
+                        X, Y, validation=(x[:2000], y[:2000]))
+            finally:
+                later.cancel()
+    logs = _logs(caplog, tmp_path)
+    assert "DUE TO TIME LIMIT" in logs, logs  # the walltime ended the first batch job
+    assert "got SIGTERM while it serves" in logs, logs
+    assert result.stopped_by == "callback", logs
+    assert result.failures == [], logs
+    assert result.departures and all(d["redone"] == 0 for d in result.departures), logs
+    assert not set(result.roles.addresses) & watch.first, logs  # it went on on the second job
+    left = result.departures[0]["time_s"]
+    assert result.history[result.history["time_s"] > left]["samples"].max() > \
+        result.history[result.history["time_s"] <= left]["samples"].max(), logs  # it trained on
+    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert (consumed <= BLOCK).all(), logs
+    assert int(consumed.sum()) == result.samples, logs  # each sample applied once
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert errors == [], logs

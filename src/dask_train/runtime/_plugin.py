@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -331,6 +332,51 @@ async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
         logger.info("worker %s: hand-over done", worker.address)
 
 
+def close_on_sigterm(worker: Worker) -> bool:
+    """In a worker process that a nanny started, make SIGTERM close the worker (its roles
+    handed over first, see :meth:`DaskTrainPlugin.teardown`) while it serves a job, instead of
+    ending the process at once. Returns whether the handler was installed.
+
+    Why: a batch system signals every process of a job. At a Slurm job's walltime (and on
+    ``scancel``) the worker process got SIGTERM beside its nanny and died on it within
+    milliseconds (Python's default), so the nanny's orderly close came too late and the
+    job's roles were lost, not handed over. Now the worker closes as the nanny asks it to
+    on SIGTERM; a worker serving no job still ends at once, as before, and a second SIGTERM
+    ends it at once. Without a nanny (``dask worker --no-nanny``), ``dask worker``'s own
+    SIGTERM handling applies; outside a process's main thread (an in-process worker) or where
+    a handler is already set, nothing changes.
+    """
+    if getattr(worker, "nanny", None) is None or \
+            threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # set up outside the worker's loop: no way to reach it from a handler
+        return False
+
+    def end_now() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the default handler is back
+
+    async def close() -> None:
+        if not worker_state(worker).holding():
+            end_now()
+            return
+        logger.info("worker %s got SIGTERM while it serves %s: it closes, its roles handed "
+                    "over first", worker.address, sorted(worker_state(worker).jobs))
+        # nanny=False: a nanny that was not signalled starts a new worker, as it would have
+        # after the process died.
+        await worker.close(nanny=False, reason="signal-15")
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # Nothing that takes a lock here (the main thread may hold it): the loop decides.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
 class DaskTrainPlugin(WorkerPlugin):
     """Installs dask-train's RPC handlers and thread settings on every worker.
 
@@ -387,6 +433,7 @@ class DaskTrainPlugin(WorkerPlugin):
             threading.Thread(target=_preload, args=(self.preload,), daemon=True,
                              name="dask-train-preload").start()
         quiet_worker(worker)
+        close_on_sigterm(worker)
         state = worker_state(worker)
         state.torch_threads = self.torch_threads or state.torch_threads
         configure_tensorflow(int(state.torch_threads or worker.state.nthreads))
