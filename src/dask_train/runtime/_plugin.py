@@ -371,7 +371,10 @@ def close_on_sigterm(worker: Worker) -> bool:
     def on_sigterm(signum: int, frame: Any) -> None:
         # Nothing that takes a lock here (the main thread may hold it): the loop decides.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+        try:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+        except RuntimeError:  # the loop closed already: the process is on its way out
+            end_now()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     return True
