@@ -75,50 +75,49 @@ def _logs(caplog: pytest.LogCaptureFixture, directory: Path) -> str:
         f"--- {p.name}\n{p.read_text()}" for p in sorted(directory.glob("*.err")))
 
 
-def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
-        slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # dask_jobqueue's import sets its own SIGINT handler (sys.exit: Ctrl-C then raises
-    # SystemExit, not KeyboardInterrupt), for the whole process: put the previous one back, or
-    # every later test of Ctrl-C in this process fails.
+def _job() -> tuple[Any, Any, tuple[np.ndarray, np.ndarray], torch.nn.Module]:
+    """The training data (a dask array, its targets, a held-out part) and the network."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=(8, 3))).argmax(1)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return (da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK),
+            (x[:2000], y[:2000]), net)
+
+
+def _slurm_cluster(directory: Path, *, walltime: str, worker_extra_args: list[str]) -> Any:
+    """dask-jobqueue's ``SLURMCluster`` of one-worker jobs, logging to ``directory``.
+
+    Its import sets its own SIGINT handler (sys.exit: Ctrl-C then raises SystemExit, not
+    KeyboardInterrupt), for the whole process: the previous one is put back, or every later
+    test of Ctrl-C in this process fails."""
     previous = signal.getsignal(signal.SIGINT)
     from dask_jobqueue import SLURMCluster
 
     signal.signal(signal.SIGINT, previous)
+    return SLURMCluster(cores=1, processes=1, memory="2GB", walltime=walltime,
+                        python=sys.executable, worker_extra_args=worker_extra_args,
+                        local_directory=str(directory), log_directory=str(directory),
+                        # dask-train's own INFO lines (a hand-over's) in the workers' logs
+                        job_script_prologue=["export DASK_LOGGING__DASK_TRAIN=info"],
+                        scheduler_options={"dashboard_address": ":0"})
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
-    y = (x @ rng.normal(size=(8, 3))).argmax(1)
-    X, Y = da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    with SLURMCluster(cores=1, processes=1, memory="2GB", walltime="00:05:00", python=sys.executable,
-                      worker_extra_args=["--lifetime", f"{LIFETIME}s", "--lifetime-stagger", "1s",
-                                         "--lifetime-restart"],
-                      local_directory=str(tmp_path), log_directory=str(tmp_path),
-                      # dask-train's own INFO lines (a hand-over's) in the workers' logs
-                      job_script_prologue=["export DASK_LOGGING__DASK_TRAIN=info"],
-                      scheduler_options={"dashboard_address": ":0"}) as cluster:
-        # Two jobs STAGGER seconds apart, as a queue starts them: the first worker leaves and
-        # comes back while the second one holds the job.
-        cluster.scale(jobs=1)
-        # Connected as docs/deploy.md does: dask-train's plugin (it preloads torch) is on every
-        # worker from its start, a restarted one's too.
-        with dt.connect(cluster.scheduler_address, quiet=True) as client:
-            client.wait_for_workers(1, timeout=60)
-            time.sleep(STAGGER)
-            cluster.scale(jobs=2)
-            client.wait_for_workers(2, timeout=60)
-            with caplog.at_level(logging.INFO, logger="dask_train"):
-                result = dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1,
-                                    lr=1e-2, batch_size=32, epochs=1000, score_every=0.5,
-                                    timeout=60, progress=False, client=client,
-                                    callbacks=[_StopWhenBack(client)],
-                                    # the hand-over writes the state here: on a real Slurm the
-                                    # workers are on other hosts, where no scratch directory of
-                                    # this machine reaches
-                                    checkpoint=str(tmp_path / "checkpoints"),
-                                    stop=[dt.StopAfter(seconds=60)]).fit(
-                    X, Y, validation=(x[:2000], y[:2000]))
-    logs = _logs(caplog, tmp_path)
+
+def _fit(client: Client, directory: Path, callback: dt.Callback, seconds: float) -> Any:
+    """An async-ps job on one or two workers, until ``callback`` stops it (or ``seconds``)."""
+    X, Y, validation, net = _job()
+    return dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1, lr=1e-2,
+                      batch_size=32, epochs=1000, score_every=0.5, timeout=60, progress=False,
+                      client=client, callbacks=[callback],
+                      # the hand-over writes the state here: on a real Slurm the workers are
+                      # on other hosts, where no scratch directory of this machine reaches
+                      checkpoint=str(directory / "checkpoints"),
+                      stop=[dt.StopAfter(seconds=seconds)]).fit(X, Y, validation=validation)
+
+
+def _assert_handed_over(result: Any, caplog: pytest.LogCaptureFixture, logs: str) -> None:
+    """A departure (not a failure), nothing trained again, training went on after it, each
+    sample applied once, and no error logged."""
     assert result.stopped_by == "callback", logs
     assert result.failures == [], logs
     assert result.departures and all(d["redone"] == 0 for d in result.departures), logs
@@ -131,6 +130,25 @@ def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert errors == [], logs
     assert not [line for line in logs.splitlines() if "ERROR" in line and "dask_train" in line], logs
+
+
+def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
+        slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lifetime = ["--lifetime", f"{LIFETIME}s", "--lifetime-stagger", "1s", "--lifetime-restart"]
+    with _slurm_cluster(tmp_path, walltime="00:05:00", worker_extra_args=lifetime) as cluster:
+        # Two jobs STAGGER seconds apart, as a queue starts them: the first worker leaves and
+        # comes back while the second one holds the job.
+        cluster.scale(jobs=1)
+        # Connected as docs/deploy.md does: dask-train's plugin (it preloads torch) is on every
+        # worker from its start, a restarted one's too.
+        with dt.connect(cluster.scheduler_address, quiet=True) as client:
+            client.wait_for_workers(1, timeout=60)
+            time.sleep(STAGGER)
+            cluster.scale(jobs=2)
+            client.wait_for_workers(2, timeout=60)
+            with caplog.at_level(logging.INFO, logger="dask_train"):
+                result = _fit(client, tmp_path, _StopWhenBack(client), seconds=60)
+    _assert_handed_over(result, caplog, _logs(caplog, tmp_path))
 
 
 class _StopWhenGone(dt.Callback):
@@ -161,19 +179,7 @@ def test_a_slurm_job_that_reaches_its_walltime_hands_its_roles_over(
     # No --lifetime: at the walltime (one minute, Slurm's least) Slurm sends SIGTERM to the
     # batch job's processes, and SIGKILL KillWait (5 s here, 30 s by default) later. The
     # worker process once died of the SIGTERM at once: the job lost its roles.
-    previous = signal.getsignal(signal.SIGINT)
-    from dask_jobqueue import SLURMCluster
-
-    signal.signal(signal.SIGINT, previous)  # see the test above
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(ROWS, 8)).astype(np.float32)
-    y = (x @ rng.normal(size=(8, 3))).argmax(1)
-    X, Y = da.from_array(x, chunks=(BLOCK, 8)), da.from_array(y, chunks=BLOCK)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    with SLURMCluster(cores=1, processes=1, memory="2GB", walltime="00:01:00", python=sys.executable,
-                      local_directory=str(tmp_path), log_directory=str(tmp_path),
-                      job_script_prologue=["export DASK_LOGGING__DASK_TRAIN=info"],
-                      scheduler_options={"dashboard_address": ":0"}) as cluster:
+    with _slurm_cluster(tmp_path, walltime="00:01:00", worker_extra_args=[]) as cluster:
         cluster.scale(jobs=1)
         with dt.connect(cluster.scheduler_address, quiet=True) as client:
             client.wait_for_workers(1, timeout=60)
@@ -182,27 +188,11 @@ def test_a_slurm_job_that_reaches_its_walltime_hands_its_roles_over(
             watch = _StopWhenGone(client)
             try:
                 with caplog.at_level(logging.INFO, logger="dask_train"):
-                    result = dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1,
-                                        lr=1e-2, batch_size=32, epochs=1000, score_every=0.5,
-                                        timeout=60, progress=False, client=client,
-                                        callbacks=[watch],
-                                        checkpoint=str(tmp_path / "checkpoints"),
-                                        stop=[dt.StopAfter(seconds=150)]).fit(
-                        X, Y, validation=(x[:2000], y[:2000]))
+                    result = _fit(client, tmp_path, watch, seconds=150)
             finally:
                 later.cancel()
     logs = _logs(caplog, tmp_path)
     assert "DUE TO TIME LIMIT" in logs, logs  # the walltime ended the first batch job
     assert "got SIGTERM while it serves" in logs, logs
-    assert result.stopped_by == "callback", logs
-    assert result.failures == [], logs
-    assert result.departures and all(d["redone"] == 0 for d in result.departures), logs
     assert not set(result.roles.addresses) & watch.first, logs  # it went on on the second job
-    left = result.departures[0]["time_s"]
-    assert result.history[result.history["time_s"] > left]["samples"].max() > \
-        result.history[result.history["time_s"] <= left]["samples"].max(), logs  # it trained on
-    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
-    assert (consumed <= BLOCK).all(), logs
-    assert int(consumed.sum()) == result.samples, logs  # each sample applied once
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
-    assert errors == [], logs
+    _assert_handed_over(result, caplog, logs)
