@@ -7,6 +7,7 @@ still read after a holder is SIGKILLed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -123,6 +124,26 @@ def test_a_holder_that_does_not_answer_does_not_hold_up_a_write(client3: Client)
     assert took < GRACE_S + 2.5, took
     assert fs.cat_file(f"{root}/state.bin") == b"y" * 100
     assert _held(client3)[fine] == ["job-d/state.bin"]
+    fs.rm(root, recursive=True)
+
+
+def test_a_holder_slow_to_answer_is_named_in_the_log(
+        client3: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The only holder's loop is blocked for 2 s: the write waits for it (and succeeds), and the
+    # wait is said after SLOW_S, naming the holder and the call: a job whose copy or hand-over
+    # waits on a holder shows which one.
+    from dask_train.runtime import _worker_files
+
+    monkeypatch.setattr(_worker_files, "SLOW_S", 0.5)
+    stuck = sorted(live_workers(client3))[0]
+    fs, root = url_to_fs(url("job-e"), holders=[stuck], skip_instance_cache=True)
+    client3.run(_block_the_loop, 2.0, workers=[stuck], wait=False)
+    time.sleep(0.2)
+    with caplog.at_level(logging.WARNING, logger="dask_train.runtime._worker_files"):
+        fs.pipe_file(f"{root}/slow.bin", b"z" * 10)
+    [record] = [r for r in caplog.records if "has not answered" in r.getMessage()]
+    assert stuck in record.getMessage() and "'put' of job-e/slow.bin" in record.getMessage()
+    assert fs.cat_file(f"{root}/slow.bin") == b"z" * 10
     fs.rm(root, recursive=True)
 
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
 from dask_train.errors import InvalidInput
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL = "dask-train-workers"
 _FILES_ATTR = "dask_train_files"  # where a holder's worker object keeps its files
@@ -34,6 +37,10 @@ CONNECT_S = 5.0
 
 #: Seconds the other holders get once one has answered (a hung one does not hold up a write).
 GRACE_S = 5.0
+
+#: Seconds after which a call to a holder that has not answered is logged (a WARNING naming
+#: the holder and the call: a write waiting on it holds up the job's copy or hand-over).
+SLOW_S = 5.0
 
 #: Holders of this process's calls that failed: looked at before they are called again.
 _SUSPECTS: set[str] = set()
@@ -183,6 +190,11 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
                 if address in _SUSPECTS and address.startswith(("tcp://", "tls://")) and \
                         not await listens(address):
                     raise OSError(f"{address} does not answer")
+                slow = asyncio.get_running_loop().call_later(
+                    SLOW_S, lambda: logger.warning(
+                        "%s holder %s has not answered a %r of %s within %g s (it gets up to "
+                        "%g s)", PROTOCOL, address, message.get("action"), message.get("path"),
+                        SLOW_S, self.timeout + CONNECT_S))
                 try:
                     async with rpc(address, connection_args=args,
                                    timeout=min(self.timeout, CONNECT_S)) as holder:
@@ -191,6 +203,8 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
                 except (OSError, asyncio.TimeoutError):
                     _SUSPECTS.add(address)
                     raise
+                finally:
+                    slow.cancel()
                 _SUSPECTS.discard(address)
                 # A worker without the handler answers None (Dask logs "No handler").
                 if not isinstance(reply, dict) or "answer" not in reply:
