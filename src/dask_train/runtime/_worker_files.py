@@ -178,45 +178,12 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
 
                 sent["data"] = to_serialize(sent["data"])
 
-            async def one(address: str) -> Any:
-                from distributed.core import rpc
-
-                from dask_train.runtime._calls import listens
-
-                # distributed retries a refused connection until its timeout. A holder that
-                # failed once is looked at first (a killed one's port refuses at once, a dead
-                # host's takes 2 s); not every holder every time: each look is a connection
-                # that the worker logs as "closed before handshake completed".
-                if address in _SUSPECTS and address.startswith(("tcp://", "tls://")) and \
-                        not await listens(address):
-                    raise OSError(f"{address} does not answer")
-                slow = asyncio.get_running_loop().call_later(
-                    SLOW_S, lambda: logger.warning(
-                        "%s holder %s has not answered a %r of %s within %g s (it gets up to "
-                        "%g s)", PROTOCOL, address, message.get("action"), message.get("path"),
-                        SLOW_S, self.timeout + CONNECT_S))
-                try:
-                    async with rpc(address, connection_args=args,
-                                   timeout=min(self.timeout, CONNECT_S)) as holder:
-                        reply = await asyncio.wait_for(holder.dask_train_files(**sent),
-                                                       self.timeout)
-                except (OSError, asyncio.TimeoutError):
-                    _SUSPECTS.add(address)
-                    raise
-                finally:
-                    slow.cancel()
-                _SUSPECTS.discard(address)
-                # A worker without the handler answers None (Dask logs "No handler").
-                if not isinstance(reply, dict) or "answer" not in reply:
-                    raise OSError(f"{address} keeps no {PROTOCOL} files: dask-train's worker "
-                                  "plugin is not registered there")
-                return reply["answer"]
-
             async def every() -> list[Any]:
                 # Every holder's answer, but not a hung one's for long: once one holder has
                 # answered, the others get GRACE_S more (a write then stands on the holders
                 # that took it, and a read goes to the next holder).
-                tasks = [asyncio.ensure_future(one(a)) for a in others]
+                tasks = [asyncio.ensure_future(self._call(a, sent, args, message))
+                         for a in others]
                 pending = set(tasks)
                 while pending:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -234,6 +201,42 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
 
             answers.update(zip(others, sync(get_loop(), every)))
         return [answers[a] for a in holders]
+
+    async def _call(self, address: str, sent: Mapping[str, Any], args: Mapping[str, Any],
+                    message: Mapping[str, Any]) -> Any:
+        """``sent`` (``message``, its data ready for Dask's comms) to the holder at
+        ``address``, on fsspec's loop; its answer."""
+        from distributed.core import rpc
+
+        from dask_train.runtime._calls import listens
+
+        # distributed retries a refused connection until its timeout. A holder that failed
+        # once is looked at first (a killed one's port refuses at once, a dead host's takes
+        # 2 s); not every holder every time: each look is a connection that the worker logs as
+        # "closed before handshake completed".
+        if address in _SUSPECTS and address.startswith(("tcp://", "tls://")) and \
+                not await listens(address):
+            raise OSError(f"{address} does not answer")
+        slow = asyncio.get_running_loop().call_later(
+            SLOW_S, lambda: logger.warning(
+                "%s holder %s has not answered a %r of %s within %g s (it gets up to %g s)",
+                PROTOCOL, address, message.get("action"), message.get("path"), SLOW_S,
+                self.timeout + CONNECT_S))
+        try:
+            async with rpc(address, connection_args=dict(args),
+                           timeout=min(self.timeout, CONNECT_S)) as holder:
+                reply = await asyncio.wait_for(holder.dask_train_files(**sent), self.timeout)
+        except (OSError, asyncio.TimeoutError):
+            _SUSPECTS.add(address)
+            raise
+        finally:
+            slow.cancel()
+        _SUSPECTS.discard(address)
+        # A worker without the handler answers None (Dask logs "No handler").
+        if not isinstance(reply, dict) or "answer" not in reply:
+            raise OSError(f"{address} keeps no {PROTOCOL} files: dask-train's worker plugin is "
+                          "not registered there")
+        return reply["answer"]
 
     def _answers(self, what: str, **message: Any) -> list[Any]:
         """The answers of the holders that answered; OSError when none did."""
