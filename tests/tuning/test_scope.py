@@ -4,6 +4,8 @@ from any thread and inside the client's event loop."""
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 import dask.array as da
 import numpy as np
@@ -35,7 +37,19 @@ def test_a_scope_restricts_what_the_job_sees_in_every_thread(client: Client) -> 
     assert set(client.sync(alive_workers, client)) == {first, second}  # this thread: no scope
 
 
+def _statuses(dask_scheduler: Any) -> dict[str, str]:
+    return {a: ws.status.name for a, ws in dask_scheduler.workers.items()}
+
+
 def test_blocks_are_persisted_on_the_scope_and_reused_from_its_cache(client: Client) -> None:
+    # The blocks' placement on the scope is a loose restriction (a target that dies must not
+    # leave them waiting): Dask places them elsewhere while the target does not run tasks
+    # (paused by an earlier test's memory on this shared cluster, or restarted by its nanny).
+    # A fresh clone's run once found every block on the other worker so. Both run first.
+    deadline = time.monotonic() + 30
+    while set(client.run_on_scheduler(_statuses).values()) != {"running"} and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
     workers = sorted(live_workers(client))
     X = da.from_array(np.arange(4_000, dtype=np.float32).reshape(1_000, 4), chunks=(100, 4))
     y = da.from_array(np.arange(1_000) % 3, chunks=100)
@@ -46,6 +60,7 @@ def test_blocks_are_persisted_on_the_scope_and_reused_from_its_cache(client: Cli
             again = client.sync(persist_blocks, client, X, y)
         assert again is blocks  # the same gang: the cached blocks
         holders = client.who_has(blocks.futures)
-        assert all(set(h) == {target} for h in holders.values()), holders
+        assert all(set(h) == {target} for h in holders.values()), \
+            (holders, client.run_on_scheduler(_statuses))
     assert len(cache) == 2
     cache.clear()
