@@ -127,17 +127,23 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     if problems:
         raise InvalidInput(problems)
     fn_blob, small = _pickled(fn), _small_sets(job.sets)
-    from dask_train.runtime import default_client
-    from dask_train.runtime._versions import check_once
-
-    t = time.time()
-    # A client given: its scheduler and workers are checked (once) before anything runs.
-    client = check_once(client) if client is not None else default_client()
-    clock["connect"] = time.time() - t
+    client = _connected(client, clock)
     try:
         return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
     except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
         raise interrupted_early(exc) from None
+
+
+def _connected(client: Client | None, clock: dict[str, float]) -> Client:
+    """``client``, its scheduler and workers checked (once) before anything runs, or the
+    default one; the seconds it took in ``clock["connect"]``."""
+    from dask_train.runtime import default_client
+    from dask_train.runtime._versions import check_once
+
+    t = time.time()
+    client = check_once(client) if client is not None else default_client()
+    clock["connect"] = time.time() - t
+    return client
 
 
 @dataclass(frozen=True)

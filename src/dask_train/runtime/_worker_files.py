@@ -182,8 +182,7 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
                 # Every holder's answer, but not a hung one's for long: once one holder has
                 # answered, the others get GRACE_S more (a write then stands on the holders
                 # that took it, and a read goes to the next holder).
-                tasks = [asyncio.ensure_future(self._call(a, sent, args, message))
-                         for a in others]
+                tasks = [asyncio.ensure_future(self._call(a, sent, args)) for a in others]
                 pending = set(tasks)
                 while pending:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -202,10 +201,9 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
             answers.update(zip(others, sync(get_loop(), every)))
         return [answers[a] for a in holders]
 
-    async def _call(self, address: str, sent: Mapping[str, Any], args: Mapping[str, Any],
-                    message: Mapping[str, Any]) -> Any:
-        """``sent`` (``message``, its data ready for Dask's comms) to the holder at
-        ``address``, on fsspec's loop; its answer."""
+    async def _call(self, address: str, sent: Mapping[str, Any], args: dict[str, Any]) -> Any:
+        """``sent`` (a message, its data ready for Dask's comms) to the holder at ``address``,
+        on fsspec's loop; its answer."""
         from distributed.core import rpc
 
         from dask_train.runtime._calls import listens
@@ -220,10 +218,10 @@ class WorkerMemoryFileSystem(AbstractFileSystem):
         slow = asyncio.get_running_loop().call_later(
             SLOW_S, lambda: logger.warning(
                 "%s holder %s has not answered a %r of %s within %g s (it gets up to %g s)",
-                PROTOCOL, address, message.get("action"), message.get("path"), SLOW_S,
+                PROTOCOL, address, sent.get("action"), sent.get("path"), SLOW_S,
                 self.timeout + CONNECT_S))
         try:
-            async with rpc(address, connection_args=dict(args),
+            async with rpc(address, connection_args=args,
                            timeout=min(self.timeout, CONNECT_S)) as holder:
                 reply = await asyncio.wait_for(holder.dask_train_files(**sent), self.timeout)
         except (OSError, asyncio.TimeoutError):
