@@ -147,6 +147,37 @@ def test_a_holder_slow_to_answer_is_named_in_the_log(
     fs.rm(root, recursive=True)
 
 
+def test_a_shard_written_to_a_slow_holder_goes_on_training_meanwhile(client3: Client) -> None:
+    # A server's shard encodes its file under its lock and writes it after: while the only
+    # holder's loop is blocked, the write waits, but a pull and a push do not wait for it (held
+    # through the write, the lock kept the scorer and the trainers waiting on the holder).
+    import threading
+
+    from dask_train.checkpoint import load_shard
+    from dask_train.checkpoint._io import StoragePath
+    from dask_train.engines.holders.optim import FlatOptimizer
+
+    stuck = sorted(live_workers(client3))[0]
+    options = {"holders": [stuck], "skip_instance_cache": True}
+    path = StoragePath(url("job-f") + "/shard-0.safetensors", options)
+    shard = FlatOptimizer(np.zeros(4, np.float32), optimizer="adam", lr=0.1, options={})
+    client3.run(_block_the_loop, 3.0, workers=[stuck], wait=False)
+    time.sleep(0.2)
+    saved: list[dict[str, object]] = []
+    writer = threading.Thread(target=lambda: saved.append(shard.save(path, metadata={})))
+    writer.start()
+    time.sleep(0.5)
+    _, version, _, _ = shard.pull()
+    shard.grad.fill_(1.0)
+    shard.step(8)
+    assert writer.is_alive(), "the pull and the push waited for the write to the slow holder"
+    writer.join(timeout=60)
+    assert saved and saved[0]["version"] == version == 0 and shard.version == 1
+    state = load_shard(path)
+    assert state.metadata["version"] == "0" and state.param.tolist() == [0.0] * 4
+    url_to_fs(path, **options)[0].rm(url("job-f"), recursive=True)
+
+
 def test_holders_are_the_kept_ones_then_workers_without_a_role() -> None:
     alive = ["tcp://a:1", "tcp://b:1", "tcp://c:1", "tcp://d:1"]
     assert holders_for(alive, roles=["tcp://a:1", "tcp://b:1"]) == ["tcp://c:1", "tcp://d:1"]

@@ -204,6 +204,28 @@ def _write(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
         _write_remote(fs=fs, tensors=tensors, metadata=metadata, path=fs_path)
 
 
+def encode(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:
+    """Prepared tensors as one safetensors file's bytes: a copy, which the tensors' owner may
+    change as soon as this returns (see :func:`write_encoded`)."""
+    import safetensors.torch
+
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def write_encoded(data: bytes, path: PathLike, *,
+                  storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write a file's bytes (from :func:`encode`) to ``path`` atomically, as :func:`_write`."""
+    fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, storage_options))
+    if isinstance(fs, LocalFileSystem):
+        def write(temporary: str) -> None:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+
+        write_local_atomic(fs_path, write)
+    else:
+        write_remote_atomic(fs, fs_path, data)
+
+
 def save_tensors(
     tensors: Mapping[str, torch.Tensor | np.ndarray],
     path: PathLike,

@@ -22,6 +22,7 @@ from dask_train.checkpoint._io import (
     _prepare,
     _read_header,
     _write,
+    encode,
     options_of,
 )
 from dask_train.errors import InvalidInput
@@ -125,7 +126,28 @@ def save_shard(
     >>> load_shard(path).optimizer_name
     'Adam'
     """
-    opt_param = _only_param(optimizer, where=f"save_shard({os.fspath(path)!r})")
+    tensors, text = _shard_file(param=param, optimizer=optimizer, metadata=metadata, buffers=buffers,
+                                where=f"save_shard({os.fspath(path)!r})")
+    _write(tensors=tensors, metadata=text, path=path, storage_options=storage_options)
+    return os.fspath(path)
+
+
+def encode_shard(*, param: torch.Tensor, optimizer: torch.optim.Optimizer,
+                 metadata: Mapping[str, str] | None = None,
+                 buffers: torch.Tensor | None = None) -> bytes:
+    """The file :func:`save_shard` writes, as bytes that share nothing with ``param`` or the
+    optimizer's state: a holder encodes under its lock and writes after it (see
+    ``engines.holders.optim``), so a slow store holds up that write only, not the training."""
+    tensors, text = _shard_file(param=param, optimizer=optimizer, metadata=metadata,
+                                buffers=buffers, where="encode_shard")
+    return encode(tensors=tensors, metadata=text)
+
+
+def _shard_file(*, param: torch.Tensor, optimizer: torch.optim.Optimizer,
+                metadata: Mapping[str, str] | None, buffers: torch.Tensor | None, where: str
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A shard file's checked tensors and text metadata (see :func:`save_shard`)."""
+    opt_param = _only_param(optimizer, where=where)
     problems: list[str] = []
     tensors: dict[str, object] = {PARAM: param}
     if buffers is not None:
@@ -143,8 +165,7 @@ def save_shard(
     text[_OPTIMIZER_KEY] = type(optimizer).__name__
     # allow_nan: a float state such as an infinite running maximum must round-trip exactly.
     text[_SCALARS_KEY] = json.dumps(scalars)
-    _write(tensors=prepared, metadata=text, path=path, storage_options=storage_options)
-    return os.fspath(path)
+    return prepared, text
 
 
 def _split_state(state: Mapping[Any, Any], problems: list[str]

@@ -147,8 +147,14 @@ class FlatOptimizer:
                 self.buffers = values
 
     def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
-        """Write the slice and its optimizer state to ``path`` (atomic); return what was saved."""
-        from dask_train.checkpoint import save_shard
+        """Write the slice and its optimizer state to ``path`` (atomic); return what was saved.
+
+        The file is encoded under the lock and written after it: pushes and pulls go on while
+        it is written (to a disk, an object store, other workers' memory), so a slow store
+        delays this file only. Held through the write, it stalled the scorer's pulls and the
+        trainers' pushes behind a holder slow to answer."""
+        from dask_train.checkpoint._io import write_encoded
+        from dask_train.checkpoint._shard import encode_shard
 
         with self._lock:
             saved = {"path": path, "version": self.version, "samples": self.samples,
@@ -158,9 +164,10 @@ class FlatOptimizer:
                 return {**saved, "path": None, "finite": False}
             meta = {"version": str(self.version), "samples": str(self.samples), **metadata}
             buffers = None if self.buffers is None else torch.from_numpy(self.buffers)
-            save_shard(path, param=self.param.detach(), optimizer=self.optimizer, metadata=meta,
-                       buffers=buffers)
-            return saved
+            data = encode_shard(param=self.param.detach(), optimizer=self.optimizer,
+                                metadata=meta, buffers=buffers)
+        write_encoded(data, path)
+        return saved
 
     def restore(self, state: Any, *, version: int, samples: int) -> None:
         """Load parameters and optimizer state (a ``checkpoint.ShardState``) into this slice."""
