@@ -24,6 +24,20 @@ from distributed import Client, LocalCluster, default_client
 # of that cluster ran one worker short. Read when a worker leaves, in this process.
 dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"})
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_the_workers() -> None:
+    """The tests' own LocalClusters' workers, restarts included, forked from one server that
+    imported distributed, dask-train's plugin and torch once, as the embedded cluster's first
+    workers are (``runtime._fork``): a spawned worker imports them itself, 1.4 s of CPU each,
+    and this suite starts hundreds (a cluster per module, a restart per kill). Programs the
+    tests run as users do (scripts, ``dask worker``) keep their own start; tests whose workers
+    must read an environment set after this server started spawn theirs."""
+    from dask_train.runtime._fork import fork_workers
+
+    dask.config.set(fork_workers(dask.config.get("distributed.nanny.pre-spawn-environ", {})))
+
 # Plain-torch references in the test process train on one thread, as each worker does: two
 # OpenMP threads spinning on a loaded 2-core machine took a 157-step reference from 0.4 s to 29 s.
 torch.set_num_threads(1)

@@ -92,8 +92,13 @@ def _torch_reference(x: np.ndarray, y: np.ndarray, val: tuple[np.ndarray, np.nda
 
 @pytest.fixture(scope="module")
 def limited() -> Iterator[Client]:
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      memory_limit=MEMORY_LIMIT) as cluster, Client(cluster) as client:
+    # Spawned, as on a machine of their own: a worker forked from the suite's server (conftest)
+    # starts with less of its memory resident (its pages are the server's until touched), and
+    # the room the data must exceed three times over is measured from what the workers hold.
+    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                               dashboard_address=":0", memory_limit=MEMORY_LIMIT)
+    with cluster, Client(cluster) as client:
         yield client
 
 

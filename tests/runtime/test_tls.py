@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -126,6 +127,10 @@ def test_a_tcp_clusters_switch_keeps_pushes_on_dasks_rpc(monkeypatch: pytest.Mon
     host, would update the shard in place and push nothing to anyone.)"""
     monkeypatch.setenv("DASK_DASK_TRAIN__DIRECT_PUSH", "False")
     monkeypatch.setenv("DASK_DASK_TRAIN__HOST_MEMORY", "False")
+    # Spawned, as on a machine of their own: a worker forked from the suite's server (conftest)
+    # has the environment that server started with.
+    monkeypatch.setitem(dask.config.config["distributed"]["worker"], "multiprocessing-method",
+                        "spawn")
     X, y = dt.datasets.digits(n_samples=2_000, chunks=500, seed=0)
     Xv, yv = dt.datasets.digits_test()
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
