@@ -11,12 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from pathlib import Path
 
 import dask
 import pytest
 
-from dask_train.runtime._fork import fork_workers
+import dask_train as dt
+from dask_train.errors import InvalidInput
+from dask_train.runtime._fork import fork_workers, function_imports
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -132,3 +135,68 @@ def test_workers_are_spawned_where_a_fork_would_not_be_what_was_asked(
         config: dict, environ: dict) -> None:
     with dask.config.set(config):
         assert fork_workers({"OMP_NUM_THREADS": "1", **environ}) == {}
+
+
+# dt.run without a client starts the embedded cluster itself: its workers start with what the
+# function imports (runtime._fork_imports), here modules nothing else of a worker imports.
+_RUN = _INFO + textwrap.dedent("""
+    import numpy as np
+
+    def train(ctx):
+        import sys
+        had = {m: m in sys.modules for m in ("sklearn.linear_model", "xml.dom.minidom")}
+        from sklearn import linear_model
+        import xml.dom.minidom
+        return {"had": had, "ppid": os.getppid(), "env": os.environ.get("DASK_TRAIN_FORK_IMPORTS")}
+
+    result = dt.run(train, workers=2, data={"train": (np.zeros((8, 2), "float32"), np.zeros(8))})
+    print("RESULT", json.dumps({"main": os.getpid(), "returns": result.returns,
+                                "client": "sklearn.linear_model" in sys.modules}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux-only")
+@pytest.mark.timeout(300)
+def test_dt_run_without_a_client_starts_its_workers_with_the_functions_imports(
+        tmp_path: Path) -> None:
+    got, log = _run(tmp_path, _RUN)
+    assert len(got["returns"]) == 2
+    for rank in got["returns"]:
+        assert rank["had"] == {"sklearn.linear_model": True, "xml.dom.minidom": True}
+        assert rank["ppid"] != got["main"] and rank["env"] is None  # forked; the list not passed on
+    assert got["client"] is False  # imported by the workers' server, not by the program
+    assert "Traceback" not in log and " ERROR " not in log and "- ERROR -" not in log, log[-4000:]
+
+
+def _helper() -> None:
+    import fractions  # noqa: F401
+
+
+def _uses_everything(ctx: object) -> None:
+    import torch.nn.functional as F  # noqa: F401, N812
+    from sklearn import linear_model, svm  # noqa: F401
+
+    from . import conftest  # noqa: F401 - relative: the program's own package
+    json.dumps(OrderedDict())
+    _helper()
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        pass
+
+
+def test_a_functions_imports_are_found_in_its_code_its_globals_and_its_helpers() -> None:
+    found = function_imports(_uses_everything)
+    # `import a.b as x` names a.b alone; `from a import b` reads b from a; the module of a global
+    # name; a helper of the same module, which travels with the function; none of the program's
+    # own modules (relative, or this test module), nor a package that starts threads on import.
+    assert found == ["collections", "fractions", "json", "sklearn:linear_model,svm",
+                     "torch.nn.functional"]
+    assert function_imports(print) == [] and function_imports(len) == []
+
+
+def test_connect_names_bad_imports() -> None:
+    with pytest.raises(InvalidInput, match="imports='torch' is invalid"):
+        dt.connect(imports="torch")
+    with pytest.raises(InvalidInput, match=r"imports=\['torch', 3\] is invalid"):
+        dt.connect(imports=["torch", 3])

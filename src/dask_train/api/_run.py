@@ -127,21 +127,24 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     if problems:
         raise InvalidInput(problems)
     fn_blob, small = _pickled(fn), _small_sets(job.sets)
-    client = _connected(client, clock)
+    client = _connected(client, clock, fn)
     try:
         return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
     except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
         raise interrupted_early(exc) from None
 
 
-def _connected(client: Client | None, clock: dict[str, float]) -> Client:
+def _connected(client: Client | None, clock: dict[str, float], fn: Any) -> Client:
     """``client``, its scheduler and workers checked (once) before anything runs, or the
-    default one; the seconds it took in ``clock["connect"]``."""
+    default one; the seconds it took in ``clock["connect"]``. An embedded cluster started here
+    has its workers start with torch and ``fn``'s imports (see ``runtime._fork``)."""
     from dask_train.runtime import default_client
+    from dask_train.runtime._fork import function_imports
     from dask_train.runtime._versions import check_once
 
     t = time.time()
-    client = check_once(client) if client is not None else default_client()
+    client = check_once(client) if client is not None else \
+        default_client(imports=["torch", *function_imports(fn)])
     clock["connect"] = time.time() - t
     return client
 

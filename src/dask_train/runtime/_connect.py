@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import dask
@@ -45,6 +46,7 @@ def connect(
     dashboard: bool = True,
     quiet: bool = False,
     security: Any = None,
+    imports: Sequence[str] = (),
     **cluster_kwargs: Any,
 ) -> Client:
     """Connect to a Dask cluster, or start an embedded one on this machine.
@@ -73,6 +75,13 @@ def connect(
         ``Security(tls_ca_file="ca.pem", tls_client_cert="cert.pem", tls_client_key="key.pem",
         require_encryption=True)`` (default: Dask's ``distributed.comm.tls`` config). True: the
         embedded cluster on TLS, temporary certificates (needs ``cryptography``).
+    imports : sequence of str
+        Embedded cluster only: modules its workers start with, each ``"module"`` or
+        ``"module:name,name"`` (a name a package imports lazily, as transformers' ``Trainer``):
+        imported once, in the process the workers are forked from (Linux; see
+        ``docs/deploy.md``), rather than by each worker. ``dt.run`` passes its function's own
+        imports when it starts the cluster itself. A module that fails there is left for the
+        workers to import.
     **cluster_kwargs
         Passed to :class:`distributed.LocalCluster` for the embedded cluster.
 
@@ -90,6 +99,9 @@ def connect(
     problems = _problems(n_workers=n_workers, threads_per_worker=threads_per_worker,
                          torch_threads=torch_threads, timeout=timeout)
     problems += _security_problems(security, address)
+    if isinstance(imports, str) or not all(isinstance(m, str) for m in imports):
+        problems.append(f"imports={imports!r} is invalid: use a list of module names, e.g. "
+                        '["transformers:Trainer"].')
     if problems:
         raise InvalidInput(problems)
 
@@ -100,6 +112,7 @@ def connect(
             n_workers=n_workers or os.cpu_count() or 1,
             threads_per_worker=threads_per_worker,
             dashboard=dashboard,
+            imports=imports,
             **cluster_kwargs,
         )
     else:
@@ -117,7 +130,7 @@ def connect(
     return client
 
 
-def default_client(*, quiet: bool = False) -> Client:
+def default_client(*, quiet: bool = False, imports: Sequence[str] = ()) -> Client:
     """The client to use when none was given: the current one, else a new embedded cluster.
 
     "Current" as :func:`distributed.get_client` sees it: inside a task, the worker's client;
@@ -130,6 +143,8 @@ def default_client(*, quiet: bool = False) -> Client:
     ----------
     quiet : bool
         Passed to :func:`connect`: do not print the dashboard link of a new cluster.
+    imports : sequence of str
+        Passed to :func:`connect`: what a new cluster's workers start with.
 
     Examples
     --------
@@ -138,12 +153,13 @@ def default_client(*, quiet: bool = False) -> Client:
     try:
         client = get_client()
     except ValueError:  # no client anywhere: the embedded default
-        return connect(quiet=quiet)
+        return connect(quiet=quiet, imports=imports)
     return check_once(client)  # a client made otherwise: its scheduler and workers, once
 
 
 def _embedded(
-    *, n_workers: int, threads_per_worker: int, dashboard: bool, **cluster_kwargs: Any
+    *, n_workers: int, threads_per_worker: int, dashboard: bool, imports: Sequence[str] = (),
+    **cluster_kwargs: Any
 ) -> Client:
     # ":0": a free port, never the fixed 8787 that another cluster on this host may hold.
     dashboard_address = ":0" if dashboard else None
@@ -168,7 +184,7 @@ def _embedded(
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
         # The workers forked from a server importing torch meanwhile, where it can (runtime._fork);
         # only while these workers start: a nanny restarting one after a loss spawns it.
-        start = fork_workers(environ)
+        start = fork_workers(environ, imports)
         if start:
             _import_dask_array()
         with dask.config.set(start):
