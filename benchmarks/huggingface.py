@@ -16,7 +16,8 @@ process (or, for ``torchrun``, a fresh ``torchrun``), timed from the moment it i
 evaluation reaches the target; ``setup`` is the time to the first training step. The script a
 user runs under each differs only where the system asks it to:
 
-* ``dt-run``: ``dt.run`` on its embedded cluster (2 workers): the rows through
+* ``dt-run``: ``dt.run`` on an embedded cluster of 2 workers that start with torch and
+  transformers' ``Trainer`` imported (``dt.connect(imports=...)``): the rows through
   ``dt.huggingface.from_dataset`` (read on the workers) and ``dt.huggingface.dataset``,
   ``prepare_trainer``, ``Report(ctx, checkpoint=True)`` (the checkpoints are the job's) and
   ``StopAtScore("eval_accuracy", target)``.
@@ -159,7 +160,10 @@ def run_dt(data: Path, target: float, out: str) -> None:
     import dask_train as dt
     import datasets
 
-    client = dt.connect(n_workers=2, quiet=True)
+    # Started first, as a script does, with what the ranks import (torch, transformers'
+    # Trainer): the workers start with it (see dt.connect's imports=; dt.run started without a
+    # client finds them itself, but starts the cluster only once the data is read).
+    client = dt.connect(n_workers=2, quiet=True, imports=["torch", "transformers:Trainer"])
     train = dt.huggingface.from_dataset(datasets.load_from_disk(str(data / "train")),
                                         inputs=["input_ids"])
     held = datasets.load_from_disk(str(data / "val")).with_format("numpy")[:]  # a dict of arrays
