@@ -79,7 +79,7 @@ def connect(
         Embedded cluster only: modules its workers start with, each ``"module"`` or
         ``"module:name,name"`` (a name a package imports lazily, as transformers' ``Trainer``):
         imported once, in the process the workers are forked from (Linux; see
-        ``docs/deploy.md``), rather than by each worker. ``dt.run`` passes its function's own
+        ``docs/training.md``), rather than by each worker. ``dt.run`` passes its function's own
         imports when it starts the cluster itself. A module that fails there is left for the
         workers to import.
     **cluster_kwargs
@@ -97,11 +97,8 @@ def connect(
     """
     address = address or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
     problems = _problems(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                         torch_threads=torch_threads, timeout=timeout)
+                         torch_threads=torch_threads, timeout=timeout, imports=imports)
     problems += _security_problems(security, address)
-    if isinstance(imports, str) or not all(isinstance(m, str) for m in imports):
-        problems.append(f"imports={imports!r} is invalid: use a list of module names, e.g. "
-                        '["transformers:Trainer"].')
     if problems:
         raise InvalidInput(problems)
 
@@ -117,12 +114,18 @@ def connect(
         )
     else:
         client = _remote(address, timeout=timeout, security=security)
+    return _set_up(client, torch_threads=torch_threads,
+                   link=client.dashboard_link if dashboard or address else None, quiet=quiet)
+
+
+def _set_up(client: Client, *, torch_threads: int | None, link: str | None,
+            quiet: bool) -> Client:
+    """``client`` with dask-train's plugin on every worker, its dashboard link said."""
     # A program that imported torch will train with it: the workers import it meanwhile. Not
     # torch._dynamo: the built-in optimizers no longer need it (see runtime._compat).
     preload = ("torch",) if "torch" in sys.modules else ()
     client.register_plugin(DaskTrainPlugin(torch_threads, preload=preload), name=PLUGIN_NAME)
     remember_handlers(client)
-    link = client.dashboard_link if dashboard or address else None
     if link and not quiet:
         # stderr, like a log line: a script's stdout stays its own (results, pipes).
         print(f"dask-train: dashboard at {link}", file=sys.stderr)
@@ -222,8 +225,8 @@ def _close_at_exit(ref: weakref.ReferenceType[Client]) -> None:
 
 
 def _problems(*, n_workers: Any, threads_per_worker: Any, torch_threads: Any,
-              timeout: Any) -> list[str]:
-    """Every problem with ``connect``'s counts and timeout."""
+              timeout: Any, imports: Any) -> list[str]:
+    """Every problem with ``connect``'s counts, timeout and imports."""
     problems = []
     if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 1):
         problems.append(f"n_workers={n_workers!r} is invalid: use an integer >= 1 or None.")
@@ -235,6 +238,9 @@ def _problems(*, n_workers: Any, threads_per_worker: Any, torch_threads: Any,
         problems.append(f"torch_threads={torch_threads!r} is invalid: use an integer >= 1 or None.")
     if not timeout > 0:
         problems.append(f"timeout={timeout!r} is invalid: use a number of seconds > 0.")
+    if isinstance(imports, str) or not all(isinstance(m, str) for m in imports):
+        problems.append(f"imports={imports!r} is invalid: use a list of module names, e.g. "
+                        '["transformers:Trainer"].')
     return problems
 
 

@@ -18,8 +18,9 @@ can hang in the child's first parallel region.
 ``dt.run`` starting the embedded cluster also has the server import what its function imports
 (:func:`function_imports`; ``runtime._fork_imports``): Hugging Face's ``Trainer`` took each
 rank 3.2 s of CPU to import after torch's 1.2 s, once the job was placed; imported once in the
-server, while the client starts the scheduler and reads the data, a rank's first step came
-1.1 s sooner (``benchmarks/huggingface.py``, medians of three seeds: 6.3 s -> 5.2 s).
+server, a rank's first step came sooner (``benchmarks/huggingface.py``, medians of three
+seeds: 6.3 s -> 5.2 s with ``dt.connect(imports=...)`` before the script reads its data, the
+server importing meanwhile; 5.8 s with ``dt.run`` starting the cluster once the data is read).
 """
 
 from __future__ import annotations
@@ -168,15 +169,27 @@ def function_imports(fn: Callable[..., Any]) -> list[str]:
             _statements(each, found)
             for name in each.co_names:
                 value = names.get(name)
-                if isinstance(value, types.ModuleType):
-                    found.setdefault(value.__name__, set())
-                elif isinstance(value, types.FunctionType) and value.__module__ == \
+                # type(), not isinstance: a proxy's own __getattribute__ answers __class__.
+                if type(value) is types.FunctionType and value.__module__ == \
                         function.__module__:
                     todo.append(value)  # travels with fn by value: its imports run there too
-                elif isinstance(getattr(value, "__module__", None), str):
-                    found.setdefault(value.__module__, set())
+                elif name in names:
+                    module = _module_of(value)
+                    if module:
+                        found.setdefault(module, set())
     return [f"{module}:{','.join(sorted(attrs))}" if attrs else module
             for module, attrs in sorted(found.items()) if _installed(module)]
+
+
+def _module_of(value: Any) -> str | None:
+    """The module a global value is, or belongs to (a class, a function, an instance's class)."""
+    try:
+        if isinstance(value, types.ModuleType):
+            return value.__name__
+        module = getattr(value, "__module__", None)
+    except Exception:  # noqa: BLE001 - a proxy's own __getattribute__: no module to find
+        return None
+    return module if isinstance(module, str) else None
 
 
 def _codes(code: types.CodeType) -> list[types.CodeType]:

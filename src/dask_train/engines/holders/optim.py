@@ -149,10 +149,9 @@ class FlatOptimizer:
     def save(self, path: str, *, metadata: Mapping[str, str]) -> dict[str, Any]:
         """Write the slice and its optimizer state to ``path`` (atomic); return what was saved.
 
-        The file is encoded under the lock and written after it: pushes and pulls go on while
-        it is written (to a disk, an object store, other workers' memory), so a slow store
-        delays this file only. Held through the write, it stalled the scorer's pulls and the
-        trainers' pushes behind a holder slow to answer."""
+        The file is encoded under the lock and written after it (to a disk, an object store,
+        other workers' memory): held through the write, the lock kept the scorer's pulls
+        waiting on a holder slow to answer."""
         from dask_train.checkpoint._io import write_encoded
         from dask_train.checkpoint._shard import encode_shard
 
