@@ -53,12 +53,10 @@ demo: $(VENV)/.setup
 # Two test processes (pytest-xdist): one at a time leaves this 2-core machine about half idle
 # (tests wait on worker processes starting, on kills and hold bounds); two at a time ran the
 # suite in 604 s against 790 s. More would overload the 2-core CI machine the tests' bounds are
-# sized for: set PYTEST_WORKERS=1 to run them one at a time. --dist worksteal: each process
-# takes half the suite in order (a module's tests together, its fixture's cluster started once)
-# and an idle one takes over tests not yet started from the other.
+# sized for: set PYTEST_WORKERS=1 to run them one at a time.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
 bench: $(VENV)/.setup
 	$(PY) benchmarks/throughput.py
