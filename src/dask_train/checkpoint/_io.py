@@ -9,6 +9,7 @@ import posixpath
 import struct
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -181,16 +182,13 @@ def _write_local(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] |
     write_local_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
 
 
-def _write_remote(
-    *,
-    fs: AbstractFileSystem,
-    tensors: dict[str, torch.Tensor],
-    metadata: dict[str, str] | None,
-    path: str,
-) -> None:
-    import safetensors.torch
-
-    write_remote_atomic(fs, path, safetensors.torch.save(tensors, metadata=metadata))
+def write_bytes_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` on ``fs`` atomically: renamed into place on a local file
+    system (:func:`write_local_atomic`), one upload elsewhere (:func:`write_remote_atomic`)."""
+    if isinstance(fs, LocalFileSystem):
+        write_local_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+    else:
+        write_remote_atomic(fs, path, data)
 
 
 def _write(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, path: PathLike,
@@ -201,7 +199,7 @@ def _write(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
     if isinstance(fs, LocalFileSystem):
         _write_local(tensors=tensors, metadata=metadata, path=fs_path)
     else:
-        _write_remote(fs=fs, tensors=tensors, metadata=metadata, path=fs_path)
+        write_remote_atomic(fs, fs_path, encode(tensors=tensors, metadata=metadata))
 
 
 def encode(*, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:
@@ -216,14 +214,7 @@ def write_encoded(data: bytes, path: PathLike, *,
                   storage_options: Mapping[str, Any] | None = None) -> None:
     """Write a file's bytes (from :func:`encode`) to ``path`` atomically, as :func:`_write`."""
     fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, storage_options))
-    if isinstance(fs, LocalFileSystem):
-        def write(temporary: str) -> None:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-
-        write_local_atomic(fs_path, write)
-    else:
-        write_remote_atomic(fs, fs_path, data)
+    write_bytes_atomic(fs, fs_path, data)
 
 
 def save_tensors(

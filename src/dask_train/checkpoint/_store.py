@@ -22,9 +22,8 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
-from dask_train.checkpoint._io import StoragePath, write_local_atomic, write_remote_atomic
+from dask_train.checkpoint._io import StoragePath, write_bytes_atomic
 from dask_train.checkpoint._sharded import sharded_complete
 from dask_train.errors import InvalidInput
 
@@ -233,7 +232,6 @@ class CheckpointStore:
         fs, root = url_to_fs(self.path, **options)
         self.fs: AbstractFileSystem = fs
         self._root = root.rstrip("/") or root
-        self._local = isinstance(fs, LocalFileSystem)
 
     # -- layout ----------------------------------------------------------------------------------
     def _join(self, base: str, name: str) -> str:
@@ -334,10 +332,7 @@ class CheckpointStore:
 
     def _write_atomic(self, *, path: str, data: bytes) -> None:
         # A crash leaves no manifest or the whole one, never a partly written manifest.json.
-        if self._local:
-            write_local_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
-        else:
-            write_remote_atomic(self.fs, path, data)
+        write_bytes_atomic(self.fs, path, data)
 
     def read_manifest(self, directory: str) -> dict[str, Any]:
         """Parse ``manifest.json`` of ``directory`` (JSON only, never a pickle).
