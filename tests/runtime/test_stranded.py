@@ -12,7 +12,7 @@ import asyncio
 
 from distributed import Client, Scheduler, Worker
 
-from dask_train.runtime._calls import schedule_stranded
+from dask_train.data._stall import schedule_stranded
 
 
 def _double(x: int) -> int:

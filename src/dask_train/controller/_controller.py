@@ -38,6 +38,7 @@ from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._wanted import WantedWorkers
+from dask_train.data._stall import schedule_stranded
 from dask_train.engines._events import (
     Epochs,
     Event,
@@ -54,7 +55,7 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers, schedule_stranded
+from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Controller:
         self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.seen_workers: set[str] = set(roles.addresses)  # a worker not in it joined
+        self.last_alive: set[str] = set()  # the workers alive at the last check
         self.stranded_watch = False  # blocks may wait in no-worker (see _schedule_stranded)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The user's hooks run off this loop, in order: they may block and use the client.
@@ -546,10 +548,10 @@ class Controller:
         return bool(self.log.checkpoints) or self.restore is not None or self.copied
 
     async def _schedule_stranded(self) -> None:
-        """Blocks whose every worker left (the whole cluster replaced) would wait for a worker
-        they prefer that never comes back: they go to the workers running now. Looked at again
-        at each liveness check while some still wait (the workers that joined had not yet
-        said they run) and whenever workers join."""
+        """Blocks whose every worker left (their worker lost, the whole cluster replaced) would
+        wait for a worker that never comes back: they go to the workers running now. Looked at
+        again at each liveness check while some still wait (the workers that joined had not
+        yet said they run) and whenever workers join or leave."""
         moved, left = await self.client.run_on_scheduler(schedule_stranded, asynchronous=True)
         if moved:
             logger.info("%d data blocks whose workers all left are computed again on the "
@@ -559,9 +561,12 @@ class Controller:
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
         alive = await alive_workers(self.client)
-        if self.stranded_watch or not set(alive) <= self.seen_workers:
+        # A worker left (its blocks, placed strictly, would wait for it) or one joined.
+        if self.stranded_watch or not set(alive) <= self.seen_workers or \
+                not self.last_alive <= set(alive):
             await self._schedule_stranded()
         self.seen_workers |= set(alive)
+        self.last_alive = set(alive)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
         gone = {f.worker for f in failures if f.worker not in alive}

@@ -15,7 +15,7 @@ from dask.base import tokenize
 from distributed import Client, Future
 
 from dask_train.data._scatter import scatter_resendable, scatter_resendable_async
-from dask_train.data._stall import wait_futures, wait_persisted
+from dask_train.data._stall import wait_persisted
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
 from dask_train.policy._scope import current_scope, in_scope
@@ -274,7 +274,9 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
     rows = [int(r) for r in X.chunks[0]]
     workers = await _scope_workers(client)
     # Where each block should end up, known before it is read: read there, nothing moves after.
-    targets = balance_blocks(rows, [""] * len(rows), workers) if len(workers) > 1 else None
+    # A scope of one worker places there too: Dask alone may read a block anywhere.
+    targets = balance_blocks(rows, [""] * len(rows), workers) \
+        if len(workers) > 1 or (workers and current_scope() is not None) else None
     futures = block_tasks(client, parts, rows, targets) or client.compute(parts)
     # Inside the client's event loop distributed.wait returns a coroutine; it waits without
     # bringing any block to the client. A worker paused at its memory limit would make it
@@ -301,7 +303,8 @@ def block_tasks(client: Client, parts: list[Any], rows: list[int],
     """One Dask task per block that computes the block's whole pair where it runs, when the
     blocks share no task (readers of files, stores or tables, a generator per block); None
     otherwise (the caller computes the pairs' graph as it is). With ``targets``, block ``i``
-    is read on worker ``targets[i]`` (loosely: elsewhere if that worker is gone or paused).
+    is read on worker ``targets[i]``, strictly: elsewhere only once that worker has left
+    (:func:`~dask_train.data._stall.schedule_stranded`), never because it is busy.
 
     Why: computed as a graph, a block's features and labels are two tasks, which Dask may run
     on two workers and then bring together, and each pair is a third; on the digits job's 22
@@ -339,7 +342,7 @@ def block_tasks(client: Client, parts: list[Any], rows: list[int],
     # digits job landed 9 to 13 (say) and 2-3 blocks of 13 MB moved after the read (0.17 s).
     return [client.submit(compute_block, graph, key=f"dt-block-{tokenize(graph.key)}",
                           pure=True, workers=[targets[i]] if targets else None,
-                          allow_other_workers=bool(targets))
+                          allow_other_workers=False)
             for i, graph in enumerate(graphs)]
 
 
@@ -372,8 +375,10 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
 
     A moved block is a new task on its target worker that takes the old block as its input, so
     Dask can still recompute it from the collection's graph if that worker is lost. The
-    restriction is loose (``allow_other_workers``): a target that dies meanwhile must not leave
-    the task waiting forever.
+    restriction is strict: loose, Dask's work stealing gives the move to the idle worker that
+    holds its input while the target is busy, and the block stays where it was. A target that
+    leaves meanwhile does not leave the move waiting: the wait sends it elsewhere
+    (:func:`~dask_train.data._stall.schedule_stranded`).
     """
     workers = await _scope_workers(client)
     if not workers or not futures or (len(workers) < 2 and current_scope() is None):
@@ -383,12 +388,12 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     targets = balance_blocks(rows, holders, workers)
     # The target is part of the key: two jobs spreading the same block to different workers
     # (two search trials) must get two moves, not share the first one's.
-    moved = {i: client.submit(_same, futures[i], workers=[t], allow_other_workers=True,
+    moved = {i: client.submit(_same, futures[i], workers=[t], allow_other_workers=False,
                               pure=False, key=f"dt-spread-{futures[i].key!s}-{tokenize(t)}")
              for i, (t, h) in enumerate(zip(targets, holders)) if t != h}
     if not moved:
         return futures
-    await wait_futures(list(moved.values()))
+    await wait_persisted(client, list(moved.values()), what="the moved blocks")
     logger.info("moved %d of %d blocks to even out the rows per worker", len(moved), len(futures))
     return [moved.get(i, f) for i, f in enumerate(futures)]
 

@@ -1,11 +1,18 @@
 """Waiting for futures on the client's event loop, and for persisted data without hanging on
-paused workers.
+paused workers or on workers that left.
 
 A Dask worker above its memory ``pause`` fraction runs no task until its memory falls, and
 persisted blocks never fall: a persist of data that does not fit waits for ever, with nothing on
 the client saying why. :func:`wait_persisted` waits as ``distributed.wait`` would, and ends the
 wait with :class:`~dask_train.errors.DataDoesNotFit` once no block has finished for ``stall_s``
 seconds while a worker is paused.
+
+Blocks are placed on their workers strictly (``allow_other_workers=False``): with a loose
+restriction Dask's work stealing hands a block to any idle worker while its target is busy, so
+a search trial's blocks landed outside its workers (ten of ten in a run with the target busy).
+A block whose every worker left would then wait in ``no-worker`` for ever:
+:func:`schedule_stranded`, run by these waits and by the job's controller, sends it to the
+workers running now.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ async def wait_persisted(client: Client, futures: list[Future], *, what: str,
             return
         except TimeoutError:
             pass
+        # A block placed on a worker that left waits for it: it goes to the workers there are.
+        await client.run_on_scheduler(schedule_stranded, asynchronous=True)
         done = sum(f.status != "pending" for f in futures)
         if done != done_before:
             done_before, progress_at = done, time.monotonic()
@@ -102,3 +111,44 @@ def _message(what: str, paused: dict[str, dict[str, Any]], done: int, total: int
 
 def _gib(n: Any) -> str:
     return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "none"
+
+
+#: Key prefixes of the tasks that place data blocks on chosen workers (``data._blocks``): the
+#: only strictly placed tasks :func:`schedule_stranded` may send elsewhere. A role's task is
+#: strictly placed too, and must never run elsewhere: the controller replaces a lost role.
+PLACED_PREFIXES = ("dt-block-", "dt-spread-")
+
+
+def schedule_stranded(dask_scheduler: Any = None) -> tuple[int, int]:
+    """Run on the scheduler: send dask-train's data blocks whose every chosen worker left to the
+    workers running now; how many were sent, and how many still wait (no worker runs yet).
+
+    Why: a block placed strictly (:data:`PLACED_PREFIXES`) waits in ``no-worker`` once its
+    worker left, when Dask computes it again (its worker was lost) or before it ever ran; and
+    when every worker a loosely placed task prefers has left, distributed gives it to a worker
+    that joins only when that worker is one of its restrictions
+    (``bulk_schedule_unrunnable_after_adding_worker`` reads ``valid_workers``, which does not
+    loosen them; dask/distributed#7346): after the whole cluster was replaced (every Slurm job
+    reaching its lifetime at once) the next generation's blocks never came. A stranded task's
+    restriction is made loose, so Dask places it on a worker that runs. A worker that has
+    registered but not yet said it runs takes no task: those wait for the next call.
+    """
+    import time
+
+    def placed(ts: Any) -> bool:
+        key = ts.key[0] if isinstance(ts.key, tuple) else ts.key
+        return ts.loose_restrictions and str(key).startswith("dt-") or \
+            str(key).startswith(PLACED_PREFIXES)
+
+    stranded = []
+    for ts in dask_scheduler.unrunnable:
+        valid = dask_scheduler.valid_workers(ts)
+        if valid is not None and not valid and placed(ts):
+            stranded.append(ts)
+    if stranded and dask_scheduler.running:
+        for ts in stranded:
+            ts.loose_restrictions = True
+        dask_scheduler.transitions({ts.key: "processing" for ts in stranded},
+                                   stimulus_id=f"dask-train-stranded-{time.time()}")
+    left = sum(1 for ts in stranded if ts.state == "no-worker")
+    return len(stranded) - left, left

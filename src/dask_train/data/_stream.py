@@ -24,7 +24,8 @@ import numpy as np
 from distributed import Client
 
 from dask_train.data._block_graph import BlockGraph, StreamSource
-from dask_train.data._blocks import BlockSet, pair_parts, wait_futures
+from dask_train.data._blocks import BlockSet, pair_parts
+from dask_train.data._stall import wait_futures
 from dask_train.errors import DataUnreadable
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks

@@ -118,28 +118,3 @@ async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str
             if any(w not in alive for w in targets):
                 call.cancel()
                 break
-
-
-def schedule_stranded(dask_scheduler: Any = None) -> tuple[int, int]:
-    """Run on the scheduler: send dask-train's tasks whose preferred workers all left (loose
-    restrictions, ``allow_other_workers=True``) to the workers running now; how many were
-    sent, and how many still wait (no worker runs yet).
-
-    Why: when every worker a block was placed on has left, the block waits in ``no-worker``,
-    and distributed gives it to a worker that joins only when that worker is one of its
-    restrictions (``bulk_schedule_unrunnable_after_adding_worker`` reads ``valid_workers``,
-    which does not loosen them; dask/distributed#7346). After the whole cluster was replaced
-    (every Slurm job reaching its lifetime at once) the next generation's blocks never came.
-    A worker that has registered but not yet said it runs takes no task: those wait for the
-    next call.
-    """
-    import time
-
-    stranded = [ts for ts in dask_scheduler.unrunnable
-                if ts.loose_restrictions and str(ts.key).startswith("dt-")
-                and not dask_scheduler.valid_workers(ts)]
-    if stranded and dask_scheduler.running:
-        dask_scheduler.transitions({ts.key: "processing" for ts in stranded},
-                                   stimulus_id=f"dask-train-stranded-{time.time()}")
-    left = sum(1 for ts in stranded if ts.state == "no-worker")
-    return len(stranded) - left, left

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 from distributed import Client, Future
 from distributed.comm import CommClosedError
 
-from dask_train.data._blocks import BlockSet, SpreadValidation, wait_futures
+from dask_train.data._blocks import BlockSet, SpreadValidation
+from dask_train.data._stall import wait_futures
 from dask_train.engines._events import Block, Epochs, Exit, Leaving, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
