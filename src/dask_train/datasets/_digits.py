@@ -33,7 +33,7 @@ _Y_META = np.empty((0,), dtype=np.int64)
 
 #: The split, as rows of the bundled file: the training rows then the held-out ones, in the
 #: order scikit-learn's ``train_test_split(test_size=0.2, stratify=y, random_state=0)`` gives
-#: them (``tests/datasets`` checks it against scikit-learn). Kept in the package so the split
+#: them (``tests/builtin_datasets`` checks it against scikit-learn). Kept in the package so the split
 #: needs no scikit-learn import (0.7 s, in the client and in every worker that generates rows)
 #: and stays the same whatever its release.
 _SPLIT_FILE = os.path.join(os.path.dirname(__file__), "digits_split.npy")

@@ -6,10 +6,10 @@ import dask.array as da
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from distributed import Client
 
 import dask_train as dt
-import tensorflow as tf
 
 
 def _mlp(hidden: int = 100) -> keras.Model:
