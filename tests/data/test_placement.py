@@ -112,3 +112,22 @@ async def _target_leaving_during_persist() -> None:
 
 def test_blocks_of_a_worker_that_leaves_during_the_persist_go_to_the_others() -> None:
     asyncio.run(_target_leaving_during_persist())
+
+
+async def _block_lost_after_the_persist() -> None:
+    async with _cluster() as (s, a, b, client):
+        X, y = _data()
+        futures = await persist_pairs(client, X, y)
+        assert any(a.address in ws for ws in (await client.scheduler.who_has(
+            keys=[f.key for f in futures])).values())
+        await a.close()  # a's blocks are lost: Dask computes them again, on b
+        pairs = await asyncio.wait_for(client.gather(futures), 30)
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in pairs]),
+                                      X.compute(scheduler="sync"))
+        who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
+        assert all(set(who_has[f.key]) == {b.address} for f in futures), who_has
+
+
+def test_a_block_lost_after_the_persist_is_computed_again_on_another_worker() -> None:
+    # Placed strictly while persisted, loose once in memory: strict, it would wait for ever.
+    asyncio.run(_block_lost_after_the_persist())

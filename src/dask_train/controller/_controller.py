@@ -117,7 +117,6 @@ class Controller:
         self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.seen_workers: set[str] = set(roles.addresses)  # a worker not in it joined
-        self.last_alive: set[str] = set()  # the workers alive at the last check
         self.stranded_watch = False  # blocks may wait in no-worker (see _schedule_stranded)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The user's hooks run off this loop, in order: they may block and use the client.
@@ -548,10 +547,10 @@ class Controller:
         return bool(self.log.checkpoints) or self.restore is not None or self.copied
 
     async def _schedule_stranded(self) -> None:
-        """Blocks whose every worker left (their worker lost, the whole cluster replaced) would
-        wait for a worker that never comes back: they go to the workers running now. Looked at
-        again at each liveness check while some still wait (the workers that joined had not
-        yet said they run) and whenever workers join or leave."""
+        """Blocks whose every worker left (the whole cluster replaced) would wait for a worker
+        they prefer that never comes back: they go to the workers running now. Looked at again
+        at each liveness check while some still wait (the workers that joined had not yet
+        said they run) and whenever workers join."""
         moved, left = await self.client.run_on_scheduler(schedule_stranded, asynchronous=True)
         if moved:
             logger.info("%d data blocks whose workers all left are computed again on the "
@@ -561,12 +560,9 @@ class Controller:
     async def _check_roles(self, engine: Engine) -> Failure | None:
         """Act on lost or failed roles; the failure that needs a new generation, if any."""
         alive = await alive_workers(self.client)
-        # A worker left (its blocks, placed strictly, would wait for it) or one joined.
-        if self.stranded_watch or not set(alive) <= self.seen_workers or \
-                not self.last_alive <= set(alive):
+        if self.stranded_watch or not set(alive) <= self.seen_workers:
             await self._schedule_stranded()
         self.seen_workers |= set(alive)
-        self.last_alive = set(alive)
         self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
         gone = {f.worker for f in failures if f.worker not in alive}

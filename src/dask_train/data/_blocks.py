@@ -15,7 +15,7 @@ from dask.base import tokenize
 from distributed import Client, Future
 
 from dask_train.data._scatter import scatter_resendable, scatter_resendable_async
-from dask_train.data._stall import wait_persisted
+from dask_train.data._stall import relax_placement, wait_persisted
 from dask_train.policy._ledger import Block
 from dask_train.policy._placement import balance_blocks
 from dask_train.policy._scope import current_scope, in_scope
@@ -291,6 +291,9 @@ async def persist_pairs(client: Client, X: da.Array, y: da.Array | None, *,
             # keep it): let Dask forget the blocks now.
             for future in futures:
                 future.release()
+    if targets:
+        await client.run_on_scheduler(relax_placement, [f.key for f in futures],
+                                      asynchronous=True)
     return await spread_blocks(client, list(futures), rows)
 
 
@@ -303,8 +306,9 @@ def block_tasks(client: Client, parts: list[Any], rows: list[int],
     """One Dask task per block that computes the block's whole pair where it runs, when the
     blocks share no task (readers of files, stores or tables, a generator per block); None
     otherwise (the caller computes the pairs' graph as it is). With ``targets``, block ``i``
-    is read on worker ``targets[i]``, strictly: elsewhere only once that worker has left
-    (:func:`~dask_train.data._stall.schedule_stranded`), never because it is busy.
+    is read on worker ``targets[i]``, strictly (never elsewhere because that worker is busy),
+    until :func:`persist_pairs` loosens it once in memory; elsewhere only if the worker leaves
+    meanwhile (:func:`~dask_train.data._stall.schedule_stranded`).
 
     Why: computed as a graph, a block's features and labels are two tasks, which Dask may run
     on two workers and then bring together, and each pair is a third; on the digits job's 22
@@ -375,9 +379,10 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
 
     A moved block is a new task on its target worker that takes the old block as its input, so
     Dask can still recompute it from the collection's graph if that worker is lost. The
-    restriction is strict: loose, Dask's work stealing gives the move to the idle worker that
-    holds its input while the target is busy, and the block stays where it was. A target that
-    leaves meanwhile does not leave the move waiting: the wait sends it elsewhere
+    restriction is strict until the move is done, then loose: loose from the start, Dask's
+    work stealing gives the move to the idle worker that holds its input while the target is
+    busy, and the block stays where it was. A target that leaves meanwhile does not leave the
+    move waiting: the wait sends it elsewhere
     (:func:`~dask_train.data._stall.schedule_stranded`).
     """
     workers = await _scope_workers(client)
@@ -394,6 +399,8 @@ async def spread_blocks(client: Client, futures: list[Future], rows: list[int]) 
     if not moved:
         return futures
     await wait_persisted(client, list(moved.values()), what="the moved blocks")
+    await client.run_on_scheduler(relax_placement, [f.key for f in moved.values()],
+                                  asynchronous=True)
     logger.info("moved %d of %d blocks to even out the rows per worker", len(moved), len(futures))
     return [moved.get(i, f) for i, f in enumerate(futures)]
 

@@ -10,9 +10,10 @@ seconds while a worker is paused.
 Blocks are placed on their workers strictly (``allow_other_workers=False``): with a loose
 restriction Dask's work stealing hands a block to any idle worker while its target is busy, so
 a search trial's blocks landed outside its workers (ten of ten in a run with the target busy).
-A block whose every worker left would then wait in ``no-worker`` for ever:
-:func:`schedule_stranded`, run by these waits and by the job's controller, sends it to the
-workers running now.
+A block whose every worker left during the persist would then wait in ``no-worker`` for ever:
+:func:`schedule_stranded`, run by these waits, sends it to the workers running now. Once in
+memory, the blocks' restrictions are made loose (:func:`relax_placement`): a block lost later
+is computed again wherever Dask likes.
 """
 
 from __future__ import annotations
@@ -111,6 +112,28 @@ def _message(what: str, paused: dict[str, dict[str, Any]], done: int, total: int
 
 def _gib(n: Any) -> str:
     return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) and n else "none"
+
+
+def relax_placement(keys: list[Any], dask_scheduler: Any = None) -> int:
+    """Run on the scheduler once the blocks ``keys`` are in memory where they were placed: their
+    restriction becomes loose, so that Dask computes a block lost later (its worker killed
+    during a job) again on any worker, not only on the one that left; one lost meanwhile goes
+    to the workers there are now. How many were loosened."""
+    import time
+
+    loosened, stranded = 0, []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None or not (ts.worker_restrictions or ts.host_restrictions):
+            continue
+        ts.loose_restrictions = True
+        loosened += 1
+        if ts.state == "no-worker":
+            stranded.append(ts.key)
+    if stranded and dask_scheduler.running:
+        dask_scheduler.transitions({key: "processing" for key in stranded},
+                                   stimulus_id=f"dask-train-placed-{time.time()}")
+    return loosened
 
 
 #: Key prefixes of the tasks that place data blocks on chosen workers (``data._blocks``): the
