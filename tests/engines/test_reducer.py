@@ -202,7 +202,7 @@ def test_every_rank_learns_every_ranks_position_with_the_step(client: Client) ->
     finally:
         group.close()
     for values, positions in got:
-        assert values == (10.0, 0.0, 1.0)  # samples, stop votes, pause votes: summed
+        assert values == (10.0, 0.0, 1.0, 0.0)  # samples, stop and pause votes, non-finite: summed
         assert positions == [[1, 7, 640], None]
     # Past what float32 holds exactly, no position is kept (the job then restarts from its
     # stored checkpoint instead).

@@ -65,6 +65,12 @@ def _on_worker(client: Client, address: str, *arrays):
 
 
 def test_two_ranks_equal_single_process_training_on_concatenated_batches(client: Client) -> None:
+    result = two_ranks_equal_single_process_training(client)
+    assert not any(t["queued_updates"] for t in result.trainers)  # the CPU's own path
+
+
+def two_ranks_equal_single_process_training(client: Client) -> dt.FitResult:
+    """The check, also run on the rank's GPU path (``test_sync_device_steps.py``)."""
     # Which rank reads which block depends on where the blocks live, so the test places them:
     # blocks 0 and 1 on one worker, blocks 2 and 3 on the other. Each rank (one per worker) then
     # reads exactly the blocks on its worker, in each epoch's order: with blocks_ahead=4 every
@@ -112,6 +118,7 @@ def test_two_ranks_equal_single_process_training_on_concatenated_batches(client:
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert result.samples == 2 * sum(chunks)
+    return result
 
 
 def test_uneven_blocks_on_one_worker_finish_the_epoch(client: Client) -> None:
@@ -225,3 +232,27 @@ def test_one_rank_is_a_plain_loop_with_no_collective(client: Client) -> None:
     assert result.steps == steps == len(stream) and len(result.roles["trainer"]) == 1
     got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_nonfinite_batch_is_left_out_and_the_next_one_takes_its_place(client: Client) -> None:
+    nonfinite_batch_left_out(client)
+
+
+def nonfinite_batch_left_out(client: Client) -> dt.FitResult:
+    """The check, also run on the rank's GPU path (``test_sync_device_steps.py``)."""
+    # on_nan="skip": the batch whose loss is not finite adds nothing, the rank reads the next
+    # one for the step, and the job trains on as a plain loop that skips that batch would.
+    chunks = (500, 300, 500)
+    x, y, _, _ = _data(chunks)
+    x[600] = np.nan  # one row of block 1
+    a = sorted(live_workers(client))[0]
+    X, Y = _on_worker(client, a, da.from_array(x, chunks=(chunks, 8)), da.from_array(y, chunks=(chunks,)))
+    result = dt.Trainer(mlp(8, 16, 3), strategy="sync", optimizer="sgd", lr=0.1, workers=1,
+                        scorer=0, batch_size=64, epochs=1, seed=5, on_nan="skip", progress=False,
+                        client=client).fit(X, Y)
+    stream = [b for b in _stream({0, 1, 2}, chunks, epochs=1, batch_size=64, seed=5) if 600 not in b]
+    expected, steps = _reference(mlp(8, 16, 3), x, y, [stream], lr=0.1)
+    assert result.steps == steps and len(result.nonfinite) == 1, result.nonfinite
+    got = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    return result

@@ -7,8 +7,11 @@ covered by tests/api/test_real_models.py on every machine.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
+import dask.array as da
+import numpy as np
 import pytest
 import torch
 from distributed import Client, LocalCluster
@@ -56,6 +59,17 @@ def test_auto_picks_the_gpu(gpu_client: Client) -> None:
 
     devices = probe_devices(gpu_client, "auto")
     assert devices.kind == "cuda" and all(d.startswith("cuda:") for d in devices.by_worker.values())
+
+
+def test_auto_is_sync_on_gpu_workers_and_says_why(gpu_client: Client,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    X, y = dt.datasets.digits(8_000, seed=0, chunks=2_000)
+    with caplog.at_level(logging.INFO, logger="dask_train.api"):
+        result = dt.Trainer(_mlp(), strategy="auto", device="cuda", epochs=1, batch_size=128,
+                            progress=False, client=gpu_client).fit(X, y)
+    assert result.plan["strategy"] == "sync" and result.plan["ps"] == 0
+    assert "async-ps's servers keep the parameters and optimizer state in host memory" in \
+        caplog.text
 
 
 class _LSTMNet(torch.nn.Module):
@@ -132,3 +146,30 @@ def test_dt_run_on_gpus_uses_nccl(gpu_client: Client, tmp_path) -> None:
     assert result.history["accuracy"].max() >= 0.9
     # The checkpoint loads on any machine: its tensors were written from the host.
     assert result.load_checkpoint()["model"]["0.weight"].device.type == "cpu"
+
+
+def test_a_nonfinite_batch_on_the_gpu_is_left_out_as_on_the_cpu(gpu_client: Client) -> None:
+    # On a GPU the loss is checked after the step's sums arrive (no wait for the device per
+    # batch); a step with a non-finite loss is done again from the same batches, checked on the
+    # host. The result must be the CPU's: the same steps, the same batch left out.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3_000, 64)).astype(np.float32)
+    y = (x[:, :10].argmax(axis=1)).astype(np.int64)
+    x[1_234] = np.nan
+    X, Y = da.from_array(x, chunks=(1_000, 64)), da.from_array(y, chunks=1_000)
+    results = {device: dt.Trainer(
+        _net(), strategy="sync", optimizer="sgd", lr=0.05, workers=1, scorer=0, batch_size=100,
+        epochs=2, seed=3, on_nan="skip", device=device, progress=False, client=gpu_client,
+    ).fit(X, Y) for device in ("cpu", "cuda")}
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert [t["queued_updates"] for t in gpu.trainers] == [True]  # the GPU's own path
+    assert gpu.steps == cpu.steps == 2 * 30 - 2
+    assert len(gpu.nonfinite) == len(cpu.nonfinite) == 2
+    flat = {d: torch.cat([p.detach().reshape(-1).cpu() for p in r.model.parameters()])
+            for d, r in results.items()}
+    torch.testing.assert_close(flat["cuda"], flat["cpu"], rtol=1e-3, atol=1e-4)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))

@@ -21,6 +21,11 @@ from dask_train.api._plan import Choice, FitPlan
 
 logger = logging.getLogger("dask_train.api")
 
+#: Why ``strategy="auto"`` is sync on GPU workers, as measured (``benchmarks/gpu.py``).
+GPU_ASYNC_PS_MEASURED = ("on one NVIDIA H200 the 34 M-parameter MLP trained at 0.05x plain "
+                         "torch's steps a second with async-ps, 0.82x with sync "
+                         "(benchmarks/gpu.py, 2026-11-28)")
+
 
 def host_memory_shards() -> bool:
     """Whether async-ps keeps its shards in host memory, where the trainers of their machine
@@ -36,10 +41,11 @@ def host_memory_shards() -> bool:
     return bool(dask.config.get("dask-train.host-memory", True))
 
 
-def choose(plan: FitPlan, client: Client, X: Any, y: Any) -> Choice:
+def choose(plan: FitPlan, client: Client, X: Any, y: Any, *, device_kind: str = "cpu") -> Choice:
     """How ``plan``'s fit runs on ``client``'s cluster: its settings as given, or with
     ``strategy="auto"`` (and ``ps="auto"``) the measured choice. ``X`` and ``y`` are the
-    training dask arrays (the probe computes one batch of them)."""
+    training dask arrays (the probe computes one batch of them). On GPU workers
+    (``device_kind="cuda"``) "auto" is sync, one rank a worker, with the reason in the log."""
     from dask_train.runtime._roles import worker_threads
 
     s = plan.settings
@@ -50,6 +56,14 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any) -> Choice:
         ps = 0 if strategy == "sync" else ps  # sync has no servers, whatever ps says
         return Choice(strategy, workers, ps, {"strategy": strategy, "workers": workers,
                                               "ps": ps, **noted})
+    if device_kind == "cuda":
+        workers = min(workers, len(worker_threads(client)))  # one rank a worker process
+        logger.info("strategy='auto': sync on %d GPU workers. async-ps's servers keep the "
+                    "parameters and optimizer state in host memory, so each of its steps "
+                    "copies the gradients off the GPU and the parameters back: %s", workers,
+                    GPU_ASYNC_PS_MEASURED)
+        return Choice("sync", workers, 0, {"strategy": "sync", "workers": workers, "ps": 0,
+                                           "reason": "GPU workers"})
     from dask_train.policy._strategy import choose_strategy
 
     model, probe_s = probe_model(plan, client, X, y, cores=True)

@@ -100,7 +100,8 @@ def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, 
     keras = is_keras_model(plan.model)  # TensorFlow places its math: no torch devices
     devices = probe_devices(client, "cpu" if keras else s.cluster.device,
                             mixed_precision=s.cluster.mixed_precision)
-    plan = plan.chose(choose(plan, client, cast_quietly(data, plan.model), data.y))
+    plan = plan.chose(choose(plan, client, cast_quietly(data, plan.model), data.y,
+                             device_kind=devices.kind))
     if devices.kind == "cuda" or devices.precision:
         logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
                     f", autocast {devices.precision}" if devices.precision else "")

@@ -66,6 +66,14 @@ class BufferSet:
                 [b.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for b in self.buffers]
             ).numpy()
 
+    def gather_here(self) -> torch.Tensor | None:
+        """A new float64 copy of the buffers on their own device (no wait for a GPU), or None
+        for a module without any. :meth:`gather` is the same on the host."""
+        if not self.size:
+            return None
+        with torch.no_grad():
+            return torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.buffers])
+
     def scatter(self, values: np.ndarray | torch.Tensor | None) -> None:
         """Copy ``values`` (from :meth:`gather`, here or elsewhere) into the buffers; None: no-op."""
         if values is None or not self.size:

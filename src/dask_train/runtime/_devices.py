@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,34 @@ class Devices:
 
 def _host(address: str) -> str:
     return address.rsplit(":", 1)[0]
+
+
+def group_backend(kind: str, devices: Mapping[str, str], ranks: Sequence[str]) -> str:
+    """The torch process group's backend for ranks on ``ranks``: NCCL for a CUDA job whose ranks
+    each have a GPU of their own, else gloo.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo all-reduces CUDA tensors
+    through host memory, so more Dask workers than GPUs on a host (two ranks sharing one GPU)
+    still train, slower. ``devices`` maps the cluster's workers to the devices chosen for them
+    (:func:`assign_devices`): a host has as many GPUs as it has distinct devices there.
+
+    Examples
+    --------
+    >>> group_backend("cuda", {"tcp://a:1": "cuda:0", "tcp://a:2": "cuda:1"}, ["tcp://a:1", "tcp://a:2"])
+    'nccl'
+    >>> group_backend("cuda", {"tcp://a:1": "cuda:0", "tcp://a:2": "cuda:0"}, ["tcp://a:1", "tcp://a:2"])
+    'gloo'
+    """
+    if kind != "cuda":
+        return "gloo"
+    gpus: dict[str, set[str]] = {}
+    for address, device in devices.items():
+        gpus.setdefault(_host(address), set()).add(device)
+    ranks_on: dict[str, int] = {}
+    for address in ranks:
+        ranks_on[_host(address)] = ranks_on.get(_host(address), 0) + 1
+    shared = any(n > max(1, len(gpus.get(host, ()))) for host, n in ranks_on.items())
+    return "gloo" if shared else "nccl"
 
 
 def assign_devices(requested: str, info: Mapping[str, Mapping[str, Any]], *,

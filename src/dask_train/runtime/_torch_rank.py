@@ -123,6 +123,21 @@ def start_store(gid: str, world: int, timeout: float) -> str:
     return f"{host}:{store.port}"
 
 
+def rank_device(kind: str, chosen: str | None) -> str | None:
+    """The device a rank trains on: None on CPUs; under NCCL, the GPU its group's start gave it
+    (:func:`join`); else (gloo, ranks sharing GPUs) ``chosen``, the one chosen for its worker,
+    made the current device so that the user's code finds it there too."""
+    if kind != "cuda":
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if (dist.is_initialized() and dist.get_backend() == "nccl") or not chosen or ":" not in chosen:
+        return f"cuda:{torch.cuda.current_device()}"
+    torch.cuda.set_device(torch.device(chosen))
+    return chosen
+
+
 def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: float,
          local_rank: int = 0) -> bool:
     """Task on every rank: ``init_process_group``; False when the start was abandoned meanwhile.

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from dask_train.models._flat import FlatModel
 
-#: Values carried in front of the gradients: [samples, stop votes, pause votes], then one slot
-#: of :data:`POSITION` values per rank (:func:`meta_size`).
-META = 3
+#: Values carried in front of the gradients: [samples, stop votes, pause votes, non-finite
+#: losses], then one slot of :data:`POSITION` values per rank (:func:`meta_size`).
+META = 4
 #: A rank's data position after the step's batches, ``[epoch + 1, block, rows]`` (zeros between
 #: blocks), in its own slot: once reduced, every rank knows where every rank was at each step it
 #: applied, so a survivor of a lost rank holds a consistent state to go on from (parameters,
@@ -87,8 +87,16 @@ class GradientReducer:
         self.rank, head = dist.get_rank(), meta_size(world)
         self.buf = torch.zeros(head + model.n_params, device=model.flat.device)
         self.meta = self.buf[:head]
-        # On the CPU the meta is read and written through numpy (see meta_values).
-        self._meta_host = self.meta.numpy() if self.buf.device.type == "cpu" else None
+        # On the CPU the meta is read and written through numpy (see meta_values). On a GPU it
+        # is written from pinned memory, whose copy is queued without waiting for the device
+        # (a copy from pageable memory waits for the device's queue to drain).
+        on_cpu = self.buf.device.type == "cpu"
+        self._meta_host = self.meta.numpy() if on_cpu else None
+        self._stage = None if on_cpu else torch.zeros(head, pin_memory=True)
+        self._staged: Any = None  # the event of the stage's last copy
+        # Where fetch_meta copies the reduced meta on the host, and the event of that copy.
+        self._fetch = None if on_cpu else torch.zeros(head, pin_memory=True)
+        self._fetched: Any = None
         self._slot = META + POSITION * self.rank
         #: Every rank's position at the last reduced step (:meth:`meta_values`).
         self.positions: list[list[int] | None] | None = None
@@ -137,28 +145,57 @@ class GradientReducer:
         self.reset()
 
     def set_meta(self, samples: float, stop: float, pause: float,
-                 position: Sequence[int] | None = None) -> None:
+                 position: Sequence[int] | None = None, *,
+                 nonfinite: torch.Tensor | None = None) -> None:
         """This rank's step samples, votes and data position (``[epoch, block, rows]`` after
-        the step's batches, None between blocks), before the collective that carries them."""
+        the step's batches, None between blocks), before the collective that carries them;
+        ``nonfinite``, a one-element tensor on the buffer's device, counts the losses found not
+        finite there (none when None)."""
         where = (0.0, 0.0, 0.0) if position is None else \
             (position[0] + 1.0, float(position[1]), float(position[2]))
         if self._meta_host is not None:
             # A torch scalar index costs a few microseconds each; a rank's loop does seven a step.
-            self._meta_host[:META] = (samples, stop, pause)
+            self._meta_host[:META] = (samples, stop, pause, 0.0)
             self._meta_host[self._slot : self._slot + POSITION] = where
         else:
-            self.meta[:META].copy_(torch.tensor((samples, stop, pause)))
-            self.meta[self._slot : self._slot + POSITION].copy_(torch.tensor(where))
+            assert self._stage is not None
+            if self._staged is not None:
+                self._staged.synchronize()  # the last copy is done with the stage (it is, always)
+            stage = self._stage.numpy()
+            stage[:] = 0.0
+            stage[:META] = (samples, stop, pause, 0.0)
+            stage[self._slot : self._slot + POSITION] = where
+            self.meta.copy_(self._stage, non_blocking=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        if nonfinite is not None:
+            self.meta[META - 1 : META].copy_(nonfinite)
 
-    def meta_values(self) -> tuple[float, float, float]:
-        """The reduced ``(samples, stop votes, pause votes)`` of the step; every rank's
-        position goes to :attr:`positions` (None when one is too large to be exact)."""
-        values = (self.meta if self._meta_host is None else self._meta_host).tolist()
+    def fetch_meta(self) -> None:
+        """On a GPU: queue the reduced meta's copy to the host now (after :meth:`wait`), so
+        that :meth:`meta_values` waits for that copy only, not for work queued after it (the
+        step's update)."""
+        if self._fetch is not None:
+            self._fetch.copy_(self.meta, non_blocking=True)
+            self._fetched = torch.cuda.Event()
+            self._fetched.record()
+
+    def meta_values(self) -> tuple[float, float, float, float]:
+        """The reduced ``(samples, stop votes, pause votes, non-finite losses)`` of the step;
+        every rank's position goes to :attr:`positions` (None when one is too large to be
+        exact)."""
+        if self._fetched is not None:
+            assert self._fetch is not None
+            self._fetched.synchronize()
+            self._fetched = None
+            values = self._fetch.tolist()
+        else:
+            values = (self.meta if self._meta_host is None else self._meta_host).tolist()
         slots = [values[i : i + POSITION] for i in range(META, len(values), POSITION)]
         self.positions = None if any(v >= _EXACT for v in values[META:]) else [
             None if slot[0] == 0 else [int(slot[0]) - 1, int(slot[1]), int(slot[2])]
             for slot in slots]
-        return values[0], values[1], values[2]
+        return values[0], values[1], values[2], values[3]
 
     @property
     def spans(self) -> list[tuple[int, int]]:

@@ -73,12 +73,25 @@ class FlatOptimizer:
         self.max_step = max_step
         # The model's trained buffers (a float64 vector, see models._buffers) on the one holder
         # that keeps them, else None: handed out with the parameters by pull, saved with them.
-        self.buffers: np.ndarray | None = None
+        self._buffers: np.ndarray | torch.Tensor | None = None
         self.version = 0
         self.samples = 0
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+
+    @property
+    def buffers(self) -> np.ndarray | None:
+        """The buffers as a float64 array; kept on a GPU, they are copied to the host when first
+        read (a scorer's pull, a checkpoint), not at every step that publishes them."""
+        held = self._buffers
+        if isinstance(held, torch.Tensor):
+            held = self._buffers = held.cpu().numpy()
+        return held
+
+    @buffers.setter
+    def buffers(self, values: np.ndarray | torch.Tensor | None) -> None:
+        self._buffers = values
 
     @property
     def off_loop(self) -> bool:
@@ -131,6 +144,37 @@ class FlatOptimizer:
         self.version += 1
         self.samples += int(samples)
 
+    @property
+    def can_queue_steps(self) -> bool:
+        """Whether :meth:`queue_step` can run: a fused torch optimizer (Adam, AdamW, SGD),
+        whose kernel reads its gradient scale and skip flag where the parameters are."""
+        return bool(self.optimizer.defaults.get("fused")) and len(self.optimizer.param_groups) == 1
+
+    def queue_step(self, scale: torch.Tensor, skip: torch.Tensor) -> bool:
+        """Queue a step on the device that divides the gradient by ``scale`` and does nothing
+        where ``skip`` is nonzero (one-element tensors on the device, read there by the fused
+        kernel, as ``torch.amp.GradScaler`` has it do): the host does not wait for the device.
+        :meth:`count_step` counts it once the caller knows it applied. False (nothing queued)
+        at the step limit."""
+        with self._lock:
+            if self.at_limit():
+                return False
+            opt: Any = self.optimizer
+            opt.grad_scale, opt.found_inf = scale, skip
+            try:
+                opt.step()
+            finally:
+                opt.grad_scale = opt.found_inf = None
+            return True
+
+    def count_step(self, samples: int) -> bool:
+        """Count a step :meth:`queue_step` queued and that applied; whether the step limit is
+        reached."""
+        with self._lock:
+            self.version += 1
+            self.samples += int(samples)
+            return self.at_limit()
+
     def pull(self) -> tuple[np.ndarray, int, int, np.ndarray | None]:
         """Return (parameters copy, version, samples, buffers).
 
@@ -140,8 +184,9 @@ class FlatOptimizer:
             return (self.param.detach().to("cpu", copy=True).numpy(), self.version, self.samples,
                     self.buffers)
 
-    def set_buffers(self, values: np.ndarray | None) -> None:
-        """Keep ``values`` (a float64 buffer vector this holder may keep as is) as the buffers."""
+    def set_buffers(self, values: np.ndarray | torch.Tensor | None) -> None:
+        """Keep ``values`` (a float64 buffer vector, or a tensor on a GPU, this holder may keep
+        as is) as the buffers."""
         if values is not None:
             with self._lock:
                 self.buffers = values

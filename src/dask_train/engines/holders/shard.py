@@ -129,7 +129,9 @@ class ShardServer(FlatOptimizer):
         return host.array("buffers").copy()  # a copy: callers keep it as is
 
     @buffers.setter
-    def buffers(self, values: np.ndarray | None) -> None:
+    def buffers(self, values: np.ndarray | torch.Tensor | None) -> None:
+        if isinstance(values, torch.Tensor):
+            values = values.cpu().numpy()
         host = self.host
         if host is None:
             self._buffers = values

@@ -12,6 +12,7 @@ import cloudpickle
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.run.context import RunContext, RunSettings
+from dask_train.runtime._torch_rank import rank_device
 
 
 @role_task
@@ -40,8 +41,7 @@ def run_user_rank(
     os.environ.update({"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
                        **({"MASTER_ADDR": host, "MASTER_PORT": port} if host else {})})
     _forget_accelerate_state()
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if config.device_kind == "cuda"
-                          else "cpu")
+    device = torch.device(rank_device(config.device_kind, config.device_for(role.address)) or "cpu")
     restore = _restore_info(config.restore)
     ctx = RunContext(role, run=run, config=user_config, world_size=world, local_rank=local_rank,
                      device=device, restore=restore)

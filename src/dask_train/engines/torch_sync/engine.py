@@ -18,6 +18,7 @@ from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.roles.base import RoleEngine
 from dask_train.policy._ledger import patch_positions
 from dask_train.runtime._calls import run_on_live
+from dask_train.runtime._devices import group_backend
 from dask_train.runtime._torch_group import start_torch
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,12 @@ class TorchSyncEngine(RoleEngine):
         return [ShardRef(0, 0, self.spec.n_params, self.roles["trainer"][0])]
 
     async def start_servers(self) -> None:
-        """Start the torch process group on the ranks' workers: NCCL on GPUs, gloo on CPUs."""
-        backend = "nccl" if self.spec.device_kind == "cuda" else "gloo"
+        """Start the torch process group on the ranks' workers: NCCL on GPUs, gloo on CPUs and
+        where ranks share a GPU (:func:`~dask_train.runtime._devices.group_backend`)."""
+        backend = group_backend(self.spec.device_kind, self.spec.devices, self.roles["trainer"])
+        if backend == "gloo" and self.spec.device_kind == "cuda":
+            logger.info("the ranks share GPUs (more workers than GPUs on a host): gloo, not NCCL, "
+                        "sums their gradients, through host memory")
         # start_torch is the blocking API: run it in a thread so this loop keeps serving it.
         call = functools.partial(start_torch, self.client, workers=self.roles["trainer"],
                                  backend=backend, timeout=self.spec.timeout)

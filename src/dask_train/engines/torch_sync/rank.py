@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from dask_train.checkpoint import read_slice
 from dask_train.data._feed import FeedItem, FeedReader, batches
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.collectives.host_sum import HostSum
-from dask_train.engines.collectives.reducer import GradientReducer
+from dask_train.engines.collectives.reducer import META, GradientReducer
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.optim import FlatOptimizer
@@ -45,8 +46,13 @@ from dask_train.engines.holders.ref import ShardRef
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
+from dask_train.runtime._torch_rank import rank_device
 
 _END = object()  # a block with no batch left
+#: Set to "1" in a worker's environment, its ranks step as on a GPU (losses checked with the
+#: step's sums, updates queued before the counts are read) on the CPU too: how the tests run
+#: that path where there is no GPU.
+DEVICE_STEPS_ENV = "DASK_TRAIN_DEVICE_STEPS"
 
 
 class _RankFeed:
@@ -57,9 +63,10 @@ class _RankFeed:
         self.model = model  # turns numpy batches into the model's tensors, on its device
         self.item: FeedItem | None = None
         self.it: Iterator[tuple[Any, Any, Any]] | None = None
-        # A batch cut ahead of time (or _END when the block has none left); it counts as
-        # consumed only once next() hands it out, so positions and resumes ignore it.
-        self.ahead: tuple[torch.Tensor, torch.Tensor] | object | None = None
+        # A batch cut ahead of time, as (rows, tensors) already on the model's device (or _END
+        # when the block has none left); it counts as consumed only once next() hands it out,
+        # so positions and resumes ignore it.
+        self.ahead: tuple[int, Any] | object | None = None
         self.consumed = 0
         self.ended = False
         self.wait_s = 0.0  # time spent waiting for blocks
@@ -68,13 +75,13 @@ class _RankFeed:
         """The next batch, or None once the feed has ended (or the job was stopped)."""
         while not self.ended:
             if self.it is not None:
-                batch = next(self.it, _END) if self.ahead is None else self.ahead
-                self.ahead = None
+                if self.ahead is None:
+                    self.prefetch()
+                batch, self.ahead = self.ahead, None
                 if isinstance(batch, tuple):
-                    self.consumed += len(batch[0])
-                    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = \
-                        self.model.batch(*batch)
-                    return out
+                    rows, out = batch
+                    self.consumed += rows
+                    return out  # type: ignore[no-any-return]
                 self.close_block()
             t0 = time.perf_counter()
             item = self.reader.next()
@@ -88,9 +95,12 @@ class _RankFeed:
         return None
 
     def prefetch(self) -> None:
-        """Cut the current block's next batch now, to overlap it with the step's all-reduce."""
+        """Cut the current block's next batch now and start its copy to the model's device,
+        to overlap them with the step's all-reduce (and, on a GPU, with its update)."""
         if self.it is not None and self.ahead is None:
-            self.ahead = next(self.it, _END)
+            batch = next(self.it, _END)
+            self.ahead = (len(batch[0]), self.model.batch(*batch)) if isinstance(batch, tuple) \
+                else batch
 
     def close_block(self) -> None:
         """Report the current block (in full or in part) and forget it."""
@@ -121,8 +131,7 @@ def run_rank(
             f"rank {index} on {role.address} has no torch process group for it; "
             "start one with dt.start_torch on the job's workers"
         )
-    # On GPUs: the device the process group gave this rank (start_torch sets it for NCCL).
-    device = f"cuda:{torch.cuda.current_device()}" if config.device_kind == "cuda" else None
+    device = rank_device(config.device_kind, config.device_for(role.address))
     model = role.model(module, device)
     model.train_mode()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
@@ -150,8 +159,10 @@ def run_rank(
     # Steps count from the restored step: the first report must not count those as its own.
     stats = role.stats(start={"steps": server.version})
     loop = _RankLoop(role, model, server, reducer, feed, buffers, stats)
-    # Ranks all on one host sum their gradients in its memory, not over loopback sockets.
-    reducer.host = HostSum.join(reducer.spans, address=role.address, timeout=config.timeout)
+    # Ranks all on one host sum their gradients in its memory, not over loopback sockets; CUDA
+    # gradients stay with the group's own collectives (NCCL takes no host tensor).
+    if model.device.type == "cpu":
+        reducer.host = HostSum.join(reducer.spans, address=role.address, timeout=config.timeout)
     try:
         loop.run()
     except BaseException:
@@ -165,7 +176,8 @@ def run_rank(
     loop.report_stats(force=True)
     role.exit(steps=server.version)
     return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s,
-                       host_memory_sum=reducer.host is not None)
+                       host_memory_sum=reducer.host is not None,
+                       queued_updates=loop.queue_updates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +206,21 @@ class _RankLoop:
         # so it is added into the reducer's buffer here and every bucket starts after the batches
         # (start_rest below): no overlap with the backward pass.
         self.scratch = None if isinstance(model, FlatModel) else torch.empty(model.n_params)
+        # On a GPU, reading a loss on the host would wait for the device at every batch (a
+        # tenth of plain torch's speed on an H200): each rank counts its non-finite losses on
+        # the device instead, that count travels with the step's sums, and in the rare step
+        # with one every rank does the step again from the same batches, checking each loss
+        # on the host (_reduce). The step's batches are kept for that.
+        on_gpu = model.device.type == "cuda" or os.environ.get(DEVICE_STEPS_ENV) == "1"
+        self.device_checks = self.scratch is None and on_gpu
+        self.nonfinite = torch.zeros(1, device=model.device) if self.device_checks else None
+        self.kept: list[tuple[Any, Any, Any]] = []
+        # And the update is queued before the step's counts are read (a fused optimizer reads
+        # the sample count and the skip flag on the device), so the device applies it while
+        # the host reads them: waiting for the device at each step's end, then queueing the
+        # update and the next forward, left an H200 idle a quarter of the time (a CNN).
+        self.queue_updates = self.device_checks and model.scaler is None and \
+            server.can_queue_steps
 
     def report_stats(self, *, force: bool = False) -> None:
         """Publish this rank's last second."""
@@ -205,22 +232,15 @@ class _RankLoop:
         """Step with the other ranks until every rank is out of data, a stop, or the limit."""
         pauser = self.role.pauser
         while True:
-            self.reducer.reset()
             # float16 loss scaling: every rank uses the same scale (each sees the same reduced
             # sums and so makes the same overflow decisions).
             scale = self.model.scaler.scale if self.model.scaler is not None else 1.0
-            count = self._accumulate(scale)
-            self.reducer.start_rest()
-            self.feed.prefetch()  # cut the next batch while the collectives run
-            t0 = time.perf_counter()
-            self.reducer.wait()
-            self.comm_s += time.perf_counter() - t0
+            count, (total, stops, pauses), queued = self._reduce(scale)
             self.samples += count
             self.report_stats()
-            total, stops, pauses = self.reducer.meta_values()
             if total == 0 and stops == 0:  # every rank is out of data: the last epoch is done
                 break
-            at_limit = self._update(total, scale)
+            at_limit = self._update(total, scale, queued)
             # Every rank's position at the step just applied, with the parameters it gave: what a
             # survivor hands on if a rank is lost (see HeldPoint).
             self.role.state.held = HeldPoint(self.server.version, self.reducer.positions)
@@ -233,13 +253,52 @@ class _RankLoop:
                                     pause_id=pauser.handled + 1):
                     break
 
-    def _accumulate(self, scale: float) -> int:
-        """This step's batches into the reducer's buffer (votes written before the last one's
-        backward starts the all-reduce); the samples they hold."""
+    def _reduce(self, scale: float, again: list[tuple[Any, Any, Any]] | None = None
+                ) -> tuple[int, tuple[float, float, float], bool]:
+        """One step's batches (the feed's, or ``again``), reduced over the ranks: the samples
+        this rank gave, the reduced ``(samples, stop votes, pause votes)``, and whether the
+        step's update was queued on the device already (it applies unless no rank had a
+        sample or some loss was not finite)."""
+        reducer = self.reducer
+        reducer.reset()
+        count = self._accumulate(scale, again)
+        reducer.start_rest()
+        self.feed.prefetch()  # cut the next batch while the collectives run
+        t0 = time.perf_counter()
+        reducer.wait()
+        self.comm_s += time.perf_counter() - t0
+        queued = False
+        if self.queue_updates:
+            reducer.fetch_meta()
+            # 0-d, as torch's steps count is: the kernel subtracts the flag from it.
+            total_t, nonfinite_t = reducer.meta[0], reducer.meta[META - 1]
+            skip = torch.logical_or(total_t <= 0, nonfinite_t > 0).float()
+            queued = self.server.queue_step(total_t.clamp(min=1.0), skip)
+        total, stops, pauses, nonfinite = reducer.meta_values()
+        if nonfinite > 0:
+            # A rank's loss was not finite, seen on its device: the sums hold its gradient.
+            # Every rank (each read the same count) does the step again from the same batches,
+            # checked on the host: the batch is left out, as on the CPU.
+            return self._reduce(scale, list(self.kept))
+        return count, (total, stops, pauses), queued
+
+    def _accumulate(self, scale: float, again: list[tuple[Any, Any, Any]] | None = None) -> int:
+        """This step's batches (the feed's, or ``again``) into the reducer's buffer (votes
+        written before the last one's backward starts the all-reduce); the samples they hold."""
         every = self.role.config.trains.grad_accumulation
+        on_device = self.device_checks and again is None
+        if on_device:
+            assert self.nonfinite is not None
+            self.nonfinite.zero_()
+            self.kept = []
+        # Again: the same batches first, then the feed's, as a left-out batch's place is
+        # taken by the next one on the CPU.
+        pending = iter(again or ())
         k, count, reduced = 0, 0, False
         while k < every:
-            batch = self.feed.next()
+            batch = next(pending, None)
+            if batch is None:
+                batch = self.feed.next()
             if batch is None:
                 break
             xb, yb, wb = batch
@@ -248,7 +307,13 @@ class _RankLoop:
                 value = self.model.gradient(xb, yb, self.loss_fn, out=self.scratch, w=wb)
             else:
                 loss = self.model.forward_loss(xb, yb, self.loss_fn, wb)
-                value = float(loss.detach())
+                if on_device:
+                    assert self.nonfinite is not None
+                    self.kept.append(batch)
+                    self.nonfinite.add_(torch.logical_not(torch.isfinite(loss.detach())))
+                    value = 0.0  # checked once the step's sums arrive (_reduce)
+                else:
+                    value = float(loss.detach())
             if not math.isfinite(value):
                 # Left out of the step (a non-finite sum would poison every rank); counted
                 # neither as samples nor as one of the k batches.
@@ -261,7 +326,7 @@ class _RankLoop:
             k += 1
             reduced = k == every  # the step's last batch: its backward starts the all-reduce
             if reduced:
-                self._votes(count)
+                self._votes(count, on_device)
             # Scaled to the batch's sum, so the reduced mean weighs every sample equally, even
             # when the ranks' batches differ in size.
             if self.scratch is not None:
@@ -269,12 +334,19 @@ class _RankLoop:
             else:
                 self.reducer.backward(loss * (rows * scale), reduce=reduced)
         if not reduced:
-            self._votes(count)
+            self._votes(count, on_device)
         return count
 
-    def _update(self, total: float, scale: float) -> bool:
-        """Apply the reduced mean gradient; True at the step limit."""
+    def _update(self, total: float, scale: float, queued: bool) -> bool:
+        """Apply the reduced mean gradient (count it, when ``queued`` on the device already);
+        True at the step limit."""
         model, reducer, server = self.model, self.reducer, self.server
+        if queued:
+            if total <= 0:
+                return False
+            at_limit = server.count_step(int(total))
+            self._applied(server.version)
+            return at_limit
         if total > 0 and model.scaler is not None:
             reducer.grad.div_(scale)
             finite = bool(torch.isfinite(reducer.grad).all())
@@ -286,19 +358,24 @@ class _RankLoop:
         reducer.grad.div_(total)  # a non-finite batch was left out, so the mean is finite
         before = server.version
         at_limit = server.step(int(total))
-        if server.version == 1 and before == 0 and self.role.index == 0:
-            self.role.started()  # the first step is applied: start-up ended (FitResult.timings)
         if server.version > before:
-            # Only with an applied step (every rank sees the same versions, so all ranks take
-            # part or none): a step refused at the limit must not publish the statistics of
-            # batches whose gradients were never applied.
-            self.buffers.step()
+            self._applied(server.version)
         return at_limit
 
-    def _votes(self, count: int) -> None:
-        """Write this rank's samples and votes, before the collective that carries them starts."""
+    def _applied(self, version: int) -> None:
+        """After an applied step. Only then (every rank sees the same versions, so all ranks
+        take part or none): a step refused at the limit must not publish the statistics of
+        batches whose gradients were never applied."""
+        if version == 1 and self.role.index == 0:
+            self.role.started()  # the first step is applied: start-up ended (FitResult.timings)
+        self.buffers.step()
+
+    def _votes(self, count: int, on_device: bool) -> None:
+        """Write this rank's samples and votes (and its non-finite losses counted on the
+        device), before the collective that carries them starts."""
         self.reducer.set_meta(float(count), 1.0 if self.role.stopped() or self.stop_vote else 0.0,
-                              1.0 if self.role.pauser.requested() else 0.0, self.feed.position())
+                              1.0 if self.role.pauser.requested() else 0.0, self.feed.position(),
+                              nonfinite=self.nonfinite if on_device else None)
 
 
 class _BufferSync:
@@ -333,14 +410,17 @@ class _BufferSync:
         """Broadcast rank 0's buffers after a step and publish them (rank 0)."""
         if not self.buffers:
             return
+        # On the model's device: a GPU's buffers go to the host only when read (the holder's
+        # buffers), never at each step.
         if self.rank == 0:
-            values = self.buffers.gather()
+            values = self.buffers.gather_here()
             assert values is not None
-            dist.broadcast(torch.from_numpy(values).to(self.device), src=0)
-            self.server.set_buffers(values)  # a new array each step: kept as is
+            if dist.get_world_size() > 1:
+                dist.broadcast(values, src=0)
+            self.server.set_buffers(values)  # a new tensor each step: kept as is
         else:
             assert self.received is not None
             dist.broadcast(self.received, src=0)
             self.buffers.scatter(self.received)
             # Kept with this rank's parameters too: a survivor's state is written from them.
-            self.server.set_buffers(self.received.cpu().numpy().copy())
+            self.server.set_buffers(self.received.clone())
