@@ -22,8 +22,8 @@ from dask_train.api._plan import Choice, FitPlan
 logger = logging.getLogger("dask_train.api")
 
 #: Why ``strategy="auto"`` is sync on GPU workers, as measured (``benchmarks/gpu.py``).
-GPU_ASYNC_PS_MEASURED = ("on one NVIDIA H200 the 34 M-parameter MLP trained at 0.05x plain "
-                         "torch's steps a second with async-ps, 0.82x with sync "
+GPU_ASYNC_PS_MEASURED = ("on one NVIDIA H200 the 34 M-parameter MLP trained at 0.04x plain "
+                         "torch's steps a second with async-ps, 0.92x with sync "
                          "(benchmarks/gpu.py, 2026-11-28)")
 
 
