@@ -112,13 +112,13 @@ def test_cuda_trains_an_lstm_and_a_tied_net(gpu_client: Client, strategy: str, m
         assert result.model.a.weight is result.model.b.weight
 
 
-def _run_on_gpu(ctx):
+def _run_on_gpu(ctx, epochs: int = 3, device: str = "cuda"):
     model = ctx.prepare(_mlp())
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     xv, yv = ctx.dataset("val")
-    for _ in ctx.epochs(3):
+    for _ in ctx.epochs(epochs):
         for xb, yb in ctx.batches(batch_size=128):
-            assert xb.device.type == "cuda" and yb.device.type == "cuda"
+            assert xb.device.type == device and yb.device.type == device
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
@@ -173,3 +173,43 @@ def test_a_nonfinite_batch_on_the_gpu_is_left_out_as_on_the_cpu(gpu_client: Clie
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+# -- two ranks on one GPU: more Dask workers than GPUs on a host share them, over gloo --------
+# NCCL refuses two ranks on one device, so the sync Trainer and dt.run take gloo when the job's
+# workers share a GPU; gloo all-reduces CUDA tensors through host memory. Each job also runs on
+# the CPU, on the same workers, and the GPU run must reach that run's accuracy.
+@pytest.fixture(scope="module")
+def shared_client() -> Iterator[Client]:
+    n = 2 * max(1, torch.cuda.device_count())  # two workers per GPU: every GPU has two ranks
+    with LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _sync_on(client: Client, device: str) -> float:
+    X, y = dt.datasets.digits(24_000, seed=0, chunks=3_000)
+    result = dt.Trainer(_mlp(), strategy="sync", workers=len(live_workers(client)), lr=3e-3,
+                        batch_size=128, epochs=2, device=device, progress=False,
+                        client=client).fit(X, y, validation=dt.datasets.digits_test())
+    assert result.stopped_by == "epochs=2"
+    assert all(t["queued_updates"] == (device == "cuda") for t in result.trainers)
+    return float(result.history["accuracy"].iloc[-1])
+
+
+def test_the_sync_trainer_shares_a_gpu_between_two_ranks(shared_client: Client) -> None:
+    on_cpu = _sync_on(shared_client, "cpu")
+    on_gpu = _sync_on(shared_client, "cuda")
+    assert on_gpu >= on_cpu - 0.02, (on_gpu, on_cpu)
+
+
+def test_dt_run_shares_a_gpu_between_two_ranks_over_gloo(shared_client: Client) -> None:
+    X, y = dt.datasets.digits(24_000, seed=0, chunks=3_000)
+    runs = {device: dt.run(_run_on_gpu, workers=len(live_workers(shared_client)), device=device,
+                           config={"epochs": 2, "device": device}, client=shared_client,
+                           data={"train": (X, y), "val": dt.datasets.digits_test()})
+            for device in ("cpu", "cuda")}
+    assert {device.split(":")[0] for device, _ in runs["cuda"].returns} == {"cuda"}
+    assert {backend for _, backend in runs["cuda"].returns} == {"gloo"}
+    accuracy = {d: float(r.history["accuracy"].iloc[-1]) for d, r in runs.items()}
+    assert accuracy["cuda"] >= accuracy["cpu"] - 0.02, accuracy
