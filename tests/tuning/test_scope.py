@@ -42,10 +42,9 @@ def _statuses(dask_scheduler: Any) -> dict[str, str]:
 
 
 def test_blocks_are_persisted_on_the_scope_and_reused_from_its_cache(client: Client) -> None:
-    # The blocks' placement on the scope is a loose restriction (a target that dies must not
-    # leave them waiting): Dask places them elsewhere while the target does not run tasks
-    # (paused by an earlier test's memory on this shared cluster, or restarted by its nanny).
-    # A fresh clone's run once found every block on the other worker so. Both run first.
+    # The blocks are placed on the scope strictly (work stealing moved loosely placed ones to
+    # the idle worker, fc51): they wait for a target that does not run tasks yet (paused by an
+    # earlier test's memory on this shared cluster, or restarted by its nanny). Both run first.
     deadline = time.monotonic() + 30
     while set(client.run_on_scheduler(_statuses).values()) != {"running"} and \
             time.monotonic() < deadline:
