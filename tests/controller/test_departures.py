@@ -216,7 +216,9 @@ def _assert_handed_over(result: Any, output: str, *, retired: bool = True) -> No
     ledger = result.ledger
     shared = ledger.groupby(["epoch", "block"])["trainer"].transform("size") > 1
     odd = ledger[shared | (ledger["consumed"] < ledger["rows"])]
-    assert int(consumed.sum()) == result.samples, (departure, result.trainers, odd.to_string())
+    # A string, not a tuple: pytest shortens a tuple's repr, and fc55's failure showed no row.
+    assert int(consumed.sum()) == result.samples, \
+        f"{departure}\n{result.trainers}\n{odd.to_string()}\n{result.ledger.to_string()}"
     if retired:
         for word in ("Traceback", "ERROR"):
             assert word not in output, output

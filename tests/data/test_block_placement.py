@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import dask.array as da
 import numpy as np
@@ -55,16 +56,21 @@ def _data() -> tuple[da.Array, da.Array]:
     return X, (X[:, 0] > 0.5).astype("int64")
 
 
+async def _persisted_while_a_is_busy(client: Client) -> tuple[list[Any], dict[Any, Any]]:
+    """``_data()`` persisted while worker a's one thread is held, long enough for work stealing
+    (every 100 ms) to move what it may to the idle b; the blocks and who holds them."""
+    X, y = _data()
+    persist = asyncio.ensure_future(persist_pairs(client, X, y))
+    await asyncio.sleep(1.5)
+    _RELEASE.set()
+    futures = await persist
+    return futures, await client.scheduler.who_has(keys=[f.key for f in futures])
+
+
 async def _busy_target_keeps_its_blocks() -> None:
     async with _cluster() as (s, a, b, client):
         await _hold_a(client, a)
-        X, y = _data()
-        persist = asyncio.ensure_future(persist_pairs(client, X, y))
-        # Long enough for work stealing (every 100 ms) to move what it may to the idle b.
-        await asyncio.sleep(1.5)
-        _RELEASE.set()
-        futures = await persist
-        who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
+        futures, who_has = await _persisted_while_a_is_busy(client)
         targets = balance_blocks([50] * BLOCKS, [""] * BLOCKS, {a.address: 1, b.address: 1})
         assert [sorted(who_has[f.key]) for f in futures] == [[t] for t in targets]
         assert targets.count(a.address) == BLOCKS // 2
@@ -77,13 +83,8 @@ def test_blocks_wait_for_their_busy_worker_rather_than_land_elsewhere() -> None:
 async def _scope_of_one_worker_gets_every_block() -> None:
     async with _cluster() as (s, a, b, client):
         await _hold_a(client, a)
-        X, y = _data()
         with use_workers([a.address]):
-            persist = asyncio.ensure_future(persist_pairs(client, X, y))
-            await asyncio.sleep(1.5)
-            _RELEASE.set()
-            futures = await persist
-        who_has = await client.scheduler.who_has(keys=[f.key for f in futures])
+            futures, who_has = await _persisted_while_a_is_busy(client)
         assert all(set(who_has[f.key]) == {a.address} for f in futures), who_has
         assert not b.data  # nothing was read outside the scope
 
