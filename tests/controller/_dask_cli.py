@@ -11,6 +11,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def scheduler_address(info: Path, *, timeout: float = 30.0) -> str:
+    """The address ``dask scheduler --scheduler-file info`` writes, once the file is whole: it
+    exists a moment before its text is written (an empty read failed a run under load)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return str(json.loads(info.read_text())["address"])
+        except (FileNotFoundError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no scheduler address in {info} after {timeout:g} s") \
+                    from None
+            time.sleep(0.05)
+
+
 @contextmanager
 def dask_cli_cluster(tmp_path: Path, *more: list[str]
                      ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
@@ -26,10 +40,7 @@ def dask_cli_cluster(tmp_path: Path, *more: list[str]
                                  stdout=log, stderr=log)
     workers: list[subprocess.Popen[bytes]] = []
     try:
-        deadline = time.monotonic() + 30
-        while not info.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        address = json.loads(info.read_text())["address"]
+        address = scheduler_address(info)
         common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
         for options in (["--nworkers", "2"], *more):
             workers.append(subprocess.Popen([dask, "worker", address, *options, *common],

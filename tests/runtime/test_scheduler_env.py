@@ -13,12 +13,10 @@ on its ``PYTHONPATH``: no plugin and no change to the scheduler's code.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import sysconfig
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +28,9 @@ import torch
 from distributed import Client
 
 import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+from _dask_cli import scheduler_address  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,7 @@ def _cluster(python: Path, tmp_path: Path, **env: str) -> Iterator[str]:
             stdout=out, stderr=out, env=_env(**env))
     worker = None
     try:
-        deadline = time.monotonic() + 30
-        while not info.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        address = json.loads(info.read_text())["address"]
+        address = scheduler_address(info)
         # This environment's worker, with the test's own path to dask-train (if any).
         worker = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,9 @@ from distributed import Client, LocalCluster, Security
 import dask_train as dt
 from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+from _dask_cli import scheduler_address  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -221,10 +222,7 @@ def test_a_dask_scheduler_and_workers_started_with_certificate_files(tmp_path: P
                                   str(info), *tls], stdout=logs[0], stderr=logs[0])
     workers = None
     try:
-        deadline = time.monotonic() + 60
-        while not info.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        address = json.loads(info.read_text())["address"]
+        address = scheduler_address(info, timeout=60)
         assert address.startswith("tls://")
         workers = subprocess.Popen([dask, "worker", address, "--nworkers", "2", "--nthreads", "1",
                                     "--host", "127.0.0.1", *tls], stdout=logs[1], stderr=logs[1])
