@@ -41,6 +41,9 @@ class FitResult(JobResult):
         Seconds from the first role's start to the end of the job.
     ledger : pandas.DataFrame
         One row per (epoch, block) handed out: trainer, rows, rows consumed, local or moved.
+        ``consumed`` counts every row of the block applied to the parameters, those a lost
+        trainer or an earlier generation applied included (``skip``), so its sum is the
+        samples the parameters have seen.
     roles : Roles
         Where each role ran.
     trainers : list of dict

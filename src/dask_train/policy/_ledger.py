@@ -267,8 +267,26 @@ class Ledger:
         return n
 
     def records(self) -> list[dict[str, object]]:
-        """One plain record per (epoch, block) handed out, in assignment order."""
-        return [asdict(e) for e in self.entries.values()]
+        """One plain record per (epoch, block) handed out, in assignment order; ``consumed``
+        counts the rows applied so far.
+
+        A block partly read by a lost trainer, or by the generation before a resume, waits to
+        be read again from ``skip``, the rows already applied: until its new reader reports it,
+        those rows count as consumed (a record of the trainer it waits for, after the others,
+        while it is not handed out again). Without them, a job stopped in between showed fewer
+        rows than its parameters had seen.
+        """
+        records = [{**asdict(e), "consumed": max(e.consumed, e.skip)}
+                   for e in self.entries.values()]
+        for trainer, queue in enumerate(self._requeue):
+            for r in queue:
+                if r.skip and (r.epoch, r.block) not in self.entries:
+                    block = self._by_index[r.block]
+                    records.append(asdict(LedgerEntry(
+                        r.epoch, r.block, trainer, block.rows,
+                        self.trainers[trainer] in block.holders, consumed=r.skip, skip=r.skip,
+                        moved_from=r.moved_from)))
+        return records
 
     # -- losing and gaining trainers -------------------------------------------------------------
     @property
