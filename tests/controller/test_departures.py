@@ -113,6 +113,43 @@ def test_async_ps_hands_a_retired_workers_roles_over(three_workers: Client, reti
     assert not any(held.values()), held  # the hand-over's files are dropped at the end
 
 
+class _StopSoonAfterRetiring(dt.Callback):
+    """Retires ``victim`` once the job has applied ``samples`` samples, and stops the job at
+    the first score after it left: the next generation has not yet read again the block the
+    leaving trainer had partly read."""
+
+    def __init__(self, client: Client, victim: str, samples: int) -> None:
+        self.retire = _RetireAt(client, victim, samples)
+        self.client, self.victim = client, victim
+
+    def on_score(self, record: Any) -> bool:
+        if not self.retire.retired:
+            self.retire.on_score(record)
+            return False
+        return self.victim not in live_workers(self.client)
+
+
+def test_a_job_stopped_right_after_a_hand_over_counts_every_row_applied(
+        three_workers: Client, caplog: pytest.LogCaptureFixture) -> None:
+    client = three_workers
+    X, Y, validation = _data()
+    roles = dt.start_roles(client, ps=1, worker=2, scorer=1)
+    victim = roles["trainer"][1]
+    stop = _StopSoonAfterRetiring(client, victim, samples=4_000)
+    # Slow batches: a block takes over a second, so the stop comes before the block the
+    # trainer left half read is read to its end again.
+    result = dt.Trainer(Slow(mlp(8, 16, 3), 0.04), lr=1e-2, ps=1, workers=2, batch_size=32,
+                        epochs=6, score_every=0.2, timeout=30, progress=False, client=client,
+                        callbacks=[stop]).fit(X, Y, validation=validation)
+    assert result.stopped_by == "callback" and result.failures == []
+    [departure] = result.departures
+    assert departure["redone"] == 0
+    consumed = result.ledger.groupby(["epoch", "block"])["consumed"].sum()
+    assert (consumed <= BLOCK).all()
+    assert int(consumed.sum()) == result.samples, result.ledger.to_string()
+    assert not _errors(caplog)
+
+
 def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
         three_workers: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     client = three_workers
