@@ -64,6 +64,27 @@ def client(cluster: LocalCluster) -> Iterator[Client]:
         yield client
 
 
+@pytest.fixture(autouse=True)
+def _its_session_client_is_the_default(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test of one of the session's clients (``client``, ``client4``, or a module's own
+    ``client``) gets it as Dask's default client, as a program's only client is. Dask's default
+    is the client a ``with Client(...)`` entered last (a context variable), else the newest one
+    open: with both session clients open in one pytest process, the one made last was every
+    later test's default, and a test of the other computed on the wrong cluster (``.compute()``
+    ran where neither ``get_task_stream(client)`` nor the workers' counters looked: two
+    prediction tests failed after a ``client4`` test). The global default too, for the threads
+    a test starts (a context variable does not reach them). Distributed has no public call to
+    make an open client the default again."""
+    for name in ("client4", "client"):
+        if name in request.fixturenames:
+            client = request.getfixturevalue(name)
+            distributed.client._set_global_client(client)
+            with client.as_current():
+                yield
+            return
+    yield
+
+
 @pytest.fixture(scope="session")
 def client4() -> Iterator[Client]:
     """A cluster of four worker processes, for tests of several groups or trials at once
