@@ -450,16 +450,32 @@ class RoleEngine(Engine):
             self.client, worker_side.save_shard_direct, job=self.job, index=i, path=paths(i),
             metadata=m, address=a), timeout=self.spec.timeout) for i, a, m in direct))
         written = dict(zip([i for i, _, _ in direct], records))
-        if futures:
-            try:
-                written.update(zip([i for i, _, _ in pinned], await self.gather_from_holders(
-                    futures, what=f"writing checkpoint {directory}")))
-            except asyncio.CancelledError:
-                # A write given up (a dt.run report's copy when its generation ends): its tasks
-                # go now, while this loop runs, not when the client closes at the program's
-                # exit (their done callbacks then meet a closed executor: an ERROR line).
-                await self.client.cancel(futures, asynchronous=True)
-                raise
+        if not futures:
+            return written
+        gather = asyncio.ensure_future(self.gather_from_holders(
+            futures, what=f"writing checkpoint {directory}"))
+        try:
+            while not await _done_within(gather, 0.1):
+                if {a for _, a, _ in pinned} & self.leaving_workers:
+                    # A holder gave notice while its task waited: a worker closing without
+                    # retiring (SIGTERM to `dask worker`) stays in the scheduler's list but
+                    # runs no new task, and the write waited for it until the nanny killed
+                    # it (a hand-over lost). Write again, that holder by a direct call: the
+                    # trainers are still paused, so the files are the same.
+                    gather.cancel()
+                    await self.client.cancel(futures, asynchronous=True)
+                    logger.info("job %s: a holder of checkpoint %s is leaving; its file is "
+                                "written by a direct call", self.job, directory)
+                    return {**written, **await self.write_holders(pinned, paths=paths,
+                                                                  directory=directory)}
+            written.update(zip([i for i, _, _ in pinned], gather.result()))
+        except asyncio.CancelledError:
+            # A write given up (a dt.run report's copy when its generation ends): its tasks
+            # go now, while this loop runs, not when the client closes at the program's
+            # exit (their done callbacks then meet a closed executor: an ERROR line).
+            gather.cancel()
+            await self.client.cancel(futures, asynchronous=True)
+            raise
         return written
 
     async def wait_for_holders(self, futures: list[Future], *, what: str,
@@ -575,3 +591,9 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.drop_job, self.job,
                           leaving=self.leaving_workers,
                           workers=sorted(set(self.roles.addresses) | set(holders)))
+
+
+async def _done_within(task: asyncio.Future[Any], seconds: float) -> bool:
+    """Whether ``task`` is done within ``seconds`` (it is not cancelled when not)."""
+    await asyncio.wait({task}, timeout=seconds)
+    return task.done()
