@@ -24,9 +24,15 @@ async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str,
     ``placeable``: only those that may take a new role, not those on their way out (retiring,
     closing after a SIGTERM), which the scheduler still lists for a moment.
     """
+    return {addr: nthreads for addr, (nthreads, status) in (await _listed(client)).items()
+            if not (placeable and status in LEAVING_STATES)}
+
+
+async def _listed(client: Client) -> dict[str, tuple[int, str | None]]:
+    """The workers the scheduler lists now (in the job's scope): threads and status."""
     info = (await client.scheduler.identity()).get("workers", {})
-    return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()
-                     if not (placeable and w.get("status") in LEAVING_STATES)})
+    return in_scope({addr: (int(w.get("nthreads", 1)), w.get("status"))
+                     for addr, w in info.items()})
 
 
 #: A direct call's answer from a worker that is gone (left out of :func:`run_on_live`'s).
@@ -100,12 +106,24 @@ async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str
         except Exception:  # gone meanwhile: a loss, for the caller's failure check
             return address, _GONE
 
-    answers = await asyncio.gather(*(direct_call(w) for w in workers if w in leaving))
-    direct = {address: answer for address, answer in answers if answer is not _GONE}
+    direct: dict[str, Any] = {}
+
+    async def call_directly(addresses: list[str]) -> None:
+        answers = await asyncio.gather(*(direct_call(w) for w in addresses))
+        direct.update({address: answer for address, answer in answers if answer is not _GONE})
+
+    await call_directly([w for w in workers if w in leaving])
     workers = [w for w in workers if w not in leaving]
     while True:
-        alive = await alive_workers(client)
-        targets = [w for w in workers if w in alive]
+        listed = await _listed(client)
+        # One retiring or closing (still listed) is called directly too: the scheduler's
+        # broadcast to a worker that closes as it connects waits out the 30 s connect timeout
+        # and logs an ERROR (seen after a scale-down), whatever on_error says.
+        closing = [w for w in workers if listed.get(w, (0, None))[1] in LEAVING_STATES]
+        if closing:
+            await call_directly(closing)
+            workers = [w for w in workers if w not in closing]
+        targets = [w for w in workers if w in listed]
         if not targets:
             return direct
         call = asyncio.ensure_future(client.run(fn, *args, workers=targets, asynchronous=True,

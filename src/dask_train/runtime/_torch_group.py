@@ -21,7 +21,7 @@ from distributed import Client, Future, as_completed
 from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput, TrainingTimeout, WorkerLost
-from dask_train.runtime._calls import live_workers
+from dask_train.runtime._calls import live_workers, run_on_live
 from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
 
 BACKENDS = ("gloo", "nccl")
@@ -68,10 +68,9 @@ def _leave_all(
 
     Returns, per worker, whether its rank's join task had started.
     """
-    # Only workers still in the cluster: a broadcast to a lost one waits for the connect timeout.
-    present = set(live_workers(client))
-    here = [a for a in addresses if a in present]
-    answers = client.run(leave, gid, tombstone, workers=here, on_error="return") if here else {}
+    # Only workers still in the cluster, a closing one by a direct call: a broadcast to a lost
+    # one waits for the connect timeout (run_on_live).
+    answers = client.sync(run_on_live, client, leave, gid, tombstone, workers=list(addresses))
     answers = {a: b for a, b in answers.items() if isinstance(b, tuple)}
     # A rank blocked in a collective fails within milliseconds once its peers are destroyed, and a
     # rank blocked joining within its own timeout; waiting for them leaves the workers free for the
@@ -80,7 +79,7 @@ def _leave_all(
     busy = [a for a, (n, _) in answers.items() if n]
     while busy and time.monotonic() < deadline:
         time.sleep(0.05)
-        again = client.run(leave, gid, False, workers=busy, on_error="return")
+        again = client.sync(run_on_live, client, leave, gid, False, workers=busy)
         busy = [a for a, b in again.items() if isinstance(b, tuple) and b[0]]
     return {a: started for a, (_, started) in answers.items()}
 
@@ -392,6 +391,11 @@ def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple
                  for a in dict.fromkeys(wanted) if a not in known]
     candidates = [a for a in dict.fromkeys(wanted) if a in known]
     answers = client.run(probe, nccl, workers=candidates, on_error="return") if candidates else {}
+    for a, p in answers.items():
+        if isinstance(p, OSError):  # its connection closed: the worker died as it was asked
+            rank = wanted.index(a) if not isinstance(workers, int) else None
+            raise WorkerLost(f"worker {a} was lost while the ranks were placed: {p!r}",
+                             worker=a, role="trainer" if rank is None else f"trainer-{rank}")
     info = {a: p if isinstance(p, dict) else {"problem": f"worker {a} did not answer: {p!r}."}
             for a, p in answers.items()}
     if isinstance(workers, int):
