@@ -1,7 +1,7 @@
 """Filters of distributed's log for what dask-train's own handling makes no error: a heartbeat
 cut by its worker closing, a role's task cancelled by its worker's departure, a rank that failed
 because a peer died, a batched stream's close, scattered blocks dask-train sends again, a closed
-worker's stop queue read as its process ends. Each
+worker's stop queue read as its process ends, a transfer cut as its worker retired. Each
 leaves every other record as distributed logs it. Installed on the workers by the plugin
 (:func:`quiet_worker`) and on the scheduler by ``dt.connect`` (:func:`quiet_scheduler`).
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import weakref
+from typing import Any
 
 from distributed import Worker
 
@@ -110,6 +112,65 @@ class _ClosedStopQueue(logging.Filter):
 _closed_stop_queue = _ClosedStopQueue()
 
 
+#: Workers the scheduler told this process it removed (address -> when): a fetch from one cut
+#: after that was cut by distributed itself, which closes its connections to a removed worker.
+_removed: dict[str, float] = {}
+_REMOVED_KEPT_S = 60.0
+
+
+class _RetiredTransfer(logging.Filter):
+    """Logs distributed's ERRORs of a data transfer cut because its sender retired at INFO,
+    without their tracebacks.
+
+    A worker that retires (``retire_workers``, ``--lifetime``, a scale-down) is removed by the
+    scheduler once its unique data is copied elsewhere, without waiting for peers still fetching
+    from it; each other worker then closes its connections to it, and a fetch in flight fails:
+    "Worker stream died during communication" on the peer and "failed during get data" on the
+    retiring worker, each an ERROR with a traceback, though the peer fetches the data again from
+    another worker (seen on 1 of 16 ``dask worker --lifetime`` departures under load). A fetch
+    from a worker that dies before the scheduler removes it is still logged as distributed logs
+    it, and so is any other transfer's failure.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.args:
+            return True
+        args: Any = record.args
+        if record.msg == "Worker stream died during communication: %s" and args[0] in _removed:
+            why = "it was removed from the cluster as it left; its data is fetched from another"
+        elif record.msg == "failed during get data with %s -> %s" and any(
+                w.status.name in LEAVING_STATES and w.address == args[0] for w in list(_workers)):
+            why = "this worker is leaving the cluster; the peer fetches the data from another"
+        else:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = f"{record.getMessage()} ({why})", None
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_retired_transfer = _RetiredTransfer()
+
+
+def _note_removals(worker: Worker) -> None:
+    """Remember each worker the scheduler says it removed (its "remove-worker" message, which
+    makes this worker close its connections to it), for :class:`_RetiredTransfer`."""
+    handle = worker.stream_handlers.get("remove-worker")
+    if handle is None or getattr(handle, "_dask_train_noted", False):
+        return
+
+    def noted(**msg: Any) -> Any:
+        now = time.monotonic()
+        for address, when in list(_removed.items()):
+            if now - when > _REMOVED_KEPT_S:
+                _removed.pop(address, None)
+        _removed[str(msg.get("worker"))] = now
+        return handle(**msg)
+
+    noted._dask_train_noted = True  # type: ignore[attr-defined]
+    worker.stream_handlers["remove-worker"] = noted
+
+
 def quiet_worker(worker: Worker) -> None:
     """Install this module's filters of a worker's log (by the dask-train plugin)."""
     nanny = logging.getLogger("distributed.nanny")
@@ -120,6 +181,9 @@ def quiet_worker(worker: Worker) -> None:
         log.addFilter(_closing_heartbeat)
     if _peer_lost not in log.filters:
         log.addFilter(_peer_lost)
+    if _retired_transfer not in log.filters:
+        log.addFilter(_retired_transfer)
+    _note_removals(worker)
     _workers.add(worker)
     machine = logging.getLogger("distributed.worker.state_machine")
     if _role_cancelled not in machine.filters:
