@@ -74,6 +74,7 @@ class FakeEngine(Engine):
     async def start(self, emit: Emit) -> None:
         self.calls.append("start")
         if self.start_error is not None:
+            self.t0 = time.monotonic()  # a fault's ``at`` counts from the failed start too
             raise self.start_error
         restore = self.made_with[2] if self.made_with else None
         if restore is not None:

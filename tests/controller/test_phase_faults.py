@@ -50,6 +50,30 @@ def test_a_rank_lost_while_the_generation_starts_restarts_it() -> None:
     assert run.kinds.index("failure") < run.kinds.index("generation")
 
 
+def test_a_start_failed_by_a_loss_the_scheduler_has_not_seen_yet_restarts() -> None:
+    # A worker killed as the ranks are placed: their probe's connection closes before the
+    # scheduler removes the worker (a chaos test's second kill). The controller asks again
+    # until the loss shows, and restarts; it once raised the placement's error at once.
+    failure, error = _lost_rank()
+    first = FakeEngine(start_error=error, faults=[Fault(failure, at=0.6)])
+    second = FakeEngine([(0.0, Progress(step=2)), (0.05, Epochs(completed=1))], ends_at=0.1)
+    outcome = _ok(_run([first, second], _spec()))
+
+    [lost] = outcome.log.failures
+    assert (lost["role"], lost["action"]) == ("trainer-1", "restart")
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
+
+
+def test_a_start_failed_by_the_users_error_raises_it_at_once() -> None:
+    # Not a lost worker's error: no wait for a loss, the job's error is raised.
+    failure, _ = _lost_rank()
+    first = FakeEngine(start_error=ValueError("the model's forward raised"),
+                       faults=[Fault(failure, at=0.6)])
+    run = _run([first], _spec())
+
+    assert isinstance(run.error, ValueError) and first.calls == ["start", "close"]
+
+
 def test_a_rank_lost_while_starting_beyond_max_failures_raises_naming_it() -> None:
     failure, error = _lost_rank()
     first = FakeEngine(start_error=error, faults=[Fault(failure)])

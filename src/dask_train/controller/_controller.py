@@ -270,8 +270,8 @@ class Controller:
             if self.state.generation:
                 await self._schedule_stranded()
             await engine.start(self.events.put_nowait)
-        except Exception:
-            lost, alive = await self.losses.lost(self.client, engine)
+        except Exception as exc:
+            lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
             if not lost or self.losses.decide(engine, lost[0], alive,
                                               has_checkpoint=self.has_checkpoint) \
                     is not Action.RESTART:

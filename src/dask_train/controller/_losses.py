@@ -20,11 +20,16 @@ from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
+from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._scope import current_scope
 from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
+
+#: How long a generation whose start failed as a worker was lost waits for the scheduler to
+#: remove that worker (it does within a second of a kill; a loaded machine takes longer).
+LOSS_SEEN_S = 10.0
 
 
 class Losses:
@@ -120,6 +125,20 @@ class Losses:
         lost = [f for f in await engine.failures(alive) if f.worker not in alive]
         if lost:
             alive = await self.workers_back(client, alive)
+        return lost, alive
+
+    async def lost_in_start(self, client: Client, engine: Engine,
+                            error: BaseException) -> tuple[list[Failure], dict[str, int]]:
+        """:meth:`lost`, after a generation's start raised ``error``. When the error is a lost
+        worker's (a ``WorkerLost``, a closed connection) the scheduler may not have removed
+        that worker yet (a kill as the ranks were placed: their probe's connection closed
+        first): asked again for up to :data:`LOSS_SEEN_S` seconds."""
+        lost, alive = await self.lost(client, engine)
+        deadline = time.monotonic() + LOSS_SEEN_S
+        while not lost and isinstance(error, (WorkerLost, OSError)) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            lost, alive = await self.lost(client, engine)
         return lost, alive
 
     async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,

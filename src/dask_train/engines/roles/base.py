@@ -308,7 +308,9 @@ class RoleEngine(Engine):
             return [Failure("scorer", 0, self.roles["scorer"][0],
                             f"the scorer raised {type(exc).__name__}: {exc}")]
         for attempt in range(21):
-            futs = {i: self.trainer_futures[i] for i in self.live()}
+            # Not every trainer's task exists when a generation's start failed before them.
+            futs = {i: self.trainer_futures[i] for i in self.live()
+                    if i < len(self.trainer_futures)}
             errors = {i: await f.exception() for i, f in futs.items() if f.status == "error"}
             # A trainer whose own code raised is the cause; its peers' lost connections (a sync
             # rank's gloo or host-memory sum) are its effect, whichever arrived first.
