@@ -50,11 +50,11 @@ dev: $(VENV)/.dev
 demo: $(VENV)/.setup
 	$(VENV)/bin/dask-train demo
 
-# Two test processes (pytest-xdist): one at a time leaves this 2-core machine about half idle
-# (tests wait on worker processes starting, on kills and hold bounds); two at a time ran the
-# suite in 604 s against 790 s. More would overload the 2-core CI machine the tests' bounds are
-# sized for: set PYTEST_WORKERS=1 to run them one at a time.
-PYTEST_WORKERS ?= 2
+# Three test processes (pytest-xdist) on this 2-core machine: one at a time left it about half
+# idle (tests wait on worker processes starting, on kills and hold bounds), two at a time ran
+# the suite in 604 s against 790 s and still left a fifth of it idle (20% over a whole run);
+# three use that fifth. Set PYTEST_WORKERS=1 to run them one at a time.
+PYTEST_WORKERS ?= 3
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 

@@ -235,6 +235,8 @@ def start_torch(
         Every problem with the arguments or the chosen workers, before anything is submitted.
     TrainingTimeout
         A rank did not join within ``timeout``; the ranks that had started are torn down.
+    WorkerLost
+        A chosen worker died while the ranks were placed or joined.
 
     Examples
     --------
