@@ -50,11 +50,12 @@ dev: $(VENV)/.dev
 demo: $(VENV)/.setup
 	$(VENV)/bin/dask-train demo
 
-# Three test processes (pytest-xdist) on this 2-core machine: one at a time left it about half
-# idle (tests wait on worker processes starting, on kills and hold bounds), two at a time ran
-# the suite in 604 s against 790 s and still left a fifth of it idle (20% over a whole run);
-# three use that fifth. Set PYTEST_WORKERS=1 to run them one at a time.
-PYTEST_WORKERS ?= 3
+# Two test processes (pytest-xdist): one at a time leaves this 2-core machine about half idle
+# (tests wait on worker processes starting, on kills and hold bounds); two at a time ran the
+# suite in 604 s against 790 s. Two still leave a fifth of it idle, but three were no faster
+# (fresh clones: 701 s with three, 706 s with two; each test slower under the load) and load
+# the timing of the kill and departure tests more. PYTEST_WORKERS=1 runs them one at a time.
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 

@@ -9,14 +9,42 @@ the same moment logs the error, so the race is reproduced on every run.
 
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _run_script(tmp_path: Path, text: str, *args: str) -> tuple[int, str]:
+    """Run ``text`` as a script in a process of its own (dask-train importable): its exit code
+    and its whole output."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _logged(name: str, emit: Callable[[logging.Logger], None]) -> str:
+    """What ``emit(logger)`` writes to the logger ``name``, as "LEVEL message" lines."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        emit(log)
+    finally:
+        log.removeHandler(handler)
+    return stream.getvalue()
 
 _SCRIPT = textwrap.dedent("""
     import asyncio, logging, sys
@@ -50,13 +78,8 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("plugin", [True, False], ids=["with-plugin", "without"])
 def test_a_heartbeat_cut_by_its_worker_closing_is_no_error(plugin: bool, tmp_path: Path) -> None:
-    script = tmp_path / "close.py"
-    script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), "plugin" if plugin else "bare"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "closed closed" in log, log[-3000:]
+    code, log = _run_script(tmp_path, _SCRIPT, "plugin" if plugin else "bare")
+    assert code == 0 and "closed closed" in log, log[-3000:]
     failed = "Failed to communicate with scheduler during heartbeat" in log
     if plugin:
         assert not failed and "Traceback" not in log and "- ERROR -" not in log, log[-3000:]
@@ -127,13 +150,8 @@ def test_a_role_failed_by_its_peers_death_logs_no_error_and_its_own_error_does(
     # A sync rank's collective fails when a peer is killed: the job reports the peer's loss,
     # and the survivor's "Compute Failed" ERROR (with its traceback) is left out; an error of
     # the rank's own code is still logged, as any task's.
-    script = tmp_path / "peer.py"
-    script.write_text(_PEER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    code, log = _run_script(tmp_path, _PEER_SCRIPT)
+    assert code == 0, log[-3000:]
     assert "raised ConnectionResetError" in log and "raised ValueError" in log, log[-3000:]
     assert "dt-trainer-1-job-g0" not in log, log[-3000:]  # the peer's death: not logged
     assert "Compute Failed" in log and "dt-trainer-0-job-g0" in log, log[-3000:]
@@ -175,27 +193,19 @@ def test_a_closed_workers_stop_queue_read_at_its_exit_is_no_error() -> None:
     # logged "Worker process died unexpectedly" with a TypeError traceback (half of the lifetime
     # workers' exits in the departure tests). Once the worker has closed it is an INFO line.
     import asyncio
-    import io
-    import logging
 
     from distributed import Scheduler, Worker
 
     from dask_train.runtime._quiet_logs import quiet_worker
 
     def died() -> str:
-        stream = io.StringIO()
-        handler = logging.StreamHandler(stream)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        log = logging.getLogger("distributed.nanny")
-        log.addHandler(handler)
-        try:
+        def emit(log: logging.Logger) -> None:
             try:
                 raise TypeError("'NoneType' object cannot be interpreted as an integer")
             except TypeError:
                 log.exception("Worker process died unexpectedly")
-        finally:
-            log.removeHandler(handler)
-        return stream.getvalue()
+
+        return _logged("distributed.nanny", emit)
 
     async def main() -> tuple[str, str]:
         async with Scheduler(dashboard_address=":0") as s:
@@ -256,13 +266,8 @@ def test_a_transfer_cut_by_its_sender_retiring_is_no_error(plugin: bool, tmp_pat
     # (seen on a `dask worker --lifetime` departure under load), though the peer fetches the
     # data again. With dask-train's plugin they are INFO lines; without it the race is shown
     # to happen on every run.
-    script = tmp_path / "transfer.py"
-    script.write_text(_TRANSFER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), "plugin" if plugin else "bare"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+    code, log = _run_script(tmp_path, _TRANSFER_SCRIPT, "plugin" if plugin else "bare")
+    assert code == 0, log[-3000:]
     cut = "Worker stream died during communication" in log
     assert cut, "the fetch was not cut: the test tests nothing\n" + log[-3000:]
     if plugin:
@@ -277,8 +282,6 @@ def test_a_retiring_workers_cut_answer_is_no_error_and_a_running_ones_is() -> No
     # (seen beside it on the `--lifetime` departure). While the worker leaves it is an INFO
     # line; the same failure of a running worker keeps distributed's ERROR and traceback.
     import asyncio
-    import io
-    import logging
 
     from distributed import Scheduler, Worker
     from distributed.core import Status
@@ -286,19 +289,13 @@ def test_a_retiring_workers_cut_answer_is_no_error_and_a_running_ones_is() -> No
     from dask_train.runtime._quiet_logs import quiet_worker
 
     def failed(address: str) -> str:
-        stream = io.StringIO()
-        handler = logging.StreamHandler(stream)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        log = logging.getLogger("distributed.worker")
-        log.addHandler(handler)
-        try:
+        def emit(log: logging.Logger) -> None:
             try:
                 raise OSError("Stream is closed")
             except OSError:
                 log.exception("failed during get data with %s -> %s", address, "tcp://peer:1")
-        finally:
-            log.removeHandler(handler)
-        return stream.getvalue()
+
+        return _logged("distributed.worker", emit)
 
     async def main() -> tuple[str, str]:
         async with Scheduler(dashboard_address=":0") as s:
