@@ -23,7 +23,7 @@ from _fake_engine import (  # noqa: E402
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.engines._events import Epochs, Progress
-from dask_train.errors import WorkerLost
+from dask_train.errors import TrainingTimeout, WorkerLost
 from dask_train.policy._failure import Failure, FailureConfig
 
 
@@ -64,14 +64,19 @@ def test_a_start_failed_by_a_loss_the_scheduler_has_not_seen_yet_restarts() -> N
     assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
 
 
-def test_a_start_failed_by_the_users_error_raises_it_at_once() -> None:
-    # Not a lost worker's error: no wait for a loss, the job's error is raised.
+@pytest.mark.parametrize("error", [
+    ValueError("the model's forward raised"),
+    TrainingTimeout("rank 1 on tcp://10.0.0.8:4000 did not finish within 30 s"),
+], ids=["users-error", "timeout"])
+def test_a_start_failed_by_another_error_raises_it_at_once(error: Exception) -> None:
+    # Not a lost worker's error (a timeout is an OSError too, but the scheduler had the whole
+    # timeout to see a loss): no wait for one. Had the controller waited, the loss reported
+    # 0.6 s later would have restarted the job instead.
     failure, _ = _lost_rank()
-    first = FakeEngine(start_error=ValueError("the model's forward raised"),
-                       faults=[Fault(failure, at=0.6)])
+    first = FakeEngine(start_error=error, faults=[Fault(failure, at=0.6)])
     run = _run([first], _spec())
 
-    assert isinstance(run.error, ValueError) and first.calls == ["start", "close"]
+    assert run.error is error and first.calls == ["start", "close"]
 
 
 def test_a_rank_lost_while_starting_beyond_max_failures_raises_naming_it() -> None:

@@ -132,11 +132,13 @@ class Losses:
         """:meth:`lost`, after a generation's start raised ``error``. When the error is a lost
         worker's (a ``WorkerLost``, a closed connection) the scheduler may not have removed
         that worker yet (a kill as the ranks were placed: their probe's connection closed
-        first): asked again for up to :data:`LOSS_SEEN_S` seconds."""
+        first): asked again for up to :data:`LOSS_SEEN_S` seconds. Not after a timeout (an
+        ``OSError`` too): the scheduler had the whole timeout to see a loss."""
         lost, alive = await self.lost(client, engine)
         deadline = time.monotonic() + LOSS_SEEN_S
-        while not lost and isinstance(error, (WorkerLost, OSError)) and \
-                time.monotonic() < deadline:
+        worker_lost = isinstance(error, (WorkerLost, OSError)) and \
+            not isinstance(error, TimeoutError)
+        while not lost and worker_lost and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             lost, alive = await self.lost(client, engine)
         return lost, alive
