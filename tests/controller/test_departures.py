@@ -8,6 +8,7 @@ once (the ledger and the servers' count), nothing is trained again, and the log 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -590,22 +591,40 @@ class _ScaleThenLater(dt.Callback):
             threading.Timer(self.after, self.cluster.scale, args=(self.later,)).start()
 
 
+class _WhenLogged(logging.Handler):
+    """Calls ``action`` from a thread the first time the dask_train log says ``text``, while
+    :meth:`watching`."""
+
+    def __init__(self, text: str, action: Callable[[], Any]) -> None:
+        super().__init__()
+        self.text, self.action, self.seen = text, action, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage() and not self.seen.is_set():
+            self.seen.set()
+            threading.Thread(target=self.action, daemon=True).start()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        log = logging.getLogger("dask_train")
+        log.addHandler(self)
+        try:
+            yield
+        finally:
+            log.removeHandler(self)
+
+
 class _ScaleDownThenUpWhenWaiting(dt.Callback):
     """``cluster.scale(now)`` at the first score, and ``cluster.scale(later)`` once the job
-    says it waits for workers to join (its log). Not a fixed delay: a hand-over slower than it
-    on a loaded machine saw the new worker before it could wait for one."""
+    says it waits for workers to join (``waited``, read from its log while ``watching()``).
+    Not a fixed delay: a hand-over slower than it on a loaded machine saw the new worker
+    before it could wait for one."""
 
     def __init__(self, cluster: LocalCluster, now: int, later: int) -> None:
-        self.cluster, self.now, self.later, self.done = cluster, now, later, False
-        self.waited = threading.Event()
-        self.watch = logging.Handler()
-        self.watch.emit = self._on_log  # type: ignore[method-assign]
-
-    def _on_log(self, record: logging.LogRecord) -> None:
-        if "fewer than the job needs: waiting up to" in record.getMessage() and \
-                not self.waited.is_set():
-            self.waited.set()
-            threading.Thread(target=self.cluster.scale, args=(self.later,), daemon=True).start()
+        self.cluster, self.now, self.done = cluster, now, False
+        self.log = _WhenLogged("fewer than the job needs: waiting up to",
+                               lambda: cluster.scale(later))
+        self.waited, self.watching = self.log.seen, self.log.watching
 
     def on_score(self, record: Any) -> None:
         if not self.done:
@@ -643,14 +662,9 @@ def test_dt_run_below_its_least_waits_for_a_worker_to_join(
     client = three_workers
     X, Y, _ = _data()
     scaling = _ScaleDownThenUpWhenWaiting(client.cluster, 2, 3)
-    logger = logging.getLogger("dask_train")
-    logger.addHandler(scaling.watch)
-    try:
-        with caplog.at_level(logging.INFO, logger="dask_train"):
-            result = dt.run(_run_loop, workers=(3, 3), epochs=8, timeout=30, client=client,
-                            data={"train": (X, Y)}, callbacks=[scaling])
-    finally:
-        logger.removeHandler(scaling.watch)
+    with scaling.watching(), caplog.at_level(logging.INFO, logger="dask_train"):
+        result = dt.run(_run_loop, workers=(3, 3), epochs=8, timeout=30, client=client,
+                        data={"train": (X, Y)}, callbacks=[scaling])
     assert scaling.done and result.failures == []
     [departure] = result.departures
     assert departure["redone"] == 0
