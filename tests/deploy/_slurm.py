@@ -135,7 +135,9 @@ def slurm(root: Path, *, timeout: float = 60) -> Iterator[Path]:
     """Runs munge, ``slurmctld`` and ``slurmd`` for one node in ``root`` (an empty directory)
     and yields the ``slurm.conf``; ``SLURM_CONF`` names it meanwhile. Raises RuntimeError, with
     the daemons' logs, if the node is not idle within ``timeout`` seconds."""
-    conf = write_conf(root, cpus=max(2, os.cpu_count() or 1))
+    # Three one-core jobs at once at the least (tests/deploy/test_slurm.py runs its walltime
+    # test's first job beside the lifetime test's two), on a machine of two cores too.
+    conf = write_conf(root, cpus=max(4, os.cpu_count() or 1))
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)

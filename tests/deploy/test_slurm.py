@@ -132,6 +132,22 @@ def _assert_handed_over(result: Any, caplog: pytest.LogCaptureFixture, logs: str
     assert not [line for line in logs.splitlines() if "ERROR" in line and "dask_train" in line], logs
 
 
+# Slurm's least walltime is a minute, and it looks for jobs past their time limit every 30 s:
+# the walltime test's first batch job ends 60-90 s after it starts. It is submitted when the
+# module's first test starts, so that its minute runs during the lifetime test (30 s) rather
+# than after it.
+@pytest.fixture(scope="module")
+def walltime_cluster(slurm_conf: Path, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[tuple[Any, Path, float]]:
+    """A ``SLURMCluster`` of one-minute jobs without ``--lifetime``, its first job submitted;
+    with the directory of its logs and the ``time.monotonic()`` of the submission."""
+    directory = tmp_path_factory.mktemp("walltime")
+    with _slurm_cluster(directory, walltime="00:01:00", worker_extra_args=[]) as cluster:
+        cluster.scale(jobs=1)
+        yield cluster, directory, time.monotonic()
+
+
+@pytest.mark.usefixtures("walltime_cluster")  # its first job's minute runs meanwhile
 def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
         slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     lifetime = ["--lifetime", f"{LIFETIME}s", "--lifetime-stagger", "1s", "--lifetime-restart"]
@@ -152,16 +168,15 @@ def test_slurm_workers_whose_lifetime_ends_hand_their_roles_over(
 
 
 class _StopWhenGone(dt.Callback):
-    """Stops the job two scores after every worker that was there at its first score has
-    left (and another one runs)."""
+    """Stops the job two scores after every worker that was there when it was made has left
+    (and another one runs)."""
 
     def __init__(self, client: Client) -> None:
         self.client, self.after = client, -1
-        self.first: set[str] = set()
+        self.first = set(live_workers(client))
 
     def on_score(self, record: Any) -> bool:
         workers = set(live_workers(self.client))
-        self.first = self.first or workers
         if self.after < 0 and workers and not workers & self.first:
             self.after = 0
         elif self.after >= 0:
@@ -172,26 +187,38 @@ class _StopWhenGone(dt.Callback):
 # Slurm looks for jobs past their time limit every 30 s: jobs started this far apart reach it
 # at different looks, one at a time.
 WALLTIME_APART = 35
+# The latest, in seconds after the first job's submission, that the walltime test may start on
+# it: the second job is then submitted at once, and joins (a worker's start, seconds) before
+# the first one's minute is up.
+LATEST_START = 45
 
 
 def test_a_slurm_job_that_reaches_its_walltime_hands_its_roles_over(
-        slurm_conf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        walltime_cluster: tuple[Any, Path, float], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     # No --lifetime: at the walltime (one minute, Slurm's least) Slurm sends SIGTERM to the
     # batch job's processes, and SIGKILL KillWait (5 s here, 30 s by default) later. The
     # worker process once died of the SIGTERM at once: the job lost its roles.
-    with _slurm_cluster(tmp_path, walltime="00:01:00", worker_extra_args=[]) as cluster:
+    cluster, directory, submitted = walltime_cluster
+    if time.monotonic() - submitted > LATEST_START:
+        # The lifetime test took long (a loaded machine): the second job could join after the
+        # first one's end. A fresh cluster, as when this test runs alone.
+        cluster.close()
+        cluster = _slurm_cluster(tmp_path, walltime="00:01:00", worker_extra_args=[])
         cluster.scale(jobs=1)
-        with dt.connect(cluster.scheduler_address, quiet=True) as client:
-            client.wait_for_workers(1, timeout=60)
-            later = threading.Timer(WALLTIME_APART, cluster.scale, kwargs={"jobs": 2})
-            later.start()
-            watch = _StopWhenGone(client)
-            try:
-                with caplog.at_level(logging.INFO, logger="dask_train"):
-                    result = _fit(client, tmp_path, watch, seconds=150)
-            finally:
-                later.cancel()
-    logs = _logs(caplog, tmp_path)
+        directory, submitted = tmp_path, time.monotonic()
+    with cluster, dt.connect(cluster.scheduler_address, quiet=True) as client:
+        client.wait_for_workers(1, timeout=60)
+        watch = _StopWhenGone(client)  # the first job's worker (the second is submitted below)
+        later = threading.Timer(max(0.0, WALLTIME_APART - (time.monotonic() - submitted)),
+                                cluster.scale, kwargs={"jobs": 2})
+        later.start()
+        try:
+            with caplog.at_level(logging.INFO, logger="dask_train"):
+                result = _fit(client, directory, watch, seconds=150)
+        finally:
+            later.cancel()
+    logs = _logs(caplog, directory)
     assert "DUE TO TIME LIMIT" in logs, logs  # the walltime ended the first batch job
     assert "got SIGTERM while it serves" in logs, logs
     assert not set(result.roles.addresses) & watch.first, logs  # it went on on the second job
