@@ -307,3 +307,49 @@ def test_a_rank_whose_worker_dies_after_its_task_finished_is_lost_not_awaited() 
         started = time.monotonic()
         assert _results(own, {0: worker}, [done], 60) == ([], [(0, worker)], {})
         assert time.monotonic() - started < 10
+
+
+def _joining(dask_worker: Any) -> int:
+    """Join tasks of torch groups running on this worker now."""
+    return sum(st.busy for st in worker_state(dask_worker).torch_groups.values())
+
+
+def test_a_rank_left_waiting_for_a_lost_peer_is_free_for_the_next_group_at_once() -> None:
+    # Rank 0 joins and waits for rank 1, whose worker dies before rank 1's join starts (a
+    # worker that left as a job's generation placed its ranks). torch's rendezvous waits for a
+    # peer for the whole timeout and cannot be interrupted: the survivor stayed "still leaving"
+    # that group, and the job's next generation, started at once on it, failed with
+    # InvalidInput (seen with `dask worker --lifetime` workers, benchmarks/lifetime.py).
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))
+    from _faults import kill, killable_cluster
+
+    with killable_cluster(n_workers=2) as own:
+        first, second = sorted(live_workers(own))
+        name = f"blocker-{uuid.uuid4().hex}"
+        own.submit(_block, name, workers=[second], allow_other_workers=False, pure=False)
+        assert Event(f"{name}-started", client=own).wait(30)
+        raised: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                dt.start_torch(own, workers=[first, second], timeout=60)
+            except BaseException as exc:  # noqa: BLE001 - the test asserts which one
+                raised.append(exc)
+
+        thread = threading.Thread(target=start)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not own.run(_joining, workers=[first])[first]:  # rank 0 waits for rank 1
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        kill(own, second)
+        thread.join(60)
+        assert [type(e) for e in raised] == [dt.WorkerLost], raised
+        started = time.monotonic()
+        with dt.start_torch(own, workers=[first], timeout=60) as group:
+            assert [r["sum"] for r in group.gather(group.run(_all_reduce, 1.0))] == [1.0]
+        assert time.monotonic() - started < 10

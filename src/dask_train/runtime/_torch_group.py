@@ -26,6 +26,9 @@ from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, sta
 
 BACKENDS = ("gloo", "nccl")
 
+#: The longest wait for the other ranks' tasks to end after a start that lost a rank's worker.
+LOST_SETTLE_S = 2.0
+
 
 def _pin(address: str) -> dict[str, Any]:
     # The default group lives in one process: a rank's task anywhere else would find no group.
@@ -299,8 +302,10 @@ def _await_all(
         if not (lost or late):
             return results
     client.cancel([f for f in futures if not f.done()])  # queued joins must not start a dead group
+    # The others' joins waiting for a lost rank end within 50 ms of the leave (_check_in): a
+    # next group started on their workers at once finds them free.
     started = _leave_all(client, gid, [ranks[r] for r in range(len(futures))],
-                         settle=0.0 if lost else timeout, tombstone=True)
+                         settle=min(timeout, LOST_SETTLE_S) if lost else timeout, tombstone=True)
     if lost:
         rank, address = lost[0]
         raise WorkerLost(f"rank {rank}'s worker {address} left the cluster while the ranks tried "

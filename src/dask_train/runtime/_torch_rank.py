@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -181,6 +182,8 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
 
             # NCCL refuses two ranks on one GPU: ranks sharing a host take one GPU each.
             torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+        if not _check_in(store, world, st, timeout):
+            return False  # abandoned meanwhile (leave): the finally below ends the record
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
         finally:
@@ -199,6 +202,35 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
             elif not ok:  # failed: the teardown that follows (leave) removes the record
                 st.closing, st.store = True, None
     return ok
+
+
+#: The rendezvous store's count of the ranks that checked in (:func:`_check_in`).
+_ARRIVED = "dask-train/arrived"
+
+
+def _check_in(store: Any, world: int, st: RankRecord, timeout: float) -> bool:
+    """Count this rank in on the group's store and wait for the others; False as soon as the
+    group's start is abandoned (:func:`leave` marks it closing).
+
+    Why: ``init_process_group`` waits for a peer that never comes (its worker left as the
+    group started) for the whole timeout and cannot be interrupted; the worker stayed "still
+    leaving" that group meanwhile, and the job's next generation could not place a rank there.
+    Here the wait is short polls of the count; ``init_process_group`` then runs with every
+    rank present. Raises TimeoutError after ``timeout`` seconds, as the rendezvous would.
+    """
+    arrived = store.add(_ARRIVED, 1)
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while arrived < world:
+        if st.closing:
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{world - arrived} of {world} ranks did not join within "
+                               f"{timeout:g} s")
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+        arrived = store.add(_ARRIVED, 0)
+    return True
 
 
 def leave(gid: str, tombstone: bool, *, dask_worker: Any) -> tuple[int, bool]:
