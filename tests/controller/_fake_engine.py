@@ -53,11 +53,15 @@ class FakeEngine(Engine):
     def __init__(self, script: Iterable[tuple[float, Event]] = (), *, ends_at: float | None = None,
                  faults: Sequence[Fault] = (), final_score: dict[str, float] | None = None,
                  strategy: str = "sync", answers_pauses: int | None = None, pause_polls: int = 1,
-                 start_error: Exception | None = None, stop_error: Exception | None = None) -> None:
+                 start_error: Exception | None = None, stop_error: Exception | None = None,
+                 leaving: Iterable[str] = ()) -> None:
         self.script = sorted(script, key=lambda entry: entry[0])
         self.ends_at, self.faults, self.final_score = ends_at, list(faults), final_score
         self.strategy, self.answers_pauses, self.pause_polls = strategy, answers_pauses, pause_polls
         self.start_error, self.stop_error = start_error, stop_error
+        # Workers that announced they leave, as ``leaving()`` says once the start failed or
+        # the stop began: a notice while the engine runs is a hand-over (test_departures.py).
+        self.noticed = set(leaving)
         self.roles = Roles()
         self.calls: list[str] = []
         self.made_with: tuple[Roles, str, Mapping[str, Any] | None] | None = None
@@ -130,6 +134,9 @@ class FakeEngine(Engine):
 
     async def retire_trainer(self, index: int) -> None:
         self.calls.append(f"retire {index}")
+
+    def leaving(self) -> set[str]:
+        return set(self.noticed) if self.stopped or self.start_error is not None else set()
 
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
         # Kept apart from ``calls``: the controller asks at every pass.

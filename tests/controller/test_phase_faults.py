@@ -187,3 +187,43 @@ def test_a_scorer_lost_while_the_roles_stop_is_replaced_and_the_job_stops() -> N
                             "close"]
     assert [(f["role"], f["action"]) for f in outcome.log.failures] == [("scorer-0", "replace")]
     assert outcome.stopped_by == "epochs=1"
+
+
+def test_a_worker_that_left_with_notice_as_the_generation_started_is_not_counted() -> None:
+    # `dask worker --lifetime` workers: one ends its lifetime while a generation's ranks are
+    # placed on it (no hand-over is made while a job starts). Acted on as a loss, from the
+    # same state; recorded with its notice, and max_failures (0 here) does not count it: a
+    # long job on such workers would otherwise fail after a few unlucky moments.
+    failure, error = _lost_rank()
+    first = FakeEngine(start_error=error, faults=[Fault(failure)], leaving=[failure.worker])
+    second = FakeEngine([(0.0, Progress(step=2)), (0.05, Epochs(completed=1))], ends_at=0.1)
+    outcome = _ok(_run([first, second], _spec(failure=FailureConfig(max_failures=0))))
+
+    [lost] = outcome.log.failures
+    assert (lost["role"], lost["action"], lost["notice"], lost["loss"]) == \
+        ("trainer-1", "restart", True, None)
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
+
+
+def test_a_worker_that_left_with_notice_as_the_job_stopped_is_not_counted() -> None:
+    # The same while the job stops: the stop cannot gather the leaving rank's end, and the
+    # job restarts from the survivors' state to stop again.
+    failure, error = _lost_rank()
+    first = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
+                       stop_error=error, faults=[Fault(failure, stopping=True)],
+                       leaving=[failure.worker])
+    second = FakeEngine([(0.0, Progress(step=3)), (0.02, Epochs(completed=1))], ends_at=0.05)
+    outcome = _ok(_run([first, second], _spec(failure=FailureConfig(max_failures=0))))
+
+    [lost] = outcome.log.failures
+    assert (lost["role"], lost["notice"], lost["loss"]) == ("trainer-1", True, None)
+    assert outcome.log.generations == 2
+
+
+def test_a_lost_worker_without_notice_still_counts() -> None:
+    # The reference for the two above: the same loss without notice is over max_failures=0.
+    failure, error = _lost_rank()
+    first = FakeEngine(start_error=error, faults=[Fault(failure)])
+    run = _run([first], _spec(failure=FailureConfig(max_failures=0)))
+
+    assert "max_failures=0" in str(run.error)

@@ -53,6 +53,9 @@ class FitResult(JobResult):
         ``loss`` numbers the losses (roles of one lost worker share it), which ``max_failures``
         counts; a restart's ``redone`` is how many samples the ledger had seen applied since
         the checkpoint it restarts from (or since the start), which are trained again.
+        ``notice`` is True for a worker that left with notice while the job started or
+        stopped (no hand-over is made then): acted on as a loss, but ``loss`` is None and
+        ``max_failures`` does not count it.
     checkpoints : list of dict
         Each checkpoint written: directory, step, seconds to write.
     departures : list of dict

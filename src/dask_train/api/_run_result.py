@@ -39,7 +39,8 @@ class RunResult(JobResult):
     ranks : list of dict
         Each rank's counts and where its time went.
     failures, checkpoints : list of dict
-        Each lost rank (when, which worker, the cause, what the job did), each checkpoint written.
+        Each lost rank (when, which worker, the cause, what the job did; ``notice`` as in
+        :attr:`FitResult.failures <dask_train.FitResult.failures>`), each checkpoint written.
     departures : list of dict
         Each worker that left with notice while it held a rank, as
         :attr:`FitResult.departures <dask_train.FitResult.departures>`.

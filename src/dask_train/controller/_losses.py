@@ -54,19 +54,28 @@ class Losses:
     def decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int], *,
                has_checkpoint: bool, same_loss: bool = False) -> Action:
         """The policy's action on one lost role (raises the typed error on RAISE);
-        ``same_loss``: its worker's loss was counted with another of its roles."""
+        ``same_loss``: its worker's loss was counted with another of its roles.
+
+        A worker that left with notice and was not handed over (it left while the job
+        started or stopped, when no hand-over is made) is acted on as a loss, from the same
+        state, but recorded with ``notice`` and not counted against ``max_failures``: it is
+        no crash, and a cluster of ``--lifetime`` workers would otherwise fail a long job.
+        """
         live = engine.live_trainers() - (1 if failure.kind == "trainer" else 0)
-        loss = len({f["loss"] for f in self.log.failures}) + (0 if same_loss else 1)
+        notice = failure.worker in engine.leaving()
+        losses = {f["loss"] for f in self.log.failures if f["loss"] is not None}
+        loss = len(losses) + (0 if same_loss or notice else 1)
         status = JobStatus(
             strategy=engine.strategy, failure=failure, failures=loss,
             live_trainers=max(0, live), live_workers=len(alive),
             has_checkpoint=has_checkpoint,
-            survivors_hold_state=engine.recovers_from_survivors)
+            survivors_hold_state=engine.recovers_from_survivors, notice=notice)
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,
             "cause": failure.cause, "action": decision.action.value, "reason": decision.reason,
-            "generation": self.state.generation, "loss": loss,
+            "generation": self.state.generation, "loss": None if notice else loss,
+            "notice": notice,
         })
         self.publisher.publish({"kind": "failure", **self.log.failures[-1]})
         logger.warning("%s on %s: %s -> %s (%s)", failure.role, failure.worker, failure.cause,

@@ -151,6 +151,10 @@ class JobStatus:
         Whether the surviving trainers hold the state to go on from in memory (sync ranks:
         each holds the parameters, the optimizer state and every rank's data position at the
         last step all applied).
+    notice : bool
+        Whether the worker left with notice (no hand-over could be made: the job was starting
+        or stopping). Acted on as a loss, it is not one of ``failures`` and ``max_failures``
+        does not count it.
     """
 
     strategy: str
@@ -160,12 +164,13 @@ class JobStatus:
     live_workers: int
     has_checkpoint: bool
     survivors_hold_state: bool = False
+    notice: bool = False
 
     def __post_init__(self) -> None:
         problems = [
             f"JobStatus({name}={value!r}): {name} must be an integer >= {low}."
             for name, value, low in [
-                ("failures", self.failures, 1),
+                ("failures", self.failures, 0 if self.notice else 1),
                 ("live_trainers", self.live_trainers, 0),
                 ("live_workers", self.live_workers, 0),
             ]
@@ -186,7 +191,8 @@ class Decision:
 def decide(status: JobStatus, config: FailureConfig) -> Decision:
     """Decide what to do about a lost role.
 
-    Rules, first match wins: more than ``max_failures`` losses, or no live worker, raise; a lost
+    Rules, first match wins: more than ``max_failures`` losses (one with notice is not
+    counted), or no live worker, raise; a lost
     scorer is replaced; an async trainer with other trainers still running is dropped and the job
     continues; otherwise (the last async trainer, a parameter server, any synchronous rank) the job
     restarts from the state its surviving sync ranks hold, else from its last checkpoint, else
@@ -210,7 +216,7 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
     <Action.RESTART: 'restart'>
     """
     failure = status.failure
-    if status.failures > config.max_failures:
+    if not status.notice and status.failures > config.max_failures:
         return Decision(
             Action.RAISE,
             f"failure {status.failures} is more than max_failures={config.max_failures}: find why "
