@@ -4,6 +4,7 @@ written here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -274,6 +275,35 @@ def test_no_data_targets_only_inputs_and_one_rank(client):
     assert last < first
     assert len(result.history) == 3
     each_epoch_once(result, len(X), 3)
+
+
+def test_a_job_that_may_grow_runs_its_ddp_code_on_one_rank():
+    # workers=(1, 3) on a cluster of one worker (or one left after departures): ctx.prepare
+    # wraps the model with DDP's face (.module, no_sync) on the one rank too, so the loop
+    # written for several ranks runs; workers=1 gets the bare model, as Ray Train's does.
+    from distributed import Client, LocalCluster
+
+    X = np.random.default_rng(0).normal(size=(1_000, 4)).astype("float32")
+    y = (X.sum(1) > 0).astype("int64")
+
+    def loop(ctx):
+        model = ctx.prepare(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in ctx.epochs(1):
+            for xb, yb in ctx.batches(batch_size=100):
+                with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+                    opt.zero_grad()
+                    F.cross_entropy(model(xb), yb).backward()
+                opt.step()
+            state = (model.module if hasattr(model, "module") else model).state_dict()
+            ctx.report({"loss": 0.0}, checkpoint={"model": state})
+        return type(model).__name__
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as one:
+        grows = dt.run(loop, workers=(1, 3), client=one, data={"train": (X, y)})
+        fixed = dt.run(loop, workers=1, client=one, data={"train": (X, y)})
+    assert grows.returns == ["OneRank"] and fixed.returns == ["Linear"]
 
 
 def test_a_function_without_data_or_reports(client):

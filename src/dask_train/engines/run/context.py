@@ -63,6 +63,9 @@ class RunSettings:
     master: str = ""
     sharded_root: str = ""
     block_rows: tuple[int, ...] = ()
+    #: The job may run on more than one rank (``workers=(least, most)`` with ``most`` above 1,
+    #: or ``workers=None``): :meth:`RunContext.prepare` wraps the model on one rank too.
+    may_grow: bool = False
 
 
 class _Cursor:
@@ -179,9 +182,10 @@ class RunContext:
     def prepare(self, model: Any, **ddp_options: Any) -> Any:
         """``model`` on this rank's device, wrapped for data-parallel training over the ranks.
 
-        With one rank the model comes back unwrapped (as Ray Train's ``prepare_model`` does):
-        reach the user's module with ``getattr(model, "module", model)`` in code that runs at
-        any size.
+        With one rank the model comes back unwrapped (as Ray Train's ``prepare_model`` does),
+        unless the job may run on more ranks (``workers=(1, n)``, ``workers=None``): then in a
+        wrapper with DDP's ``.module`` and ``no_sync()``, so that the same code runs at every
+        size the job takes as workers leave and join.
         With more than one rank every rank starts from rank 0's parameters and ``backward``
         averages the gradients over the ranks. When the ranks share one host and compute on its
         CPU, the model is wrapped in a ``HostDataParallel`` that sums through the host's memory
@@ -197,11 +201,11 @@ class RunContext:
             raise InvalidInput([f"ctx.prepare(model={type(model).__name__}): pass a "
                                 "torch.nn.Module."])
         model = model.to(self.device)
-        if self.world_size == 1:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-
         from dask_train.engines.run import host_parallel
+
+        if self.world_size == 1:
+            return host_parallel.OneRank(model) if self._run.may_grow else model
+        from torch.nn.parallel import DistributedDataParallel
 
         if host_parallel.eligible(model, self.device, ddp_options):
             if self._host is None:

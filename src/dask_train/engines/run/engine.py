@@ -110,7 +110,8 @@ class RunEngine(TorchSyncEngine):
         ranks = self.roles["trainer"]
         run = RunSettings(**{**self.run.__dict__, "local_ranks": tuple(local_ranks(ranks)),
                              "master": self.group.master if self.group is not None else "",
-                             "block_rows": tuple(b.rows for b in self.blocks.blocks)})
+                             "block_rows": tuple(b.rows for b in self.blocks.blocks),
+                             "may_grow": self.spec.trainer_cap is None or self.spec.trainer_cap > 1})
         for i, address in enumerate(ranks):
             self.trainer_futures.append(self.pinned(
                 run_user_rank, self.fn_blob, address=address, key=f"dt-rank-{i}", job=self.job,

@@ -238,3 +238,24 @@ class HostDataParallel(torch.nn.Module):
             yield
         finally:
             group.sync = before
+
+
+class OneRank(torch.nn.Module):
+    """The face of a data-parallel wrapper on a job's only rank: ``.module``, ``forward`` and
+    ``no_sync()`` as with DistributedDataParallel, nothing to average. For a job that may run
+    on more ranks (``workers=(1, n)``): its code reaches ``model.module`` whatever its size
+    (a departure can leave it one rank; ``ctx.prepare`` returned the bare model then, and
+    ``model.module.state_dict()`` in the loop failed the job)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward."""
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Nothing to hold back with one rank (DDP's ``no_sync``)."""
+        yield
