@@ -309,6 +309,12 @@ def test_a_rank_whose_worker_dies_after_its_task_finished_is_lost_not_awaited() 
         assert time.monotonic() - started < 10
 
 
+def _gloo_env() -> str | None:
+    import os
+
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
 def _joining(dask_worker: Any) -> int:
     """Join tasks of torch groups running on this worker now."""
     return sum(st.busy for st in worker_state(dask_worker).torch_groups.values())
@@ -349,6 +355,8 @@ def test_a_rank_left_waiting_for_a_lost_peer_is_free_for_the_next_group_at_once(
         kill(own, second)
         thread.join(60)
         assert [type(e) for e in raised] == [dt.WorkerLost], raised
+        # The abandoned join set nothing of gloo's in the worker's environment.
+        assert own.run(_gloo_env, workers=[first]) == {first: None}
         started = time.monotonic()
         with dt.start_torch(own, workers=[first], timeout=60) as group:
             assert [r["sum"] for r in group.gather(group.run(_all_reduce, 1.0))] == [1.0]

@@ -192,11 +192,11 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
     """Decide what to do about a lost role.
 
     Rules, first match wins: more than ``max_failures`` losses (one with notice is not
-    counted), or no live worker, raise; a lost
-    scorer is replaced; an async trainer with other trainers still running is dropped and the job
-    continues; otherwise (the last async trainer, a parameter server, any synchronous rank) the job
-    restarts from the state its surviving sync ranks hold, else from its last checkpoint, else
-    from the initial parameters.
+    counted), or no live worker, raise; a lost scorer is replaced; an async trainer with other
+    trainers still running is dropped and the job continues; otherwise (the last async
+    trainer, a parameter server, any synchronous rank) the job restarts from the state its
+    surviving sync ranks hold, else from its last checkpoint, else from the initial
+    parameters.
 
     Parameters
     ----------

@@ -170,6 +170,8 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
         if store is None:
             host, _, port = master.rpartition(":")
             store = dist.TCPStore(host, int(port), world, is_master=False, timeout=delta)
+        if not _check_in(store, world, st, timeout):
+            return False  # abandoned meanwhile (leave): the finally below ends the record
         # gloo binds the address the machine's host name resolves to, often a loopback one (127.0.1.1
         # on Debian) that peers on other hosts cannot reach; the interface Dask reaches this worker
         # on is reachable by construction. A GLOO_SOCKET_IFNAME set by the user wins; ours is set
@@ -182,8 +184,6 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
 
             # NCCL refuses two ranks on one GPU: ranks sharing a host take one GPU each.
             torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-        if not _check_in(store, world, st, timeout):
-            return False  # abandoned meanwhile (leave): the finally below ends the record
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
         finally:
