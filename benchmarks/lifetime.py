@@ -29,7 +29,7 @@ Nothing is asserted; tables go to ``benchmarks/results/lifetime.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,47 +45,45 @@ from _common import build_mlp, environment, markdown_table, write_results
 import dask_train as dt
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextmanager
 def _dask_cluster(workers: int, options: list[str], log_path: Path) -> Iterator[str]:
     """``dask scheduler`` and ``workers`` ``dask worker`` programs with ``options``, their
-    output to ``log_path``; yields the scheduler's address."""
+    output to ``log_path``; yields the scheduler's address (the job's ``dt.connect`` waits
+    for its workers)."""
     dask = str(Path(sys.executable).parent / "dask")
-    with tempfile.TemporaryDirectory(prefix="dt-lifetime-") as tmp:
-        info = Path(tmp) / "scheduler.json"
-        with log_path.open("w") as log:
-            processes = [subprocess.Popen(
-                [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                 "--scheduler-file", str(info)], stdout=log, stderr=log)]
-            try:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        address = str(json.loads(info.read_text())["address"])
-                        break
-                    except (FileNotFoundError, ValueError, KeyError):
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(log_path.read_text()) from None
-                        time.sleep(0.05)
-                for _ in range(workers):
-                    processes.append(subprocess.Popen(
-                        [dask, "worker", address, "--nworkers", "1", "--nthreads", "1",
-                         "--host", "127.0.0.1", "--no-dashboard", *options],
-                        stdout=log, stderr=log))
-                yield address
-            finally:
-                # The workers first, each to its end, and the scheduler last: a worker whose
-                # scheduler is gone waits for it (a restarted one for 30 s) before it ends.
-                for process in reversed(processes):
-                    process.terminate()
-                    try:
-                        process.wait(30)
-                    except subprocess.TimeoutExpired:
-                        print(f"{process.args[:2]} did not end within 30 s of SIGTERM: killed")
-                        process.kill()
-                        process.wait(10)
-        errors = [line for line in log_path.read_text().splitlines() if "ERROR" in line]
-        if errors:
-            print(f"{log_path} has {len(errors)} ERROR lines, the first:\n{errors[0]}")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    with log_path.open("w") as log:
+        processes = [subprocess.Popen(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+             "--no-dashboard"], stdout=log, stderr=log)]
+        try:
+            # A worker started before its scheduler listens waits for it.
+            for _ in range(workers):
+                processes.append(subprocess.Popen(
+                    [dask, "worker", address, "--nworkers", "1", "--nthreads", "1",
+                     "--host", "127.0.0.1", "--no-dashboard", *options],
+                    stdout=log, stderr=log))
+            yield address
+        finally:
+            # The workers first, each to its end, and the scheduler last: a worker whose
+            # scheduler is gone waits for it (a restarted one for 30 s) before it ends.
+            for process in reversed(processes):
+                process.terminate()
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    print(f"{process.args[:2]} did not end within 30 s of SIGTERM: killed")
+                    process.kill()
+                    process.wait(10)
+    errors = [line for line in log_path.read_text().splitlines() if "ERROR" in line]
+    if errors:
+        print(f"{log_path} has {len(errors)} ERROR lines, the first:\n{errors[0]}")
 
 
 def _loop(ctx: Any, *, lr: float, validation: tuple[np.ndarray, np.ndarray]) -> None:
