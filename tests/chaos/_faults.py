@@ -201,10 +201,15 @@ def _watch_pauses(dask_worker: Any, marker: str, pause_id: int) -> None:
 
 
 def running_trainers(client: Client) -> dict[str, list[str]]:
-    """Workers running a trainer (of any job: a search's trials too), as ``{"trainer": [...]}``."""
+    """Workers running a trainer (of any job: a search's trials too), as ``{"trainer": [...]}``,
+    or a ``dt.run`` job's rank (as ``{"rank": [...]}``)."""
     running = client.run_on_scheduler(_processing)
-    return {"trainer": sorted({w for key, where in running.items()
-                               if key.startswith("dt-trainer-") for w in where})}
+
+    def holding(prefix: str) -> list[str]:
+        return sorted({w for key, where in running.items() if key.startswith(prefix)
+                       for w in where})
+
+    return {"trainer": holding("dt-trainer-"), "rank": holding("dt-rank-")}
 
 
 def retire(client: Client, address: str, *, timeout: float = 60.0) -> None:

@@ -1,10 +1,10 @@
-"""Chaos: a job in each strategy, and a search, during which a seeded schedule SIGKILLs three
-workers at random moments (a trainer's, a parameter server's, the scorer's, a search trial's);
-the nannies restart them. In a job, one of the three is retired instead (as a scale-down does:
-the job hands its roles over), and the cluster is scaled back (a new worker joins). Each job
-still reaches the accuracy of the same training in plain torch (less a margin for async
-staleness) and applies every sample of every epoch exactly once (its ledger, and the servers'
-count).
+"""Chaos: a job in each strategy (a ``dt.run`` loop too), and a search, during which a seeded
+schedule SIGKILLs three workers at random moments (a trainer's, a parameter server's, the
+scorer's, a rank's, a search trial's); the nannies restart them. In a job, one of the three is
+retired instead (as a scale-down does: the job hands its roles over), and the cluster is scaled
+back (a new worker joins). Each job still reaches the accuracy of the same training in plain
+torch (less a margin for async staleness) and applies every sample of every epoch exactly once
+(its ledger, and the servers' count).
 
 The moments are shares of the work, not seconds: a loaded machine makes the job slower, not the
 kills later than its end. ``_faults.Schedule`` draws them, the victims' kinds and the delays from
@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dask.array as da
 import numpy as np
@@ -26,7 +27,13 @@ from distributed import Client
 import dask_train as dt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _faults import JobWatch, Schedule, killable_cluster, running_trainers, summary  # noqa: E402
+from _faults import (  # noqa: E402
+    JobWatch,
+    Schedule,
+    killable_cluster,
+    running_trainers,
+    summary,
+)
 
 SEED = 24
 # Epochs enough for three kills: each waits for the nanny's new worker and a score after the
@@ -122,6 +129,56 @@ def test_three_workers_killed_at_random_moments_of_a_job(client: Client, data: d
     _assert_every_sample_once(result)
     # The same model and data in plain torch, one epoch; the job trained thirty.
     assert result.history["accuracy"].iloc[-1] >= data["reference"] - 0.03, summary(result)
+
+
+def _loop(ctx: Any, *, validation: tuple[np.ndarray, np.ndarray]) -> None:
+    """A ``dt.run`` loop as the README writes one: DDP, the state with each epoch's report."""
+    torch.manual_seed(0)
+    model = ctx.prepare(_net())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = ctx.restore()
+    if state:
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    xv, yv = (torch.from_numpy(a) for a in validation)
+    for _ in ctx.epochs():
+        for xb, yb in ctx.batches("train", batch_size=BATCH):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+        with torch.no_grad():
+            accuracy = float((model.module(xv).argmax(1) == yv).float().mean())
+        ctx.report({"accuracy": accuracy}, checkpoint={
+            "model": model.module.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+@pytest.mark.timeout(300)
+def test_three_ranks_killed_at_random_moments_of_a_dt_run_loop(client: Client,
+                                                               data: dict) -> None:
+    # No checkpoint=: a kill resumes from the last report's state, kept in another worker's
+    # memory; a retired rank's worker hands over at the next report; the ranks regroup on one
+    # worker and take in the nanny's (or the scale-up's) new worker at a report.
+    chaos = Schedule(client, seed=SEED, kinds=["rank"] * 3,
+                     roles=lambda: running_trainers(client), planned=EPOCHS * ROWS, workers=2,
+                     actions=["kill", "kill", "retire"])
+    try:
+        result = dt.run(_loop, data={"train": (data["X"], data["y"])}, workers=(1, 2),
+                        epochs=EPOCHS, config={"validation": data["validation"]},
+                        callbacks=[chaos], failure=dt.FailureConfig(max_failures=3),
+                        timeout=30, client=client)
+    finally:
+        chaos.stop()
+    assert len(chaos.kills) == 2 and len(chaos.retired) == 1, (chaos.kills, summary(result))
+    assert {k["worker"] for k in chaos.kills} <= {f["worker"] for f in result.failures}, \
+        (chaos.kills, summary(result))
+    [retired] = chaos.retired
+    assert retired["worker"] not in {f["worker"] for f in result.failures}, summary(result)
+    assert [d["workers"] for d in result.departures] == [[retired["worker"]]], \
+        (chaos.retired, result.departures, summary(result))
+    assert all(d["redone"] == 0 for d in result.departures)
+    _assert_every_sample_once(result)
+    assert result.history["accuracy"].dropna().iloc[-1] >= data["reference"] - 0.03, \
+        summary(result)
 
 
 @pytest.mark.timeout(300)
