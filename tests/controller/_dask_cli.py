@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,12 +26,12 @@ def scheduler_address(info: Path, *, timeout: float = 30.0) -> str:
 
 
 @contextmanager
-def dask_cli_cluster(tmp_path: Path, *more: list[str]
+def dask_cli_cluster(tmp_path: Path, *more: list[str], first: Sequence[str] = ()
                      ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
-    """``dask scheduler``, a ``dask worker`` of two processes, and one more ``dask worker`` per
-    option list in ``more``, from this environment; every process logs to
-    ``tmp_path/cluster.log``. Yields the scheduler's address and the extra workers' processes.
-    Workers are stopped before the scheduler (SIGTERM), for a quiet end."""
+    """``dask scheduler``, a ``dask worker`` of two processes (with options ``first`` besides),
+    and one more ``dask worker`` per option list in ``more``, from this environment; every
+    process logs to ``tmp_path/cluster.log``. Yields the scheduler's address and the extra
+    workers' processes. Workers are stopped before the scheduler (SIGTERM), for a quiet end."""
     dask = str(Path(sys.executable).parent / "dask")
     info = tmp_path / "scheduler.json"
     log = (tmp_path / "cluster.log").open("w")
@@ -42,7 +42,7 @@ def dask_cli_cluster(tmp_path: Path, *more: list[str]
     try:
         address = scheduler_address(info)
         common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
-        for options in (["--nworkers", "2"], *more):
+        for options in (["--nworkers", "2", *first], *more):
             workers.append(subprocess.Popen([dask, "worker", address, *options, *common],
                                             stdout=log, stderr=log))
         yield address, workers[1:]

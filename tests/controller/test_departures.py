@@ -75,6 +75,13 @@ def _assert_every_sample_once(result: Any, epochs: int) -> None:
     assert result.samples == epochs * ROWS  # the servers applied each sample once
 
 
+def _summary(result: Any) -> dict[str, Any]:
+    """What a failing assertion should show of a result."""
+    return {"failures": result.failures, "departures": result.departures,
+            "generations": result.generations, "stopped_by": result.stopped_by,
+            "samples": result.samples}
+
+
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
@@ -144,6 +151,57 @@ def test_a_job_stopped_right_after_a_hand_over_counts_every_row_applied(
                         callbacks=[stop]).fit(X, Y, validation=validation)
     # The departure tests' own check (no cluster log: the job's is caplog's).
     _assert_handed_over(result, "", caplog)
+
+
+class _RetireAsItStops(dt.Callback):
+    """At the third score, retires the worker of the parameters' holder (an async-ps server,
+    or a sync job's rank 0) from a thread and stops the job in the same breath: the worker
+    leaves while the job stops, the moment no hand-over is made."""
+
+    def __init__(self, client: Client, strategy: str) -> None:
+        self.client, self.strategy, self.scores, self.samples = client, strategy, 0, -1
+
+    def on_fit_start(self, info: Any) -> None:
+        roles = info["roles"]
+        self.victim = roles["ps"][0] if self.strategy == "async-ps" else roles["trainer"][0]
+
+    def on_score(self, record: Any) -> bool:
+        self.scores += 1
+        if self.scores < 3:
+            return False
+        if self.samples < 0:
+            self.samples = int(record["samples"])
+            threading.Thread(target=self.client.retire_workers, args=([self.victim],),
+                             daemon=True).start()
+        return True
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+def test_a_job_stopped_as_its_parameters_worker_retires_keeps_what_it_trained(
+        three_workers: Client, strategy: str, caplog: pytest.LogCaptureFixture) -> None:
+    # The stop's final pull once went through the scheduler, which no longer knew the retiring
+    # worker: the async server counted as lost, the job restarted from its initial parameters
+    # (no copy yet), the callback's stop was withdrawn with it and never made again, and the
+    # job trained on to its 1000 epochs. Now the held worker is asked directly (async-ps), or
+    # the surviving ranks give the state (sync), and the stop is made again.
+    client = three_workers
+    X, Y, validation = _data()
+    stop = _RetireAsItStops(client, strategy)
+    with caplog.at_level(logging.INFO, logger="dask_train"):
+        result = dt.Trainer(mlp(8, 16, 3), lr=1e-2, strategy=strategy, workers=(1, 3),
+                            batch_size=32, epochs=1000, score_every=0.2, timeout=30,
+                            progress=False, client=client, callbacks=[stop],
+                            ).fit(X, Y, validation=validation)
+    assert not _errors(caplog), _errors(caplog)
+    assert result.stopped_by == "callback" and stop.samples > 0, _summary(result)
+    # The worker left with notice: no loss counted, nothing trained again, whichever came
+    # first (the notice: a hand-over, then the stop; or the stop, then the notice).
+    assert all(f["notice"] for f in result.failures), _summary(result)
+    assert all(f.get("redone") in (None, 0) for f in result.failures), _summary(result)
+    assert all(d["redone"] == 0 for d in result.departures)
+    assert result.samples >= stop.samples, _summary(result)
+    _assert_each_row_at_most_once(result)
+    assert result.history["accuracy"].dropna().iloc[-1] > 0.8
 
 
 def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
@@ -282,6 +340,53 @@ def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(
     _assert_handed_over(result, output, caplog)
 
 
+class _StopOnNewWorkers(dt.Callback):
+    """Stops the job two scores after none of the workers it started on is alive (all left,
+    and their nannies' new workers run)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client, self.first, self.after = client, set(live_workers(client)), -1
+
+    def on_score(self, record: Any) -> bool:
+        if self.after < 0 and not self.first & set(live_workers(self.client)):
+            self.after = 0
+        elif self.after >= 0:
+            self.after += 1
+        return self.after >= 2
+
+
+def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Both workers of one `dask worker --nworkers 2 --lifetime 10s --lifetime-restart` leave
+    # together: no other worker is left to hold the state. On one machine it goes to /dev/shm
+    # and the job waits for the restarted workers (it once gave the hand-over up: a loss, from
+    # the last report's copy, or from the start when every rank held the state). The job stops
+    # soon after they run, before their own lifetimes end.
+    with dask_cli_cluster(tmp_path, first=["--lifetime", "10s", "--lifetime-restart"]) as \
+            (address, _), Client(address) as client:
+        client.wait_for_workers(2, timeout=30)
+        X, Y, _ = _data()
+        waits = _WhenLogged("for workers to join", lambda: None)  # either wait says so
+        with waits.watching(), caplog.at_level(logging.INFO, logger="dask_train"):
+            result = dt.run(_run_loop, workers=(1, 2), epochs=1000, client=client,
+                            data={"train": (X, Y)}, callbacks=[_StopOnNewWorkers(client)])
+        output = (tmp_path / "cluster.log").read_text()
+    assert not _errors(caplog), _errors(caplog)
+    assert result.stopped_by == "callback" and waits.seen.is_set()
+    # Together in one hand-over, or (their lifetimes a moment apart) one after the other, the
+    # second perhaps as the next generation started: each left with notice, nothing counted
+    # against max_failures, nothing trained again.
+    assert all(f["notice"] and f.get("redone") in (None, 0) for f in result.failures), \
+        (_summary(result), output)
+    assert result.departures and all(d["redone"] == 0 for d in result.departures), \
+        _summary(result)
+    left = {w for d in result.departures for w in d["workers"]} | \
+        {f["worker"] for f in result.failures}
+    assert len(left) == 2, _summary(result)
+    _assert_each_row_at_most_once(result)
+    assert "dask_train" not in "".join(line for line in output.splitlines() if "ERROR" in line)
+
+
 class _TerminateAt(dt.Callback):
     """Sends ``process`` SIGTERM (as Kubernetes or a batch system does) at the third score."""
 
@@ -333,10 +438,14 @@ def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
 
 
 def _run_loop(ctx: Any) -> dict[str, Any]:
-    """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report."""
+    """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report. Its
+    model is built here, from torch alone: a `dask worker` started from a shell cannot import
+    the tests' helpers."""
     import torch.nn.functional as F
 
-    model = ctx.prepare(mlp(8, 16, 3))
+    torch.manual_seed(0)
+    model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                            torch.nn.Linear(16, 3)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = ctx.restore()
     if state:

@@ -55,7 +55,7 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._calls import alive_workers, asked_to_retire
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class Controller:
         self.report_copy: asyncio.Task[None] | None = None  # a dt.run report's copy being written
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
+        self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -222,7 +223,8 @@ class Controller:
                 event = None
             if event is not None:
                 self._on_event(event)
-            if self.callbacks.stop_asked():
+            if self.callbacks.stop_asked() or self.callback_stop:
+                self.callback_stop = False
                 self._stop("callback")
             now = time.time()
             if not self.state.stopped_by:
@@ -246,7 +248,7 @@ class Controller:
                 next_liveness = now + _LIVENESS_EVERY_S
                 failure = await self._check_roles(engine)
                 if failure is not None:
-                    withdrawn = self.state.withdraw_stop()
+                    withdrawn = self._withdraw_stop()
                     if withdrawn:
                         # Decided in this same pass: the parameters it stands for (a scored
                         # snapshot, the last epoch) may be gone with the lost role.
@@ -272,7 +274,12 @@ class Controller:
             await engine.start(self.events.put_nowait)
         except Exception as exc:
             lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
-            if not lost or self.losses.decide(engine, lost[0], alive,
+            # A worker retired as the generation started (its lifetime ended just after it was
+            # placed) held no role's state yet, so it announced itself to no job; the
+            # scheduler's events of it say it left with notice.
+            noticed = bool(lost) and (lost[0].worker in engine.leaving() or
+                                      bool(await asked_to_retire(self.client, [lost[0].worker])))
+            if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
                                               has_checkpoint=self.has_checkpoint) \
                     is not Action.RESTART:
                 raise
@@ -368,6 +375,16 @@ class Controller:
         if self.state.stop(reason):
             self.log.stop_at = time.time()
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
+
+    def _withdraw_stop(self) -> str:
+        """Withdraw the stop (:meth:`JobState.withdraw_stop`); returns its reason. The stop
+        conditions decide again in the next generation, but a callback that returned True is
+        not asked again: its stop is made again as soon as the next generation runs (a
+        one-shot callback's stop, lost with a role, once left the job training to its
+        ``epochs``)."""
+        reason = self.state.withdraw_stop()
+        self.callback_stop = self.callback_stop or reason == "callback"
+        return reason
 
     # -- checkpoints ------------------------------------------------------------------------------
     async def _copies(self, engine: Engine) -> None:
@@ -587,15 +604,18 @@ class Controller:
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
         """End this generation and place the next one on the live workers, from the newest
-        checkpoint, or from the start when none was written. Waits a little (at most 10 s) for
-        the cluster to get back to its size: a nanny restarts a killed worker in about a second,
-        and the new generation should use it.
+        state: the survivors', a checkpoint's or copy's, or the one this generation started
+        from, else the initial parameters. Waits a little (at most 10 s) for the cluster to get
+        back to its size: a nanny restarts a killed worker in about a second, and the new
+        generation should use it; not when every lost worker left with notice (retired, it
+        does not come back: a sync job stopped as rank 0 retired waited the 10 s for it).
         """
         self.state.enter(Phase.RESTARTING)
         self.pending_report = None  # its ranks are gone with their generation
         t0 = time.time()
         applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
         lost = set(engine.roles.addresses) - set(await alive_workers(self.client))
+        noticed = bool(lost) and lost <= engine.leaving()  # retired: not coming back
         # The surviving ranks' state (sync), else the newest checkpoint (the one resumed from,
         # if none was written since), else the initial parameters: the next generation trains
         # again what was lost with them.
@@ -609,9 +629,19 @@ class Controller:
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=set(engine.roles.addresses) - lost)
         store = self.checkpoints or self.copies
-        newest = survived or (None if store is None else store.load(
-            n_params=self.spec.n_params, strategy=self.spec.strategy))
-        self.restore = newest if newest is not None else self.restore
+        stored = None if store is None else store.load(n_params=self.spec.n_params,
+                                                       strategy=self.spec.strategy)
+        # The state this generation started from may be newer than the store's newest: a
+        # hand-over's, written to its own store, then its next generation's worker lost too.
+        started = self.restore
+        newest: Restore | None
+        if survived is not None:
+            newest = survived
+        elif stored is not None and (started is None or stored.step >= started.step):
+            newest = stored
+        else:
+            newest = started
+        self.restore = newest
         # What the ledger had seen applied since then, to be applied again (once: the next
         # generation's ledger starts from the checkpoint's, or from nothing).
         kept = int(self.restore.manifest.get("samples", 0)) if self.restore else 0
@@ -619,14 +649,19 @@ class Controller:
         # The restarting loss's record: others of its pass may come after it.
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
-        record["from"] = "survivors" if survived else "start" if not self.restore else \
-            "copy" if self.copies is not None and newest is self.restore else "checkpoint"
+        # Newer than the store's, the state the generation started from was written to the
+        # hand-overs' own store (a hand-over's, or the survivors' after a loss before).
+        record["from"] = "survivors" if survived else "start" if newest is None else \
+            "generation" if newest is not stored else \
+            "checkpoint" if store is self.checkpoints else "copy"
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client, placeable=True)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
         # counted a worker the nanny had already restarted twice and waited the whole 10 s. A
         # job on reserved workers (a search's trial) never sees the new one: no wait.
-        size = self.cluster_size if current_scope() is None else 0
+        size = self.cluster_size if current_scope() is None and not noticed else 0
+        if noticed:
+            self.cluster_size = len(alive)
         while len(alive) < size and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             alive = await alive_workers(self.client, placeable=True)
@@ -718,11 +753,12 @@ class Controller:
             if report is not None and report.checkpoint:
                 await self._write_report(engine, report)
         ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
-                                        has_checkpoint=self.has_checkpoint)
+                                        has_checkpoint=self.has_checkpoint,
+                                        notices=self.hand_overs.wait_for_notices)
         if isinstance(ending, Failure):
             # What the stop stood for (a scored snapshot) may be gone with the role.
             logger.info("the stop (%s) waits for the next generation: %s was lost",
-                        self.state.withdraw_stop(), ending.role)
+                        self._withdraw_stop(), ending.role)
             return ending
         while not self.events.empty():  # the trainers' last events
             self._on_event(self.events.get_nowait())

@@ -63,6 +63,11 @@ PAUSE_S = 30.0
 #: How often a hand-over looks whether the held workers still answer (seconds).
 LOOK_S = 0.25
 
+#: How long a hand-over goes on with no other worker left (every worker leaving at once, to
+#: a store that outlives them): the pause or report comes within it when the workers only
+#: cycle (``--lifetime-restart``); an in-process cluster closing under a job never pauses.
+ALONE_S = 5.0
+
 #: How long a lost worker's loss waits for its leaving notice: Dask removes a retired worker
 #: from the scheduler a few milliseconds before the worker (closing) sends the notice.
 NOTICE_S = 0.5
@@ -209,6 +214,7 @@ class HandOvers:
         self.awaiting: _Awaited | None = None
         self._scratch: Checkpoints | None = None
         self._said_no_store = False
+        self._alone_since: float | None = None  # when no other worker was left (_still_there)
 
     def pending(self, engine: Engine) -> set[str]:
         """Leaving workers of this generation's roles whose hand-over has not started."""
@@ -262,6 +268,7 @@ class HandOvers:
         leaving, joined = self.pending(engine), set(joined)
         self.started |= leaving
         noticed = time.monotonic()
+        self._alone_since = None
         store = await self._store(engine, alive)
         if store is None:
             if leaving:
@@ -296,7 +303,7 @@ class HandOvers:
                                        f"{min(PAUSE_S, self.spec.timeout):g} s")
                 if time.monotonic() > next_look:
                     # A held worker killed meanwhile never pauses: found in a look, not a timeout.
-                    await self._still_there(leaving)
+                    await self._still_there(engine, leaving)
                     next_look = time.monotonic() + LOOK_S
                 await asyncio.sleep(0.01)
             step = await engine.exact_step()
@@ -326,7 +333,7 @@ class HandOvers:
         try:
             if time.monotonic() > waiting.deadline:
                 raise TimeoutError(f"no report with a checkpoint within {PAUSE_S:g} s")
-            await self._still_there(waiting.leaving)
+            await self._still_there(engine, waiting.leaving)
         except Exception as exc:  # noqa: BLE001 - any failure makes it a loss, said once
             self.awaiting = None
             if waiting.leaving:
@@ -413,9 +420,19 @@ class HandOvers:
                         restore.step, time.monotonic() - t0)
         return restore
 
-    async def _still_there(self, workers: Iterable[str]) -> None:
+    def _outlives_workers(self, engine: Engine) -> bool:
+        """Whether the hand-over's state can be written where no worker holds it (the job's
+        store, or this machine's memory), for workers that come later."""
+        return self.checkpoints is not None or memory_state() == "auto" and \
+            on_this_machine(engine.roles.addresses)
+
+    async def _still_there(self, engine: Engine, workers: Iterable[str]) -> None:
         """Raise WorkerLost when one of the held ``workers`` no longer answers, or when no
-        other worker is left to hand over to (the whole cluster is closing)."""
+        other worker is left to hold the state handed over (the whole cluster is closing).
+        With a store that outlives the workers, every worker may leave at once (each
+        ``--lifetime`` ending together, or the last one restarting): the hand-over goes on for
+        up to :data:`ALONE_S`, the state is written there, and the next generation waits for
+        workers to join (``_enough_workers``)."""
         workers = set(workers)
         for address in workers:
             try:
@@ -429,8 +446,16 @@ class HandOvers:
             except Exception as exc:
                 raise WorkerLost(f"the leaving worker {address} is gone "
                                  f"({type(exc).__name__})", worker=address) from exc
-        if workers and not set(await alive_workers(self.client, placeable=True)) - workers:
+        if not workers or set(await alive_workers(self.client, placeable=True)) - workers:
+            self._alone_since = None
+            return
+        if not self._outlives_workers(engine):
             raise WorkerLost("no other worker is left to hand over to (the cluster is closing)")
+        now = time.monotonic()
+        self._alone_since = self._alone_since or now
+        if now - self._alone_since > ALONE_S:
+            raise WorkerLost(f"no other worker is left, and the hand-over did not end within "
+                             f"{ALONE_S:g} s (the cluster is closing)")
 
     def record(self, departure: Departure, *, roles: Mapping[str, list[str]]) -> None:
         """Record and publish a regroup once the next generation is placed: a departure

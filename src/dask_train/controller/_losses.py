@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from distributed import Client
 
@@ -52,7 +52,8 @@ class Losses:
         self.spec, self.log, self.state, self.publisher = spec, log, state, publisher
 
     def decide(self, engine: Engine, failure: Failure, alive: Mapping[str, int], *,
-               has_checkpoint: bool, same_loss: bool = False) -> Action:
+               has_checkpoint: bool, same_loss: bool = False,
+               notice: bool | None = None) -> Action:
         """The policy's action on one lost role (raises the typed error on RAISE);
         ``same_loss``: its worker's loss was counted with another of its roles.
 
@@ -60,9 +61,11 @@ class Losses:
         started or stopped, when no hand-over is made) is acted on as a loss, from the same
         state, but recorded with ``notice`` and not counted against ``max_failures``: it is
         no crash, and a cluster of ``--lifetime`` workers would otherwise fail a long job.
+        ``notice``: the caller knows (default: the worker announced it to this generation).
         """
         live = engine.live_trainers() - (1 if failure.kind == "trainer" else 0)
-        notice = failure.worker in engine.leaving()
+        if notice is None:
+            notice = failure.worker in engine.leaving()
         losses = {f["loss"] for f in self.log.failures if f["loss"] is not None}
         loss = len(losses) + (0 if same_loss or notice else 1)
         status = JobStatus(
@@ -153,17 +156,29 @@ class Losses:
         return lost, alive
 
     async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,
-                   has_checkpoint: bool) -> Ending | Failure:
+                   has_checkpoint: bool,
+                   notices: Callable[[Engine, set[str]], Awaitable[None]] | None = None
+                   ) -> Ending | Failure:
         """Stop the engine's roles. A role lost meanwhile (the scorer's worker killed as a
         score stops the job) is a loss like any other: the job stops without a lost async
         trainer, or with the scorer started again (the final parameters then make the
         result), or the failure that needs a new generation is returned (a server, a rank).
-        An error with every role's worker alive is the job's."""
+        An error with every role's worker alive is the job's.
+
+        A parameter server whose worker leaves with notice as the job stops is no loss: its
+        worker is held while the job has state on it, and the engine pulls its final
+        parameters directly. ``notices(engine, workers)`` waits (briefly) for the notices of
+        lost ``workers`` that still answer (a retired worker is gone from the scheduler a few
+        milliseconds before its notice comes)."""
         while True:
             try:
                 return await engine.stop(keep_step=keep_step)
             except Exception:
                 lost, alive = await self.lost(client, engine)
+                if notices is not None and {f.worker for f in lost} - engine.leaving():
+                    await notices(engine, {f.worker for f in lost})
+                held = engine.leaving()
+                lost = [f for f in lost if not (f.kind == "ps" and f.worker in held)]
                 if not lost:
                     raise
                 restart = await self.act(engine, lost, alive, has_checkpoint=has_checkpoint)

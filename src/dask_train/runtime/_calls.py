@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from distributed import Client
@@ -26,6 +26,30 @@ async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str,
     """
     return {addr: nthreads for addr, (nthreads, status) in (await _listed(client)).items()
             if not (placeable and status in LEAVING_STATES)}
+
+
+#: The scheduler's events of a worker it was asked to retire (``retire_workers``: a
+#: scale-down, ``dask worker --lifetime``, an adaptive cluster), whether it could or not.
+_RETIRE_ACTIONS = frozenset({"retired", "could-not-retire"})
+
+
+async def asked_to_retire(client: Client, addresses: Iterable[str]) -> set[str]:
+    """Those of ``addresses`` that left with notice as the scheduler's own events of each
+    worker say: asked to retire, or removed as expected. Such a worker may close before any
+    job holds it (it had no role's state yet) and so never announces itself to a job."""
+    found = set()
+    for address in set(addresses):
+        try:
+            events = await client.scheduler.events(topic=address)
+        except Exception:  # noqa: BLE001 - no answer: taken for a loss without notice
+            continue
+        for _, msg in events or ():
+            if isinstance(msg, dict) and (msg.get("action") in _RETIRE_ACTIONS or
+                                          msg.get("action") == "remove-worker" and
+                                          msg.get("expected")):
+                found.add(address)
+                break
+    return found
 
 
 async def _listed(client: Client) -> dict[str, tuple[int, str | None]]:

@@ -30,7 +30,7 @@ from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.roles.granting import Granter, pin
 from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
 from dask_train.engines.roles.waiting import gather_watching, raise_if_gone
-from dask_train.errors import RoleFailed, TrainingTimeout
+from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
@@ -541,9 +541,7 @@ class RoleEngine(Engine):
             [final] = await self.gather_from_holders(
                 [self.scorer_future], what="the final score",
                 holders={self.roles["scorer"][0]: "scorer-0"})
-        pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",
-                             job=self.job, index=ref.index) for ref in self.shards]
-        parts = await self.gather_from_holders(pulls, what="pulling the final parameters")
+        parts = await self._pull_final()
         import numpy as np
 
         return Ending(params=np.concatenate([p[0] for p in parts]),
@@ -551,6 +549,37 @@ class RoleEngine(Engine):
                       trainers=trainers, final=final,
                       rng={str(t["trainer"]): t["rng"] for t in trainers if t.get("rng")},
                       buffers=next((p[3] for p in parts if p[3] is not None), None))
+
+    async def _pull_final(self) -> list[Any]:
+        """Each parameter holder's (parameters, version, samples, buffers) at the end: through a
+        task pinned to its worker, or straight from the pull handler of a worker that is leaving
+        with notice (the scheduler no longer lists it; it is held while the job has state on
+        it). A job stopped as a holder's worker retired once lost that holder's parameters
+        and started over from its last copy, or from the initial parameters."""
+        held = [ref for ref in self.shards if ref.address in self.leaving_workers]
+        listed = [ref for ref in self.shards if ref not in held]
+        pulls = [self.pinned(pull_params_task, address=ref.address, key=f"dt-pull-{ref.index}",
+                             job=self.job, index=ref.index) for ref in listed]
+        parts: dict[int, Any] = {}
+        if pulls:
+            got = await self.gather_from_holders(
+                pulls, what="pulling the final parameters",
+                holders={ref.address: f"parameter holder {ref.index}" for ref in listed})
+            parts.update(zip((ref.index for ref in listed), got))
+        for ref in held:
+            try:
+                reply = await asyncio.wait_for(self.client.rpc(ref.address).dask_train_pull(
+                    job=self.job, shard=ref.index), timeout=min(30.0, self.spec.timeout))
+            except Exception as exc:  # gone meanwhile: its loss is the controller's to act on
+                raise WorkerLost(f"the leaving worker {ref.address} of parameter holder "
+                                 f"{ref.index} is gone ({type(exc).__name__})",
+                                 worker=ref.address) from exc
+            if "missing" in reply:
+                raise WorkerLost(f"parameter holder {ref.index} is no longer on the leaving "
+                                 f"worker {ref.address}: {reply['missing']}", worker=ref.address)
+            parts[ref.index] = (reply["params"], int(reply["version"]), int(reply["samples"]),
+                                reply.get("buffers"))
+        return [parts[ref.index] for ref in self.shards]
 
     async def _drain_events(self) -> None:
         """Wait (briefly) for the trainers' last events, so the ledger holds every report."""
