@@ -170,6 +170,7 @@ class Losses:
         parameters directly. ``notices(engine, workers)`` waits (briefly) for the notices of
         lost ``workers`` that still answer (a retired worker is gone from the scheduler a few
         milliseconds before its notice comes)."""
+        pulled: set[str] = set()  # held servers' workers: pulled directly, once each
         while True:
             try:
                 return await engine.stop(keep_step=keep_step)
@@ -177,8 +178,12 @@ class Losses:
                 lost, alive = await self.lost(client, engine)
                 if notices is not None and {f.worker for f in lost} - engine.leaving():
                     await notices(engine, {f.worker for f in lost})
-                held = engine.leaving()
-                lost = [f for f in lost if not (f.kind == "ps" and f.worker in held)]
+                held = {f.worker for f in lost if f.kind == "ps" and
+                        f.worker in engine.leaving() - pulled}
+                pulled |= held
+                lost = [f for f in lost if f.worker not in held or f.kind != "ps"]
+                if not lost and held:
+                    continue  # the next stop pulls from them directly
                 if not lost:
                     raise
                 restart = await self.act(engine, lost, alive, has_checkpoint=has_checkpoint)
