@@ -142,7 +142,7 @@ def _loop(ctx: Any, *, validation: tuple[np.ndarray, np.ndarray]) -> None:
         optimizer.load_state_dict(state["optimizer"])
     xv, yv = (torch.from_numpy(a) for a in validation)
     for _ in ctx.epochs():
-        for xb, yb in ctx.batches("train", batch_size=BATCH):
+        for xb, yb in ctx.batches("train", batch_size=2 * BATCH):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(xb), yb).backward()
             optimizer.step()
