@@ -364,14 +364,7 @@ def _own_data_loop(ctx: Any) -> dict[str, Any]:
     torch.manual_seed(ctx.rank)
     x = torch.randn(256, 8)
     y = (x[:, 0] > 0).long()
-    torch.manual_seed(0)
-    model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                            torch.nn.Linear(16, 2)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    state = ctx.restore()
-    if state:
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
+    model, opt, state = _model_and_state(ctx, 2)
     for epoch in ctx.epochs():
         for i in range(0, 256, 32):
             opt.zero_grad()
@@ -463,20 +456,25 @@ def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
     _assert_handed_over(result, output, caplog, retired=False)
 
 
-def _run_loop(ctx: Any) -> dict[str, Any]:
-    """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report. Its
-    model is built here, from torch alone: a `dask worker` started from a shell cannot import
-    the tests' helpers."""
-    import torch.nn.functional as F
-
+def _model_and_state(ctx: Any, n_out: int) -> tuple[Any, Any, Any]:
+    """The dt.run loops' DDP model (built from torch alone: a `dask worker` started from a
+    shell cannot import the tests' helpers) and optimizer, at the last report's state if any."""
     torch.manual_seed(0)
     model = ctx.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                            torch.nn.Linear(16, 3)))
+                                            torch.nn.Linear(16, n_out)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     state = ctx.restore()
     if state:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
+    return model, opt, state
+
+
+def _run_loop(ctx: Any) -> dict[str, Any]:
+    """A dt.run loop as a user writes one: DDP, a checkpoint with each epoch's report."""
+    import torch.nn.functional as F
+
+    model, opt, state = _model_and_state(ctx, 3)
     seen = []
     for epoch in ctx.epochs():
         for xb, yb in ctx.batches("train", batch_size=32):
