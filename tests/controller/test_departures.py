@@ -406,16 +406,42 @@ def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
     assert "dask_train" not in "".join(line for line in output.splitlines() if "ERROR" in line)
 
 
-class _TerminateAt(dt.Callback):
-    """Sends ``process`` SIGTERM (as Kubernetes or a batch system does) at the third score."""
+def _role_running_under(client: Client, process: subprocess.Popen[bytes]) -> int | None:
+    """The pid of the worker process that ``process`` (a ``dask worker``) started, once a
+    training role runs in it (None before): a role placed there may still wait behind the
+    worker's data tasks on a loaded machine, and a worker with no role running holds nothing
+    to hand over (one SIGTERMed so in a loaded run lost its trainer before it started)."""
+    from dask_train.runtime._plugin import worker_state
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process, self.scores = process, 0
+    def running(dask_worker: Any) -> tuple[int, int, bool]:
+        return os.getpid(), os.getppid(), worker_state(dask_worker).holding()
+
+    for pid, parent, holding in client.run(running).values():
+        if parent == process.pid and holding:
+            return int(pid)
+    return None
+
+
+class _TerminateAt(dt.Callback):
+    """Sends SIGTERM to ``process`` (as Kubernetes or a batch system does), and with
+    ``whole_job`` to its worker process too (as a batch system does to every process of a job
+    at its walltime, or on ``scancel``): at the third score, or the first after it at which a
+    role runs in its worker."""
+
+    def __init__(self, client: Client, process: subprocess.Popen[bytes], *,
+                 whole_job: bool = False) -> None:
+        self.client, self.process, self.whole_job = client, process, whole_job
+        self.scores, self.sent = 0, False
 
     def on_score(self, record: Any) -> None:
         self.scores += 1
-        if self.scores == 3:
-            self.process.send_signal(signal.SIGTERM)
+        if self.sent or self.scores < 3:
+            return
+        worker = _role_running_under(self.client, self.process)
+        if worker is not None:
+            self.sent = True
+            for pid in (self.process.pid, worker) if self.whole_job else (self.process.pid,):
+                os.kill(pid, signal.SIGTERM)
 
 
 def test_a_dask_worker_sent_sigterm_hands_its_roles_over(
@@ -424,25 +450,9 @@ def test_a_dask_worker_sent_sigterm_hands_its_roles_over(
     # retiring: the worker's close still holds for the hand-over, well inside those 10 s.
     with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
         client.wait_for_workers(3, timeout=30)
-        result = _train_until_one_left(client, leaving, _TerminateAt(leaving))
+        result = _train_until_one_left(client, leaving, _TerminateAt(client, leaving))
         output = (tmp_path / "cluster.log").read_text()
     _assert_handed_over(result, output, caplog, retired=False)
-
-
-class _TerminateJobAt(dt.Callback):
-    """Sends SIGTERM to ``process`` and to its worker process together at the third score, as
-    a batch system does to every process of a job at its walltime (or on ``scancel``)."""
-
-    def __init__(self, client: Client, process: subprocess.Popen[bytes]) -> None:
-        self.client, self.process, self.scores = client, process, 0
-
-    def on_score(self, record: Any) -> None:
-        self.scores += 1
-        if self.scores == 3:
-            pids, parents = self.client.run(os.getpid), self.client.run(os.getppid)
-            [worker] = [pids[a] for a, parent in parents.items() if parent == self.process.pid]
-            for pid in (self.process.pid, worker):
-                os.kill(pid, signal.SIGTERM)
 
 
 def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
@@ -451,7 +461,8 @@ def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
     # nanny's close: a loss. It now closes as the nanny asks, holding for the hand-over.
     with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
         client.wait_for_workers(3, timeout=30)
-        result = _train_until_one_left(client, leaving, _TerminateJobAt(client, leaving))
+        result = _train_until_one_left(client, leaving,
+                                       _TerminateAt(client, leaving, whole_job=True))
         output = (tmp_path / "cluster.log").read_text()
     _assert_handed_over(result, output, caplog, retired=False)
 
