@@ -265,23 +265,29 @@ def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
     _assert_every_sample_once(result, 6)
 
 
-class _StopAfterDeparture(dt.Callback):
+class _StopTwoScoresAfter(dt.Callback):
+    """Stops the job two scores after ``happened()`` was first true at a score."""
+
+    def __init__(self, happened: Callable[[], bool]) -> None:
+        self.happened, self.after = happened, -1
+
+    def on_score(self, record: Any) -> bool:
+        if self.after < 0 and self.happened():
+            self.after = 0
+        elif self.after >= 0:
+            self.after += 1
+        return self.after >= 2
+
+
+def _stop_after_departure(client: Client, workers: int,
+                          leaving: subprocess.Popen[bytes]) -> _StopTwoScoresAfter:
     """Stops the job two scores after the cluster shrank to ``workers`` and the ``leaving``
     worker's process ended. Not on the shrinking alone: the scheduler forgets a retired worker
     before the worker's close holds it for the hand-over, and a stop two scores later came
     before the hand-over on a loaded machine (the job then stopped the leaving worker's roles
     with the others, and had no departure to show)."""
-
-    def __init__(self, client: Client, workers: int, leaving: subprocess.Popen[bytes]) -> None:
-        self.client, self.workers, self.leaving, self.after = client, workers, leaving, -1
-
-    def on_score(self, record: Any) -> bool:
-        if self.after < 0 and len(live_workers(self.client)) <= self.workers and \
-                self.leaving.poll() is not None:
-            self.after = 0
-        elif self.after >= 0:
-            self.after += 1
-        return self.after >= 2
+    return _StopTwoScoresAfter(lambda: len(live_workers(client)) <= workers and
+                               leaving.poll() is not None)
 
 
 def _train_until_one_left(client: Client, leaving: subprocess.Popen[bytes],
@@ -292,7 +298,7 @@ def _train_until_one_left(client: Client, leaving: subprocess.Popen[bytes],
     X, Y, validation = _data()
     return dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=1000,
                       score_every=0.2, timeout=30, progress=False, client=client,
-                      callbacks=[*callbacks, _StopAfterDeparture(client, 2, leaving)],
+                      callbacks=[*callbacks, _stop_after_departure(client, 2, leaving)],
                       stop=[dt.StopAfter(seconds=120)]).fit(X, Y, validation=validation)
 
 
@@ -340,21 +346,6 @@ def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(
     _assert_handed_over(result, output, caplog)
 
 
-class _StopOnNewWorkers(dt.Callback):
-    """Stops the job two scores after none of the workers it started on is alive (all left,
-    and their nannies' new workers run)."""
-
-    def __init__(self, client: Client) -> None:
-        self.client, self.first, self.after = client, set(live_workers(client)), -1
-
-    def on_score(self, record: Any) -> bool:
-        if self.after < 0 and not self.first & set(live_workers(self.client)):
-            self.after = 0
-        elif self.after >= 0:
-            self.after += 1
-        return self.after >= 2
-
-
 def _own_data_loop(ctx: Any) -> dict[str, Any]:
     """A dt.run loop that makes its own data (no Dask data on the workers: Dask's retire of
     the last workers holding data no other can take fails, and closes them without the
@@ -388,8 +379,10 @@ def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
         client.wait_for_workers(2, timeout=30)
         waits = _WhenLogged("for workers to join", lambda: None)  # either wait says so
         with waits.watching(), caplog.at_level(logging.INFO, logger="dask_train"):
+            first = set(live_workers(client))  # stop once none of them is alive
             result = dt.run(_own_data_loop, workers=(1, 2), epochs=1000, client=client,
-                            callbacks=[_StopOnNewWorkers(client)])
+                            callbacks=[_StopTwoScoresAfter(
+                                lambda: not first & set(live_workers(client)))])
         output = (tmp_path / "cluster.log").read_text()
     assert not _errors(caplog), (_errors(caplog), output)
     assert result.stopped_by == "callback" and waits.seen.is_set(), (_summary(result), output)
