@@ -25,6 +25,18 @@ def scheduler_address(info: Path, *, timeout: float = 30.0) -> str:
             time.sleep(0.05)
 
 
+def _worker_command(address: str, *options: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "dask"), "worker", address, *options,
+            "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
+
+
+def _end(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+        process.wait(30)
+
+
 @contextmanager
 def dask_cli_cluster(tmp_path: Path, *more: list[str], first: Sequence[str] = ()
                      ) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
@@ -32,23 +44,32 @@ def dask_cli_cluster(tmp_path: Path, *more: list[str], first: Sequence[str] = ()
     and one more ``dask worker`` per option list in ``more``, from this environment; every
     process logs to ``tmp_path/cluster.log``. Yields the scheduler's address and the extra
     workers' processes. Workers are stopped before the scheduler (SIGTERM), for a quiet end."""
-    dask = str(Path(sys.executable).parent / "dask")
     info = tmp_path / "scheduler.json"
-    log = (tmp_path / "cluster.log").open("w")
-    scheduler = subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
-                                  "--no-dashboard", "--scheduler-file", str(info)],
-                                 stdout=log, stderr=log)
+    # Appended to: a worker started later (dask_worker) writes to the same file.
+    log = (tmp_path / "cluster.log").open("a")
+    scheduler = subprocess.Popen([str(Path(sys.executable).parent / "dask"), "scheduler",
+                                  "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                  "--scheduler-file", str(info)], stdout=log, stderr=log)
     workers: list[subprocess.Popen[bytes]] = []
     try:
         address = scheduler_address(info)
-        common = ["--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
         for options in (["--nworkers", "2", *first], *more):
-            workers.append(subprocess.Popen([dask, "worker", address, *options, *common],
+            workers.append(subprocess.Popen(_worker_command(address, *options),
                                             stdout=log, stderr=log))
         yield address, workers[1:]
     finally:
-        for process in (*workers, scheduler):
-            if process.poll() is None:
-                process.terminate()
-            process.wait(30)
+        _end([*workers, scheduler])
         log.close()
+
+
+@contextmanager
+def dask_worker(address: str, tmp_path: Path, *options: str
+                ) -> Iterator[subprocess.Popen[bytes]]:
+    """One more ``dask worker`` for the cluster of :func:`dask_cli_cluster` (same log),
+    stopped (SIGTERM) on exit: enter it before, or within, that cluster's block."""
+    with (tmp_path / "cluster.log").open("a") as log:
+        worker = subprocess.Popen(_worker_command(address, *options), stdout=log, stderr=log)
+        try:
+            yield worker
+        finally:
+            _end([worker])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,15 +235,21 @@ def _spec(**kw: Any) -> JobSpec:
 
 def _run(engines: Sequence[FakeEngine], spec: JobSpec, *, resume: bool = False,
          plan: Callable[[Mapping[str, int]], Roles] | None = None,
-         roles: Mapping[str, int] | None = None) -> Run:
+         roles: Mapping[str, int] | None = None,
+         before: Callable[[Client, str], Awaitable[None]] | None = None) -> Run:
     """Run the controller over ``engines`` (one per generation) on a fresh in-process cluster;
-    ``roles`` counts the first generation's roles by kind, all on its one worker."""
+    ``roles`` counts the first generation's roles by kind, all on its one worker. With
+    ``before``, the cluster has a second worker, and ``before(client, its address)`` runs
+    before the job starts."""
 
     async def main() -> Run:
-        async with LocalCluster(processes=False, n_workers=1, threads_per_worker=1,
-                                dashboard_address=":0", asynchronous=True) as cluster, \
+        async with LocalCluster(processes=False, n_workers=1 if before is None else 2,
+                                threads_per_worker=1, dashboard_address=":0",
+                                asynchronous=True) as cluster, \
                 Client(cluster, asynchronous=True) as client:
-            [worker] = await alive_workers(client)
+            worker, *other = sorted(await alive_workers(client))
+            if before is not None:
+                await before(client, other[0])
             made = iter(engines)
 
             def make_engine(roles: Roles, job: str, restore: Mapping[str, Any] | None) -> Engine:

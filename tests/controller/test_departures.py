@@ -32,7 +32,7 @@ from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 sys.path.insert(0, str(Path(__file__).parent))
-from _dask_cli import dask_cli_cluster  # noqa: E402
+from _dask_cli import dask_cli_cluster, dask_worker  # noqa: E402
 from _models import Slow, mlp  # noqa: E402
 
 ROWS, BLOCK = 12_000, 1000
@@ -369,15 +369,20 @@ def _own_data_loop(ctx: Any) -> dict[str, Any]:
 
 def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # Both workers of one `dask worker --nworkers 2 --lifetime 10s --lifetime-restart` leave
-    # together: no other worker is left to hold the state. On one machine it goes to /dev/shm
-    # and the job waits for the restarted workers (it once gave the hand-over up: a loss, from
-    # the last report's copy, or from the start when every rank held the state). The job stops
-    # soon after they run, before their own lifetimes end.
-    with dask_cli_cluster(tmp_path, first=["--lifetime", "10s", "--lifetime-restart"]) as \
-            (address, _), Client(address) as client:
+    # Both workers of one `dask worker --nworkers 2 --lifetime 12s` leave: no other worker is
+    # left to hold the state. On one machine it goes to /dev/shm and the job waits for workers
+    # to join (it once gave the hand-over up: a loss, from the last report's copy, or from the
+    # start when every rank held the state); two join once it says it waits (a `dask worker`
+    # without a lifetime: `--lifetime-restart`'s workers end their own lifetimes again, and
+    # on a loaded machine a generation started on them met the next end, again and again).
+    # Their lifetimes may end a moment apart: the first's ranks then go to the second, which
+    # leaves next with no other worker left; the job waits in either case.
+    with dask_cli_cluster(tmp_path, first=["--lifetime", "12s"]) as (address, _), \
+            Client(address) as client, contextlib.ExitStack() as joined:
         client.wait_for_workers(2, timeout=30)
-        waits = _WhenLogged("for workers to join", lambda: None)  # either wait says so
+        waits = _WhenLogged("for workers to join",  # either wait says so
+                            lambda: joined.enter_context(
+                                dask_worker(address, tmp_path, "--nworkers", "2")))
         with waits.watching(), caplog.at_level(logging.INFO, logger="dask_train"):
             first = set(live_workers(client))  # stop once none of them is alive
             result = dt.run(_own_data_loop, workers=(1, 2), epochs=1000, client=client,

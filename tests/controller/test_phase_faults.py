@@ -20,6 +20,7 @@ from _fake_engine import (  # noqa: E402
     _run,
     _spec,
 )
+from distributed import Client
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.engines._events import Epochs, Progress
@@ -218,6 +219,27 @@ def test_a_worker_that_left_with_notice_as_the_job_stopped_is_not_counted() -> N
     [lost] = outcome.log.failures
     assert (lost["role"], lost["notice"], lost["loss"]) == ("trainer-1", True, None)
     assert outcome.log.generations == 2
+
+
+def test_a_worker_retired_before_its_role_ran_is_not_counted() -> None:
+    # A `dask worker --lifetime` worker whose lifetime ends right after a generation's ranks
+    # were placed on it: no role ran there yet, so it held nothing, told no job, and left. The
+    # scheduler's events say it was retired: recorded with its notice, not counted against
+    # max_failures (0). It once counted as a crash (a CI run's dt.run on such workers).
+    first = FakeEngine([(0.0, Progress(step=2))])
+    second = FakeEngine([(0.0, Progress(step=3)), (0.05, Epochs(completed=1))], ends_at=0.1)
+
+    async def retire(client: Client, address: str) -> None:
+        first.faults = [Fault(Failure("trainer", 1, address, "removed from the scheduler"))]
+        await client.retire_workers([address], close_workers=True)
+
+    outcome = _ok(_run([first, second], _spec(failure=FailureConfig(max_failures=0)),
+                       before=retire))
+
+    [lost] = outcome.log.failures
+    assert (lost["role"], lost["action"], lost["notice"], lost["loss"]) == \
+        ("trainer-1", "restart", True, None)
+    assert outcome.log.generations == 2 and outcome.stopped_by == "epochs=1"
 
 
 def test_a_lost_worker_without_notice_still_counts() -> None:

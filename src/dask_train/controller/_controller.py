@@ -589,10 +589,14 @@ class Controller:
         # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
         leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]
+        retired: set[str] = set()
         if failures:
+            # A worker retired before its role ran (placed as its lifetime ended) held nothing
+            # to hand over and told no job; the scheduler's events of it say it had notice.
+            retired = await asked_to_retire(self.client, gone - leaving)
             alive = await self.losses.workers_back(self.client, alive)
         restart = await self.losses.act(engine, failures, alive,
-                                        has_checkpoint=self.has_checkpoint)
+                                        has_checkpoint=self.has_checkpoint, retired=retired)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,
         # and the pause would wait for it until the timeout (seen in the chaos test, a
         # restarted worker adopted while the other trainer was paused); the next pass adopts.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from distributed import Client
 
@@ -108,18 +108,20 @@ class Losses:
         return found
 
     async def act(self, engine: Engine, failures: Sequence[Failure], alive: Mapping[str, int],
-                  *, has_checkpoint: bool) -> Failure | None:
+                  *, has_checkpoint: bool, retired: Collection[str] = ()) -> Failure | None:
         """Decide on each failure in turn and act: the scorer replaced, an async trainer
         retired. Returns the first failure that needs a new generation (None: the survivors
         go on). Every failure of the pass is decided and recorded, also those after one that
         restarts: two hosts lost together are two records in ``result.failures``, and two
-        losses against ``max_failures``."""
+        losses against ``max_failures``. ``retired``: workers that left with notice without
+        announcing it to the job (see :meth:`decide`)."""
         restart: Failure | None = None
         for i, failure in enumerate(failures):
             # A worker that held several roles (a trainer and the scorer) is one loss.
             again = any(f.worker == failure.worker for f in failures[:i])
             action = self.decide(engine, failure, alive, has_checkpoint=has_checkpoint,
-                                 same_loss=again)
+                                 same_loss=again,
+                                 notice=True if failure.worker in retired else None)
             if restart is not None:
                 continue  # the new generation starts on the live workers only
             if action is Action.RESTART:
