@@ -61,8 +61,11 @@ def test_host_memory_within_a_host_and_the_network_between_hosts(
     Xt, yt = dt.datasets.digits_test()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    # One push at a time per trainer (prefetch=False): with one in flight, four trainers on
+    # a loaded machine (the whole suite beside it) ended at 0.85 once; this test is about
+    # where the updates go, not how staleness grows under load.
     result = dt.Trainer(net, lr=3e-3, ps=1, workers=4, scorer=0, batch_size=64, epochs=3,
-                        progress=False, client=client, timeout=60).fit(X, y)
+                        prefetch=False, progress=False, client=client, timeout=60).fit(X, y)
     assert result.samples == 3 * 40_000
     server = _host(result.roles["ps"][0])
     placed = {t["worker"]: t["host_memory_shards"] for t in result.trainers}

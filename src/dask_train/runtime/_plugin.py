@@ -304,6 +304,9 @@ def _heard(worker: Worker) -> bool:
 async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
     """Announce a leaving worker to the jobs it serves and wait, bounded, until they let go."""
     if not state.holding():
+        if state.jobs:  # a job's blocks queued for a role that has not started here yet
+            logger.info("worker %s is leaving: no role of %s runs here and it holds no "
+                        "parameters, nothing to hand over", worker.address, sorted(state.jobs))
         return
     import dask
 
