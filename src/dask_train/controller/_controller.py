@@ -55,7 +55,7 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers, asked_to_retire
+from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +277,8 @@ class Controller:
             # A worker retired as the generation started (its lifetime ended just after it was
             # placed) held no role's state yet, so it announced itself to no job; the
             # scheduler's events of it say it left with notice.
-            noticed = bool(lost) and (lost[0].worker in engine.leaving() or
-                                      bool(await asked_to_retire(self.client, [lost[0].worker])))
+            noticed = bool(lost) and bool(await self.losses.noticed(self.client, engine,
+                                                                    [lost[0].worker]))
             if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
                                               has_checkpoint=self.has_checkpoint) \
                     is not Action.RESTART:
@@ -589,14 +589,14 @@ class Controller:
         # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
         leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]
-        retired: set[str] = set()
+        noticed: set[str] = set()
         if failures:
-            # A worker retired before its role ran (placed as its lifetime ended) held nothing
-            # to hand over and told no job; the scheduler's events of it say it had notice.
-            retired = await asked_to_retire(self.client, gone - leaving)
+            # A worker retired before its role ran held nothing to hand over: no hand-over,
+            # but a loss with notice.
+            noticed = await self.losses.noticed(self.client, engine, gone)
             alive = await self.losses.workers_back(self.client, alive)
         restart = await self.losses.act(engine, failures, alive,
-                                        has_checkpoint=self.has_checkpoint, retired=retired)
+                                        has_checkpoint=self.has_checkpoint, noticed=noticed)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,
         # and the pause would wait for it until the timeout (seen in the chaos test, a
         # restarted worker adopted while the other trainer was paused); the next pass adopts.

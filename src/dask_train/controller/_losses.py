@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 
 from distributed import Client
 
@@ -23,7 +23,7 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._scope import current_scope
-from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._calls import alive_workers, asked_to_retire
 
 logger = logging.getLogger(__name__)
 
@@ -107,21 +107,30 @@ class Losses:
             found = await alive_workers(client, placeable=True)
         return found
 
+    @staticmethod
+    async def noticed(client: Client, engine: Engine, workers: Iterable[str]) -> set[str]:
+        """Those of the lost ``workers`` that left with notice: announced to this generation,
+        or retired before any role of it ran there (placed as its lifetime ended: it held
+        nothing and told no job), as the scheduler's own events of it say."""
+        workers = set(workers)
+        announced = workers & engine.leaving()
+        return announced | await asked_to_retire(client, workers - announced)
+
     async def act(self, engine: Engine, failures: Sequence[Failure], alive: Mapping[str, int],
-                  *, has_checkpoint: bool, retired: Collection[str] = ()) -> Failure | None:
+                  *, has_checkpoint: bool, noticed: Collection[str] = ()) -> Failure | None:
         """Decide on each failure in turn and act: the scorer replaced, an async trainer
         retired. Returns the first failure that needs a new generation (None: the survivors
         go on). Every failure of the pass is decided and recorded, also those after one that
         restarts: two hosts lost together are two records in ``result.failures``, and two
-        losses against ``max_failures``. ``retired``: workers that left with notice without
-        announcing it to the job (see :meth:`decide`)."""
+        losses against ``max_failures``. ``noticed``: workers that left with notice without
+        announcing it to the job (see :meth:`noticed`)."""
         restart: Failure | None = None
         for i, failure in enumerate(failures):
             # A worker that held several roles (a trainer and the scorer) is one loss.
             again = any(f.worker == failure.worker for f in failures[:i])
             action = self.decide(engine, failure, alive, has_checkpoint=has_checkpoint,
                                  same_loss=again,
-                                 notice=True if failure.worker in retired else None)
+                                 notice=True if failure.worker in noticed else None)
             if restart is not None:
                 continue  # the new generation starts on the live workers only
             if action is Action.RESTART:
