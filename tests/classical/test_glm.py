@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from typing import Any
 
 import dask.array as da
 import dask.dataframe as dd
+import joblib
 import numpy as np
 import pandas as pd
 import pytest
 import sklearn.linear_model as sk
 from distributed import Client
+from sklearn.base import clone
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.model_selection import GridSearchCV
 from sklearn.utils.estimator_checks import check_estimator
 
 import dask_train as dt
@@ -210,17 +215,42 @@ def test_a_solver_that_runs_out_of_iterations_warns(client: Client, binary: Any)
 
 
 def test_clone_and_pickle_keep_the_estimator_usable(client: Client, binary: Any) -> None:
-    import pickle
-
-    from sklearn.base import clone
-
     X, y = binary
     clf = dt.LogisticRegression(C=0.3, client=client)
-    copy = clone(clf)
-    assert copy.client is client and copy.C == 0.3
-    fitted = pickle.loads(pickle.dumps(copy.fit(X, y)))
+    copied = clone(clf)
+    assert copied.client is client and copied.C == 0.3
+    fitted = pickle.loads(pickle.dumps(copied.fit(X, y)))
     assert fitted.client is None
-    np.testing.assert_allclose(fitted.predict_proba(X), copy.predict_proba(X))
+    np.testing.assert_allclose(fitted.predict_proba(X), copied.predict_proba(X))
+
+
+@pytest.mark.parametrize("cls", [dt.LogisticRegression, dt.LinearRegression, dt.PoissonRegression])
+def test_the_client_survives_deepcopy_clone_and_set_params_as_itself(client: Client, cls: Any) -> None:
+    est = cls(tol=1e-3, client=client)
+    assert copy.deepcopy(est).client is client
+    assert clone(est).client is client
+    assert clone(clone(est)).client is client
+    params = est.get_params()
+    copied = copy.deepcopy(params)  # what check_estimator and GridSearchCV's cloning do
+    assert copied["client"] is params["client"] and copied["client"] == est.get_params()["client"]
+    assert joblib.hash(copied) == joblib.hash(est.get_params())
+    assert pickle.loads(pickle.dumps(params))["client"] is None  # the connection does not travel
+    other = cls().set_params(**copied)
+    assert other.client is client
+    assert other.get_params(deep=False)["client"] is copied["client"]  # stored as given
+    assert cls(client=params["client"]).client is client
+    assert copy.deepcopy(cls()).client is None and clone(cls()).client is None
+
+
+def test_grid_search_over_estimators_with_a_client(client: Client, binary: Any) -> None:
+    X, y = binary
+    search = GridSearchCV(dt.LogisticRegression(solver="newton", client=client),
+                          {"C": [0.01, 1.0]}, cv=2).fit(X, y)
+    assert search.best_estimator_.client is client
+    assert search.best_params_["C"] in (0.01, 1.0) and 0.5 < search.best_score_ <= 1.0
+    reg = GridSearchCV(dt.LinearRegression(client=client), {"alpha": [0.0, 1.0]}, cv=2)
+    reg.fit(X, X @ np.array([1.0, 2.0, 0.0, -1.0]))
+    assert reg.best_params_ == {"alpha": 0.0} and reg.best_estimator_.client is client
 
 
 # scikit-learn's estimator checks. check_array_api_input is the one check sklearn skips here: it
@@ -233,12 +263,17 @@ NOT_APPLICABLE = {"check_array_api_input"}
 # is the same code for every solver; they run with solver="newton" because its ~8 iterations per fit
 # keep the ~150 fits of the suite at a few seconds (lbfgs needs up to 100 task round trips per fit:
 # 4x longer). The lbfgs path is checked against scikit-learn's coefficients above.
+# They run with client= given (the checks deep-copy, hash and pickle the parameters: the client must
+# survive each as itself), and once without (client=None: the current client).
 @pytest.mark.parametrize(
-    "estimator",
-    [dt.LogisticRegression(solver="newton"), dt.LinearRegression(), dt.PoissonRegression(solver="newton")],
-    ids=lambda est: type(est).__name__,
+    ("estimator", "given"),
+    [(dt.LogisticRegression(solver="newton"), True), (dt.LinearRegression(), True),
+     (dt.PoissonRegression(solver="newton"), True), (dt.LogisticRegression(solver="newton"), False)],
+    ids=lambda v: type(v).__name__ if not isinstance(v, bool) else ("client" if v else "no-client"),
 )
-def test_sklearn_estimator_checks(client: Client, estimator: Any) -> None:
+def test_sklearn_estimator_checks(client: Client, estimator: Any, given: bool) -> None:
+    if given:
+        estimator = clone(estimator).set_params(client=client)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         results = check_estimator(estimator, on_fail=None, on_skip=None)

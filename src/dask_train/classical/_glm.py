@@ -12,12 +12,14 @@ scikit-learn's, so the coefficients agree with its estimators on the same data.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import time
 from typing import Any
 
 import numpy as np
+from distributed import Client
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
@@ -52,7 +54,38 @@ class _GLM(BaseEstimator):  # type: ignore[misc]
     max_iter: int
     fit_intercept: bool
     split_every: int
-    client: Any
+
+    # -- the client parameter -------------------------------------------------------------------
+    # scikit-learn's tools deep-copy parameters (clone, GridSearchCV, check_estimator's
+    # deepcopy(get_params())) and hash them with joblib; a Client can be neither deep-copied nor
+    # pickled (it holds a running event loop), and it is a connection, not state to copy. So the
+    # attribute keeps what was given, ``est.client`` reads the Client itself, and get_params hands
+    # out a SharedClient: deep-copying one gives itself, so every copy and clone shares the client.
+
+    @property
+    def client(self) -> Any:
+        """The client to fit on (None: the current one, else a new embedded cluster)."""
+        value = self.__dict__.get("client")
+        return value.client if isinstance(value, SharedClient) else value
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        self.__dict__["client"] = value
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        params = dict(super().get_params(deep=deep))
+        value = self.__dict__.get("client")
+        # Stored as given, so set_params(**get_params()) round-trips object for object.
+        params["client"] = SharedClient(value) if isinstance(value, Client) else value
+        return params
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        client = self.client
+        memo[id(client)] = client  # shared by the copy, never copied
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     # -- hyper-parameters ---------------------------------------------------------------------
 
@@ -177,15 +210,6 @@ class _GLM(BaseEstimator):  # type: ignore[misc]
         Xa = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         return linear_predictor(Xa, coef, intercept)
 
-    def __sklearn_clone__(self) -> Any:
-        # A Client cannot be deep-copied (it holds a running event loop): the clone shares it,
-        # as it is a connection, not state of the estimator.
-        params = self.get_params(deep=False)
-        client = params.pop("client", None)
-        new = type(self)(**{k: _copy_param(v) for k, v in params.items()})
-        new.client = client
-        return new
-
     def __getstate__(self) -> dict[str, Any]:
         # A pickled estimator forgets its client; after unpickling it uses the current one.
         state = dict(super().__getstate__())
@@ -193,10 +217,41 @@ class _GLM(BaseEstimator):  # type: ignore[misc]
         return state
 
 
-def _copy_param(value: Any) -> Any:
-    import copy
+class SharedClient:
+    """An estimator's client as ``get_params`` reports it: deep-copies to itself, pickles to None.
 
-    return copy.deepcopy(value)
+    Passing one as ``client=`` is passing its client (``est.client`` is the Client itself).
+    Pickling forgets the connection, as pickling the estimator does: after unpickling, a fit uses
+    the current client. Equal to another SharedClient of the same client, so ``get_params()``
+    compares equal call after call.
+    """
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedClient:
+        return self
+
+    def __copy__(self) -> SharedClient:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _no_client, ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SharedClient) and other.client is self.client
+
+    def __hash__(self) -> int:
+        return id(self.client)
+
+    def __repr__(self) -> str:
+        return f"SharedClient({self.client!r})"
+
+
+def _no_client() -> None:
+    return None
 
 
 def _is_real(value: Any) -> bool:
