@@ -96,12 +96,49 @@ def test_asha_prunes_a_poor_trial_and_stops_its_job_early(client4: Client, digit
     good, poor = result.records
     assert good.state == "complete" and good.result.epochs_completed == 20
     assert poor.state == "pruned", result.trials[["state", "score", "stopped_by"]]
-    assert poor.stopped_by == "callback"
+    assert poor.stopped_by == "pruned"
     assert poor.result.samples < 20 * 4_000  # stopped through the job's stop path, early
     assert result.best_params == {"lr": 3e-3}
     path = result.plot(tmp_path / "search.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(result.best_so_far()) >= 2
+
+
+class _Decides(optuna.pruners.BasePruner):
+    """Trial 0: prune at its first score; trial 1: prune at every score (its only one comes
+    after its one epoch); trial 2: prune at a score >= 0.5 (where its StopAtScore fires)."""
+
+    def prune(self, study: Any, trial: Any) -> bool:
+        value = trial.intermediate_values[trial.last_step]
+        return trial.number in (0, 1) or value >= 0.5
+
+
+@pytest.mark.timeout(240)
+def test_a_trial_is_pruned_only_when_the_pruner_ended_it(client4: Client, digits: Any) -> None:
+    # The pruner says "prune" at the last score of trials 1 and 2 too; those ended by
+    # themselves (their epochs, their stop condition), so they are complete, and optuna is
+    # told so: only trial 0, stopped by the pruner mid-training, is pruned.
+    X, y, Xv, yv = digits
+    trainer = dt.Trainer(mlp, workers=1, ps=1, batch_size=32,
+                         stop=[dt.StopAtScore("accuracy", 0.5)])
+    sampler = FixedSampler([{"lr": 1e-9, "epochs": 40, "score_every": 0.1},
+                            {"lr": 1e-9, "epochs": 1, "score_every": 60.0},
+                            {"lr": 3e-3, "epochs": 40, "score_every": 0.1}])
+    result = dt.search(trainer, {"lr": dt.loguniform(1e-9, 1e-2), "epochs": dt.intuniform(1, 40),
+                                 "score_every": dt.uniform(0.1, 60.0)}, X, y,
+                       validation=(Xv, yv), n_trials=3, max_concurrent=3, sampler=sampler,
+                       pruner=_Decides(), progress=False, client=client4)
+    shown = result.trials[["number", "state", "score", "stopped_by"]]
+    pruned, finished, reached = sorted(result.records, key=lambda r: r.number)
+    assert pruned.state == "pruned" and pruned.stopped_by == "pruned", shown
+    assert pruned.result.epochs_completed < 40
+    assert finished.state == "complete" and finished.stopped_by == "epochs=1", shown
+    assert reached.state == "complete", shown
+    assert reached.stopped_by == "StopAtScore(accuracy>=0.5)" and reached.score >= 0.5
+    states = {t.number: t.state for t in result.study.trials}
+    assert states == {0: optuna.trial.TrialState.PRUNED, 1: optuna.trial.TrialState.COMPLETE,
+                      2: optuna.trial.TrialState.COMPLETE}
+    assert result.study.best_trial.number == 2
 
 
 @pytest.mark.timeout(180)

@@ -39,7 +39,7 @@ from dask_train.tuning._gangs import Reservations
 from dask_train.tuning._records import TrialRecord
 from dask_train.tuning._result import SearchResult
 from dask_train.tuning._space import Space
-from dask_train.tuning._trial import TrialContext, TrialRunner, lost_worker
+from dask_train.tuning._trial import STEPS, TrialContext, TrialRunner, lost_worker
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,9 @@ class _Search:
         if step > running.last_step and not running.ctx.pruned:
             running.last_step = step
             running.trial.report(value, step)
-            if running.trial.should_prune():
+            # A trial whose planned training is done has nothing left for a pruner to save: its
+            # last score is a complete trial's, whatever the pruner would say of it.
+            if step < STEPS and running.trial.should_prune():
                 running.ctx.pruned = True
                 logger.info("trial %d pruned at step %d (%s=%.4g)", running.ctx.number, step,
                             self.metric, value)
@@ -416,7 +418,9 @@ class _Search:
             record.stopped_by = outcome.stopped_by
             if not record.points and not math.isnan(outcome.score):
                 record.points.append((record.end_s, outcome.score))
-            record.state = "pruned" if running.ctx.pruned else \
+            # Pruned only when the pruner's decision ended the trial (not when the trial reached
+            # its own stop condition or its planned training at the score it was decided).
+            record.state = "pruned" if outcome.pruned else \
                 "interrupted" if self.interrupted else "complete"
             if record.state == "complete" and math.isnan(record.score):
                 record.state, record.error = "failed", f"no {self.metric} score was recorded"

@@ -17,7 +17,9 @@ from dask_train.policy._scope import use_workers
 from dask_train.tuning._data import SearchData
 from dask_train.tuning._space import Space
 from dask_train.tuning._trial import (
+    PRUNED,
     Outcome,
+    Pruned,
     ReportScores,
     SearchStop,
     TrialContext,
@@ -139,14 +141,18 @@ class TrainerTrials(TrialRunner):
                           "progress": False, "client": self.client})
 
     def run(self, ctx: TrialContext) -> Outcome:
-        planned = float(self.split(ctx.params)[0].get("epochs", self.trainer.epochs)) * \
-            float(self.data.X.shape[0])
-        trainer = self._trainer(ctx.params, extra_stop=[SearchStop(ctx.stopping)],
+        epochs = self.split(ctx.params)[0].get("epochs", self.trainer.epochs)
+        planned = float(epochs) * float(self.data.X.shape[0])
+        # The trial's own stop conditions come first: one that fires at the score where the
+        # pruner also says stop is why the job ended (complete, not pruned).
+        trainer = self._trainer(ctx.params, extra_stop=[Pruned(ctx), SearchStop(ctx.stopping)],
                                 callbacks=[ReportScores(ctx, self.metric, planned)])
         with use_workers(ctx.gang, cache=ctx.cache):
             result = trainer.fit(self.data.X, self.data.y, validation=self.data.validation)
         history = result.history[["time_s", self.metric]].dropna()
         return Outcome(score=last_score(result.history, self.metric), model=result.model,
                        history=history, stopped_by=result.stopped_by, result=result,
-                       info={"steps": result.steps, "samples": result.samples})
+                       info={"steps": result.steps, "samples": result.samples},
+                       # The pruner ended it only if it stopped it before its epochs were done.
+                       pruned=result.stopped_by == PRUNED and result.epochs_completed < epochs)
 

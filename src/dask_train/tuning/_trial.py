@@ -4,8 +4,10 @@ A trial runs in its own client thread (a Trainer's ``fit`` drives its job from a
 ``Client.sync``) on the gang of workers the search reserved for it (see :mod:`._gangs`), inside
 :func:`~dask_train.policy._scope.use_workers`, so the job places its roles and spreads its data
 on those workers only. Each score it reports goes to optuna's pruner; a pruned trial stops through
-the job's normal stop path (``Callback.on_score`` returning True), so its workers are free for the
-next trial within a score interval.
+the job's normal stop path (the stop condition :class:`Pruned`), so its workers are free for the
+next trial within a score interval. A trial is pruned only when the pruner's decision ended it
+(:attr:`Outcome.pruned`): one that reached its own stop condition or its planned training at the
+same score is complete.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Outcome:
     stopped_by: str = ""
     result: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: Whether the pruner's decision ended the trial. A decision at the score where the trial
+    #: reached its own stop condition or its planned training ends nothing: that trial is complete.
+    pruned: bool = False
 
 
 class TrialRunner(ABC):
@@ -120,6 +125,27 @@ class SearchStop(StopCondition):
         return self  # the event is shared on purpose
 
 
+class Pruned(StopCondition):
+    """Stops a trial's job once the search's pruner decided so (``ctx.pruned``). Listed after
+    the trial's own stop conditions: one of those firing at the same score is why the job
+    stopped (the first that fires wins), and the trial is complete, not pruned."""
+
+    def __init__(self, ctx: TrialContext) -> None:
+        self.ctx = ctx
+
+    def should_stop(self, record: Any, *, elapsed_s: float, step: int) -> bool:
+        return self.ctx.pruned
+
+    def describe(self) -> str:
+        return PRUNED
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pruned:
+        return self  # reads the trial's own context
+
+
+#: The job's ``stopped_by`` when the pruner ended it.
+PRUNED = "pruned"
+
 #: Pruning steps count thousandths of a trial's planned training (samples of all its epochs,
 #: or boosting rounds), so trials of different lengths and data sizes share one set of rungs.
 STEPS = 1000
@@ -140,17 +166,19 @@ def progress_step(done: float, planned: float) -> int:
 
 class ReportScores(Callback):
     """Sends each score of ``metric`` to the trial's ``report`` with the share of the planned
-    samples (``planned``) seen so far; True stops the job (pruned, or the search stops)."""
+    samples (``planned``) seen so far. Stopping is the stop conditions' (:class:`Pruned`,
+    :class:`SearchStop`): a callback's stop would read ``stopped_by="callback"`` and come a pass
+    after the trial's own stop conditions, which must win a tie."""
 
     def __init__(self, ctx: TrialContext, metric: str, planned: float) -> None:
         self.ctx, self.metric, self.planned = ctx, metric, planned
 
     def on_score(self, record: Mapping[str, Any]) -> bool | None:
         value = record.get(self.metric)
-        if not isinstance(value, (int, float)) or math.isnan(float(value)):
-            return self.ctx.stopping.is_set()
-        step = progress_step(float(record.get("samples", 0)), self.planned)
-        return self.ctx.report(float(value), step)
+        if isinstance(value, (int, float)) and not math.isnan(float(value)):
+            self.ctx.report(float(value), progress_step(float(record.get("samples", 0)),
+                                                        self.planned))
+        return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReportScores:
         return self

@@ -203,7 +203,8 @@ class XGBoostTrials(TrialRunner):
                                 "round": np.arange(1, len(values) + 1), "score": values})
         rounds = len(values)
         return Outcome(score=values[-1] if values else math.nan, model=estimator, history=history,
-                       stopped_by=f"rounds={rounds}", result=estimator, info={"rounds": rounds})
+                       stopped_by=f"rounds={rounds}", result=estimator, info={"rounds": rounds},
+                       pruned=ctx.pruned and rounds < rounds_planned)
 
     def interrupt(self, ctx: TrialContext) -> None:
         job_gang = self.jobs.get(ctx.number)
