@@ -13,7 +13,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
-from dask_train.checkpoint import load_module
+from dask_train.checkpoint import load_module, save_module
 from dask_train.cli.main import main
 
 MODELS = '''
@@ -80,7 +80,8 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _config(project: Path, name: str, *, out: str, weights: str = "null") -> Path:
+def _config(project: Path, name: str, *, out: str,
+            weights: str = "runs/digits/train/model.safetensors") -> Path:
     path = project / f"{name}.yaml"
     path.write_text(CONFIG.format(out=out, weights=weights))
     return path
@@ -89,10 +90,12 @@ def _config(project: Path, name: str, *, out: str, weights: str = "null") -> Pat
 @pytest.mark.timeout(300)
 def test_train_then_predict_then_search(project: Path, client: Client,
                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # One config for the three commands, as docs/prediction-and-search.md runs them: each
+    # writes into its own subdirectory of out, and predict reads the weights train wrote.
     address = client.scheduler.address
-    train = _config(project, "train", out="runs/train")
-    assert main(["train", str(train), "--scheduler", address, "--no-progress"]) == 0
-    run = project / "runs" / "train"
+    config = _config(project, "run", out="runs/digits")
+    assert main(["train", str(config), "--scheduler", address, "--no-progress"]) == 0
+    run = project / "runs" / "digits" / "train"
     assert {"summary.json", "history.csv", "scores.png", "model.safetensors", "config.yaml"} <= \
         {p.name for p in run.iterdir()}
     summary = json.loads((run / "summary.json").read_text())
@@ -100,28 +103,29 @@ def test_train_then_predict_then_search(project: Path, client: Client,
     # The config names no strategy: the command's default, "auto", chose one and says which.
     assert summary["strategy"] in ("one-process", "sync", "async-ps")
 
-    predict = _config(project, "predict", out="runs/predict",
-                      weights="runs/train/model.safetensors")
-    assert main(["predict", str(predict), "--scheduler", address]) == 0
-    labels = np.load(project / "runs" / "predict" / "predictions.npy")
+    assert main(["predict", str(config), "--scheduler", address]) == 0
+    predicted = project / "runs" / "digits" / "predict"
+    labels = np.load(predicted / "predictions.npy")
     net = load_module(torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(),
                                           torch.nn.Linear(16, 10)), run / "model.safetensors")
     Xv = np.load(project / "data" / "Xv.npy").astype(np.float32)
     expected = net(torch.from_numpy(Xv)).argmax(dim=1).numpy()
     np.testing.assert_array_equal(labels, expected)
+    # Train's summary is still train's; predict's is its own.
+    assert json.loads((run / "summary.json").read_text()) == summary
+    assert json.loads((predicted / "summary.json").read_text())["rows"] == len(Xv)
     # A table in, a table out: the feature columns of a parquet file, predictions as parquet.
-    predict.write_text(predict.read_text()
-                       .replace("predict: {X: data/Xv.npy}",
-                                "predict: {X: data/table.parquet, columns: "
-                                f"[{', '.join(f'f{i}' for i in range(64))}]}}")
-                       .replace("output: predictions.npy", "output: predictions.parquet"))
-    assert main(["predict", str(predict), "--scheduler", address]) == 0
-    table = pd.read_parquet(project / "runs" / "predict" / "predictions.parquet")
+    config.write_text(config.read_text()
+                      .replace("predict: {X: data/Xv.npy}",
+                               "predict: {X: data/table.parquet, columns: "
+                               f"[{', '.join(f'f{i}' for i in range(64))}]}}")
+                      .replace("output: predictions.npy", "output: predictions.parquet"))
+    assert main(["predict", str(config), "--scheduler", address]) == 0
+    table = pd.read_parquet(predicted / "predictions.parquet")
     np.testing.assert_array_equal(table["prediction"].to_numpy(), expected)
 
-    search = _config(project, "search", out="runs/search")
-    assert main(["search", str(search), "--scheduler", address, "--no-progress"]) == 0
-    found = project / "runs" / "search"
+    assert main(["search", str(config), "--scheduler", address, "--no-progress"]) == 0
+    found = project / "runs" / "digits" / "search"
     trials = pd.read_csv(found / "trials.csv")
     assert len(trials) == 2 and set(trials["state"]) == {"complete"}
     assert {"search.png", "summary.json", "model.safetensors", "best_history.csv"} <= \
@@ -129,6 +133,38 @@ def test_train_then_predict_then_search(project: Path, client: Client,
     best = json.loads((found / "summary.json").read_text())
     assert best["best_score"] == trials["score"].max()
     assert "best_score" in capsys.readouterr().out
+    assert json.loads((run / "summary.json").read_text()) == summary
+
+
+def test_predict_refuses_missing_or_mismatched_weights_before_any_work(
+        project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # No scheduler is given and none is started: the check refuses before any cluster exists.
+    config = _config(project, "predict", out="runs/digits", weights="null")
+    assert main(["predict", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model.weights is missing: predict needs trained weights" in err, err
+    assert "runs/digits/train/model.safetensors" in err
+    assert not (project / "runs").exists()
+    # Weights of another model: hidden=8 in the file, 16 in the config's model section.
+    weights = project / "other.safetensors"
+    save_module(torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 10)), weights)
+    config = _config(project, "predict", out="runs/digits", weights="other.safetensors")
+    assert main(["predict", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "model.weights='other.safetensors' does not match model.factory='mymodels:make_net'" \
+        in err, err
+    assert "0.weight is [8, 64] in the file, [16, 64] in the model" in err
+    # Other keys: a bare Linear's weight and bias.
+    save_module(torch.nn.Linear(64, 10), weights)
+    assert main(["predict", str(config), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "missing ['0.weight', '0.bias', '2.weight', '2.bias']" in err, err
+    assert "not in the model ['bias', 'weight']" in err
+    config = _config(project, "predict", out="runs/digits", weights="runs/nothing.safetensors")
+    assert main(["predict", str(config), "--check"]) == 2
+    assert "model.weights='runs/nothing.safetensors' does not exist" in capsys.readouterr().err
+    assert not (project / "runs").exists()
 
 
 def test_a_config_with_mistakes_is_refused_with_every_problem(
@@ -159,6 +195,8 @@ def test_help_shows_an_example_config(capsys: pytest.CaptureFixture[str]) -> Non
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "example config:" in out and "factory: mymodels:make_net" in out
+    # Predict with the example reads what train writes with it (out/train/model.safetensors).
+    assert "weights: runs/digits/train/model.safetensors" in out and "out: runs/digits" in out
 
 
 @pytest.mark.parametrize("factory", ["OwnNet", "make_weight_normed"])
@@ -170,5 +208,5 @@ def test_train_models_of_the_users_own_file(project: Path, client: Client, facto
                                                  f"factory: mymodels:{factory}"))
     assert main(["train", str(config), "--scheduler", client.scheduler.address,
                  "--no-progress"]) == 0
-    summary = json.loads((project / "runs" / factory / "summary.json").read_text())
+    summary = json.loads((project / "runs" / factory / "train" / "summary.json").read_text())
     assert summary["stopped_by"] == "epochs=1" and summary["accuracy"] > 0.3

@@ -8,7 +8,7 @@ Examples
 >>> net = load_module(torch.nn.Linear(4, 2), path)
 """
 
-from dask_train.checkpoint._io import load_metadata, load_tensors, save_tensors
+from dask_train.checkpoint._io import load_metadata, load_shapes, load_tensors, save_tensors
 from dask_train.checkpoint._module import load_module, save_module
 from dask_train.checkpoint._shard import (
     ShardState,
@@ -26,6 +26,7 @@ __all__ = [
     "ShardState",
     "load_metadata",
     "load_module",
+    "load_shapes",
     "load_shard",
     "load_state",
     "load_tensors",

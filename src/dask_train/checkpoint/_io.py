@@ -339,3 +339,36 @@ def load_metadata(path: PathLike) -> dict[str, str]:
     header = _read_header(fs=fs, fs_path=fs_path, shown=os.fspath(path))
     metadata = header.get("__metadata__") or {}
     return {str(key): str(value) for key, value in metadata.items()}
+
+
+def load_shapes(path: PathLike) -> dict[str, list[int]]:
+    """Read the name and shape of every tensor of a safetensors file from its header alone (a
+    model's weights checked against a model before anything is loaded or sent).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local path or an fsspec URL.
+
+    Returns
+    -------
+    dict of str to list of int
+        Shapes by tensor name.
+
+    Raises
+    ------
+    InvalidInput
+        If the file is not a safetensors file.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> path = tempfile.mkdtemp() + "/t.safetensors"
+    >>> _ = save_tensors({"w": torch.ones(2, 3)}, path)
+    >>> load_shapes(path)
+    {'w': [2, 3]}
+    """
+    fs, fs_path = url_to_fs(os.fspath(path), **options_of(path, None))
+    header = _read_header(fs=fs, fs_path=fs_path, shown=os.fspath(path))
+    return {str(name): [int(n) for n in entry.get("shape", [])] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict)}

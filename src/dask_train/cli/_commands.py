@@ -86,12 +86,14 @@ def _train_data(config: Config) -> tuple[Any, Any]:
 
 
 def run_dir(config: Config, command: str, override: Path | None) -> Path:
-    """The run directory: ``--out``, the config's ``out``, or ``runs/<command>-<time>`` beside
-    the config; the config is copied into it."""
+    """The run directory: the command's own subdirectory of ``--out`` or of the config's
+    ``out`` (``out/train``, ``out/search``, ``out/predict``, ``out/run``: the commands of one
+    config never overwrite each other's files, and predict reads what train wrote), else
+    ``runs/<command>-<time>`` beside the config; the config is copied into it."""
     if override is not None:
-        out = override
+        out = override / command
     elif config.out:
-        out = Path(config.resolve(config.out))
+        out = Path(config.resolve(config.out)) / command
     else:
         out = config.path.parent / "runs" / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
@@ -196,10 +198,8 @@ def predict(config: Config, *, scheduler: str | None, out: Path | None,
     import dask_train as dt
     from dask_train.checkpoint import load_module
 
-    model = _model_factory(config)()
-    weights = config.model.get("weights")
-    if weights is not None:
-        model = load_module(model, config.resolve(str(weights)))
+    # The config's check made sure the weights are there and are this model's.
+    model = load_module(_model_factory(config)(), config.resolve(str(config.model["weights"])))
     settings = config.predict
     directory = run_dir(config, "predict", out)
     target = directory / str(settings["output"])

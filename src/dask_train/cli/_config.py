@@ -20,7 +20,7 @@ EXAMPLE = """\
 model:
   factory: mymodels:make_net        # module:function returning a torch.nn.Module (or an estimator)
   args: {hidden: 100}               # keyword arguments of the factory
-  weights: null                     # predict: model.safetensors written by `dask-train train`
+  weights: runs/digits/train/model.safetensors  # predict: what `dask-train train` wrote
 data:
   train: {X: data/X.npy, y: data/y.npy}       # .npy/.zarr arrays, or a .parquet/.csv table:
   validation: {X: data/Xv.npy, y: data/yv.npy} #   {X: t.parquet, columns: [a, b], y: label}
@@ -51,7 +51,7 @@ predict:
   method: argmax                    # torch: forward, argmax, softmax; estimators: predict, ...
   batch_size: 4096
 cluster: {scheduler: null, n_workers: 2}  # null: an embedded LocalCluster
-out: runs/digits                    # the run directory: history, trials, plots, model
+out: runs/digits                    # each command writes into its own out/train, out/search, out/predict
 """
 
 #: The strategy of a config that names none: measured on the cluster at fit time.
@@ -189,12 +189,53 @@ def _model_problems(config: Config, command: str) -> list[str]:
                         "put the module next to the config or on PYTHONPATH.")
     if not isinstance(model.get("args", {}), dict):
         problems.append("model.args must be a mapping of the factory's keyword arguments.")
-    weights = model.get("weights")
-    if command == "predict" and weights is not None and \
-            not _exists(config.resolve(str(weights))):
-        problems.append(f"model.weights={weights!r} does not exist: pass the model.safetensors "
-                        "a `dask-train train` run wrote.")
+    if command == "predict" and not problems:
+        problems += _weights_problems(config)
     return problems
+
+
+def _weights_problems(config: Config) -> list[str]:
+    """Predict's weights: given, there, and those of the factory's model (every key, every
+    shape). Without them predict would run the factory's untrained model and say nothing."""
+    weights = config.model.get("weights")
+    written = f"{config.out.rstrip('/')}/train/model.safetensors" if config.out else \
+        "runs/NAME/train/model.safetensors"
+    fix = f"set model.weights to the model.safetensors `dask-train train` wrote ({written})"
+    if weights is None or weights == "":
+        return [f"model.weights is missing: predict needs trained weights; {fix}."]
+    path = config.resolve(str(weights))
+    if not _exists(path):
+        return [f"model.weights={weights!r} does not exist ({path}): run `dask-train train` "
+                f"first, or {fix}."]
+    try:
+        model = config.factory()(**(config.model.get("args") or {}))
+    except Exception as exc:  # the user's factory failing
+        return [f"model.factory={config.model['factory']!r} failed to build the model "
+                f"({type(exc).__name__}: {exc})."]
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(model, torch.nn.Module):
+        return [f"model.weights={weights!r}: dask-train predict loads a torch module's weights "
+                f"(.safetensors); model.factory builds a {type(model).__name__}: use "
+                "dt.predict(model, X) in Python with the fitted estimator."]
+    from dask_train.checkpoint import load_shapes
+
+    try:
+        saved = load_shapes(path)
+    except InvalidInput as exc:
+        return [f"model.weights={weights!r}: {p}" for p in exc.problems]
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    shapes = [f"{k} is {saved[k]} in the file, {v} in the model" for k, v in expected.items()
+              if k in saved and saved[k] != v]
+    if not (missing or extra or shapes):
+        return []
+    said = "; ".join([*([f"missing {missing}"] if missing else []),
+                      *([f"not in the model {extra}"] if extra else []), *shapes])
+    return [f"model.weights={weights!r} does not match model.factory="
+            f"{config.model['factory']!r} with args {config.model.get('args') or {}} ({said}): "
+            f"pass the weights a `dask-train train` run of this model section wrote, or set "
+            "model.args to the ones it was trained with."]
 
 
 def _exists(path: str) -> bool:

@@ -4,7 +4,8 @@
 by default with ``strategy="auto"`` (async-ps, sync or one process, whichever the costs measured
 on the cluster predict fastest), and writes what it measured to ``--out``.
 ``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
-of each shows an example) and write a run directory; ``dask-train run module:function
+of each shows an example) and write a run directory, each command its own (``out/train``,
+``out/search``, ``out/predict``); ``dask-train run module:function
 CONFIG.yaml`` runs your own training function on every rank (``dt.run``). ``dask-train bench``
 measures throughput over a grid of trainers x parameter servers x model sizes (x link rates).
 """
@@ -75,7 +76,8 @@ def _add_config_commands(commands: Any) -> None:
         command.add_argument("--scheduler", default=None,
                              help="Dask scheduler address (default: the config's, else embedded)")
         command.add_argument("--out", type=Path, default=None,
-                             help="run directory (default: the config's out, else runs/NAME-TIME)")
+                             help=f"the runs' directory: this command writes into OUT/{name} "
+                             f"(default: the config's out, else runs/{name}-TIME)")
         command.add_argument("--no-progress", action="store_true", help="hide the progress bar")
         command.add_argument("--check", action="store_true",
                              help="check the config and exit without running anything")
