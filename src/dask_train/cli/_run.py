@@ -4,13 +4,18 @@ from the command line, its settings in a YAML file checked in full before any wo
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import json
+import logging
 import sys
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from distributed import WorkerPlugin
 
 from dask_train.errors import InvalidInput
 
@@ -19,7 +24,7 @@ EXAMPLE = """\
 config: {lr: 0.001, epochs: 5}      # the function's keyword arguments: train(ctx, lr=..., epochs=...)
 data:
   train: {X: data/X.npy, y: data/y.npy}       # streamed: ctx.batches()
-  validation: {X: data/Xv.npy, y: data/yv.npy} # whole on every rank: ctx.dataset("validation")
+  val: {X: data/Xv.npy, y: data/yv.npy}        # whole on every rank: ctx.dataset("val")
   chunk_rows: 100000
 run:                                # dt.run's arguments
   workers: 2                        # or [least, most]
@@ -29,7 +34,7 @@ run:                                # dt.run's arguments
   resume: false
 stop: {accuracy: 0.97, minutes: 30}
 cluster: {scheduler: null, n_workers: 2}
-out: runs/mine
+out: runs/mine                      # the run writes into runs/mine/run
 """
 
 _SECTIONS = ("config", "data", "run", "stop", "cluster", "out")
@@ -48,7 +53,9 @@ def add_run_command(commands: Any) -> None:
                          "config's directory or the current one")
     command.add_argument("config", type=Path, nargs="?", default=None, help="the YAML config")
     command.add_argument("--scheduler", default=None, help="Dask scheduler address")
-    command.add_argument("--out", type=Path, default=None, help="run directory")
+    command.add_argument("--out", type=Path, default=None,
+                         help="the runs' directory: the run writes into OUT/run (default: the "
+                         "config's out, else runs/run-TIME)")
     command.add_argument("--check", action="store_true", help="check and exit")
 
 
@@ -64,6 +71,7 @@ def run_command(args: argparse.Namespace) -> int:
     import dask_train as dt
 
     with _connect(config, args.scheduler) as client:
+        client.register_plugin(QuietInvalidInput(), name="dt-cli-quiet-invalid-input")
         result = dt.run(fn, client=client, **kwargs)
     out = run_dir(config, "run", args.out)
     summary = {"stopped_by": result.stopped_by, "steps": result.steps, "samples": result.samples,
@@ -114,6 +122,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         fn = _function(args.target, base.parent)
     except InvalidInput as exc:
         problems += exc.problems
+    if fn is not None:
+        problems += _set_problems(args.target, fn, sections["data"])
     if problems:
         raise InvalidInput(problems)
     return config, fn, sections
@@ -140,6 +150,83 @@ def _function(target: str, directory: Path) -> Any:
     if not getattr(module, "__file__", "").startswith(sys.prefix):
         cloudpickle.register_pickle_by_value(module)  # the workers may not have the file
     return fn
+
+
+def asked_sets(fn: Any) -> dict[str, list[str]]:
+    """The data set names ``fn`` asks its context for as string constants in its own code:
+    ``{"batches": [...], "dataset": [...]}`` (``ctx.batches("train")``, ``ctx.dataset("val")``,
+    ``ctx`` being its first parameter, whatever its name). Names it computes, and calls in
+    other functions it calls, are not seen; nothing when its source cannot be read.
+
+    Examples
+    --------
+    >>> def train(ctx):
+    ...     xv, yv = ctx.dataset("val")
+    ...     for xb, yb in ctx.batches("train", batch_size=64): ...
+    >>> asked_sets(train)
+    {'batches': ['train'], 'dataset': ['val']}
+    """
+    asked: dict[str, list[str]] = {"batches": [], "dataset": []}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        first = next(iter(inspect.signature(fn).parameters))
+    except (OSError, TypeError, SyntaxError, StopIteration, ValueError):
+        return asked
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in asked and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id == first:
+            name = node.args[0] if node.args else next(
+                (k.value for k in node.keywords if k.arg == "name"), None)
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) \
+                    and name.value not in asked[node.func.attr]:
+                asked[node.func.attr].append(name.value)
+    return asked
+
+
+def _set_problems(target: str, fn: Any, data: Mapping[str, Any]) -> list[str]:
+    """The data sets ``fn``'s code asks for (:func:`asked_sets`) that the config does not give:
+    found here, before any work, not as every rank's failure. The first set of ``data:`` is
+    the streamed one (``ctx.batches``), the others the small ones (``ctx.dataset``)."""
+    names = [k for k in data if k != "chunk_rows"]
+    streamed, small = names[:1], names[1:]
+    asked = asked_sets(fn)
+    problems = [f"{target} reads ctx.batches({n!r}), but the config streams "
+                f"{streamed[0] if streamed else 'no data'!r}: name the first set of data: {n!r}."
+                for n in asked["batches"] if n not in streamed]
+    problems += [f"{target} reads ctx.dataset({n!r}), but the config's data has no set {n!r} "
+                 f"(its small sets: {small}; {streamed[0] if streamed else 'none'!r} is streamed): "
+                 f"name one of data's sets after the first {n!r}, e.g. {n}: {{X: Xv.npy, y: "
+                 "yv.npy}."
+                 for n in asked["dataset"] if n not in small]
+    return problems
+
+
+class _RankInvalidInput(logging.Filter):
+    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of a rank's task that
+    raised :class:`~dask_train.InvalidInput`: a mistake in the job's inputs (a data set the
+    function asks for and the config lacks), which the command reports itself, in one line
+    that names it, as ``dask-train: error: rank N ... failed: InvalidInput: ...``. Every other
+    failure is logged as distributed logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR:
+            return True
+        text = record.getMessage()
+        return not (text.startswith("Compute Failed") and "Key:       dt-rank-" in text
+                    and "Exception: 'InvalidInput(" in text)
+
+
+class QuietInvalidInput(WorkerPlugin):
+    """A worker plugin installing :class:`_RankInvalidInput` in each worker's log (workers that
+    join or restart later get it too: the scheduler keeps the plugin)."""
+
+    idempotent = True
+
+    def setup(self, worker: Any) -> None:
+        log = logging.getLogger("distributed.worker")
+        if not any(isinstance(f, _RankInvalidInput) for f in log.filters):
+            log.addFilter(_RankInvalidInput())
 
 
 def _run_kwargs(config: Any, fn: Any, sections: Mapping[str, Any]) -> dict[str, Any]:
