@@ -100,12 +100,41 @@ class RoleFailed(DaskTrainError, RuntimeError):
     """A role raised an exception on its worker; the original is chained as ``__cause__``."""
 
 
+class NonFiniteLoss(DaskTrainError, ValueError):
+    """A job ended without one finite step: its first loss was NaN or infinite, so it has no
+    trained parameters to return. The message names the step, the trainer and the block, and
+    the fix (clean the data, or ``on_nan="skip"``).
+
+    A job that made finite steps before a non-finite loss does not raise: it returns the last
+    good parameters, with the losses in ``FitResult.nonfinite``.
+
+    Parameters
+    ----------
+    message : str
+        What happened and what to do.
+    step, trainer, block, epoch, loss
+        Where the first non-finite loss came from (``block``/``epoch`` -1: not known).
+
+    Examples
+    --------
+    >>> err = NonFiniteLoss("...", step=0, trainer="trainer-0", block=3, epoch=0, loss="nan")
+    >>> err.trainer, err.block, isinstance(err, ValueError)
+    ('trainer-0', 3, True)
+    """
+
+    def __init__(self, message: str, *, step: int, trainer: str, block: int = -1,
+                 epoch: int = -1, loss: str = "nan") -> None:
+        super().__init__(message)
+        self.step, self.trainer, self.block, self.epoch, self.loss = step, trainer, block, epoch, loss
+
+
 __all__ = [
     "BlockReadError",
     "ClusterUnreachable",
     "DaskTrainError",
     "DataUnreadable",
     "InvalidInput",
+    "NonFiniteLoss",
     "ParameterServerLost",
     "RoleFailed",
     "TrainingTimeout",

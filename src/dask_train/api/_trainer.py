@@ -148,7 +148,9 @@ class Trainer:
     on_nan : {"stop", "skip"}
         A non-finite loss or score: ``"stop"`` ends the job (the last good checkpoint is kept,
         none is written after it); ``"skip"`` leaves that batch out of the update, or that score
-        out of the history, and goes on. Either way ``result.nonfinite`` lists them.
+        out of the history, and goes on. Either way ``result.nonfinite`` lists them. A job that
+        made no finite step at all (its first loss was not finite; with ``"skip"``, every one)
+        raises :class:`~dask_train.NonFiniteLoss` naming the step, the trainer and the block.
     device : {"auto", "cpu", "cuda"} or "cuda:N"
         Where trainers and the scorer compute. ``"auto"``: one GPU per Dask worker when every
         worker has one (dask-cuda's ``LocalCUDACluster`` is the convention; workers sharing a
@@ -305,6 +307,8 @@ class Trainer:
         ------
         InvalidInput
             Every problem with the arguments and data at once, before any training starts.
+        NonFiniteLoss
+            The job ended without one finite step (e.g. X holds NaN): nothing was trained.
         """
         plan = self._new_plan()
         data_ = TrainingData.of(X, y, sample_weight=sample_weight)

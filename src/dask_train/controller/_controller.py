@@ -50,7 +50,7 @@ from dask_train.engines._events import (
 )
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import InvalidInput, WorkerLost
+from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
@@ -203,6 +203,13 @@ class Controller:
                 raise
             await engine.close()
             await self.callbacks.finish(self.spec.timeout)  # on_fit_end comes after every hook
+            error = no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
+            if error is not None:
+                # Nothing was trained: parameters as they started are no result. Raised once the
+                # engine is closed, so the job leaves nothing behind; callbacks hear on_fit_error.
+                self.state.enter(Phase.ERRORED)
+                self.publisher.publish({"kind": "end", "error": f"NonFiniteLoss: {error}"})
+                raise error
             self.state.enter(Phase.FINISHED)
             await self.publisher.end(stopped_by=self.state.stopped_by)
             kept = ending.final is not None and ending.final.get("params") is not None
@@ -800,3 +807,36 @@ class Controller:
         for condition, saved in zip(self.spec.stop, manifest.get("stop") or []):
             if saved.get("type") == type(condition).__name__:
                 condition.load_state_dict(saved.get("state") or {})
+
+
+def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,
+                   on_nan: str) -> NonFiniteLoss | None:
+    """The error of a job that ended without one finite step, None for any other job.
+
+    ``nonfinite`` is the job's log of non-finite losses and scores (``JobLog.nonfinite``),
+    ``steps`` the steps its parameters took (a resumed job's count those before the resume).
+    A job with steps keeps its last good parameters, whatever came after them.
+    """
+    losses = [r for r in nonfinite if "loss" in r]  # scores' records name metrics instead
+    if steps > 0 or not losses:
+        return None
+    first = losses[0]
+    step, role, loss = int(first["step"]), str(first["role"]), str(first["loss"])
+    block, epoch = int(first.get("block", -1)), int(first.get("epoch", -1))
+    when = f", epoch {epoch}" if epoch >= 0 else ""
+    where = f"block {block} of X (its row chunk {block}{when})" if block >= 0 else \
+        f"a block not known{when}"
+    if on_nan == "skip":
+        what = (f"every batch's loss was non-finite and on_nan='skip' left each out; the first, "
+                f"on {role} at step {step}, was {loss}, from {where}")
+        fix = ("Clean the data (X or y holds NaN or inf: keep the rows where "
+               "np.isfinite(X).all(axis=1)), or check the model and the loss: they give a "
+               "non-finite loss before any step.")
+    else:
+        what = f"the first loss, on {role} at step {step}, was {loss}, from {where}"
+        fix = ("Clean the data (X or y holds NaN or inf there: keep the rows where "
+               "np.isfinite(X).all(axis=1)), or pass on_nan='skip' to leave batches whose loss "
+               "is not finite out of the steps.")
+    return NonFiniteLoss(f"the job made no finite step, so it has no trained parameters to "
+                         f"return: {what}. {fix}", step=step, trainer=role, block=block,
+                         epoch=epoch, loss=loss)

@@ -215,6 +215,8 @@ class _RankLoop:
         self.device_checks = self.scratch is None and on_gpu
         self.nonfinite = torch.zeros(1, device=model.device) if self.device_checks else None
         self.kept: list[tuple[Any, Any, Any]] = []
+        # Where each kept batch came from ([epoch, block, rows] or None), for a loss report.
+        self.kept_at: list[list[int] | None] = []
         # And the update is queued before the step's counts are read (a fused optimizer reads
         # the sample count and the skip flag on the device), so the device applies it while
         # the host reads them and queues the next forward (the 34M MLP on an H200: 0.88x plain
@@ -290,15 +292,17 @@ class _RankLoop:
         if on_device:
             assert self.nonfinite is not None
             self.nonfinite.zero_()
-            self.kept = []
+            self.kept, self.kept_at = [], []
         # Again: the same batches first, then the feed's, as a left-out batch's place is
         # taken by the next one on the CPU.
         pending = iter(again or ())
+        pending_at = iter(self.kept_at if again is not None else ())
         k, count, reduced = 0, 0, False
         while k < every:
-            batch = next(pending, None)
+            batch, at = next(pending, None), next(pending_at, None)
             if batch is None:
                 batch = self.feed.next()
+                at = self.feed.position()  # the block this batch was cut from
             if batch is None:
                 break
             xb, yb, wb = batch
@@ -310,6 +314,7 @@ class _RankLoop:
                 if on_device:
                     assert self.nonfinite is not None
                     self.kept.append(batch)
+                    self.kept_at.append(at)
                     self.nonfinite.add_(torch.logical_not(torch.isfinite(loss.detach())))
                     value = 0.0  # checked once the step's sums arrive (_reduce)
                 else:
@@ -317,7 +322,9 @@ class _RankLoop:
             if not math.isfinite(value):
                 # Left out of the step (a non-finite sum would poison every rank); counted
                 # neither as samples nor as one of the k batches.
-                self.role.nans.report(loss=value, step=self.server.version, epoch=-1, block=-1)
+                epoch, block = (at[0], at[1]) if at is not None else (-1, -1)
+                self.role.nans.report(loss=value, step=self.server.version, epoch=epoch,
+                                      block=block)
                 if self.role.config.on_nan == "stop":
                     self.stop_vote = True
                     break
