@@ -22,6 +22,7 @@ from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput
 from dask_train.runtime._compat import reset_torch_group_count
+from dask_train.runtime._denormals import flushed
 from dask_train.runtime._plugin import worker_state
 
 # One lock per process, not per worker: the default process group it guards is process-wide.
@@ -185,7 +186,11 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
             # NCCL refuses two ranks on one GPU: ranks sharing a host take one GPU each.
             torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
         try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
+            # gloo's worker threads, which sum the ranks' gradients, are made here and inherit
+            # this thread's FTZ/DAZ flags for the group's life (see runtime._denormals).
+            with flushed():
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                        timeout=delta)
         finally:
             for name in env:
                 os.environ.pop(name, None)

@@ -25,22 +25,43 @@ from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import room_below_target
+from dask_train.runtime._denormals import flushed
 from dask_train.runtime._plugin import worker_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def role_task(fn: F) -> F:
-    """Mark ``fn`` as a training role's Dask task (a trainer, a rank, the scorer): while it
-    runs, its worker counts a role running (``WorkerState.role_running``: Dask's profiler is
-    paused there meanwhile, as its 10 ms wake-ups slow the roles' steps)."""
+    """Mark ``fn`` as a training role's Dask task (a trainer, a rank, the scorer, a ``dt.run``
+    rank): while it runs, its worker counts a role running (``WorkerState.role_running``: Dask's
+    profiler is paused there meanwhile, as its 10 ms wake-ups slow the roles' steps), and its
+    thread and torch's intra-op threads flush denormals (:mod:`dask_train.runtime._denormals`,
+    Dask config ``dask-train.flush-denormal``), as they were again once it ends."""
 
     @functools.wraps(fn)
     def task(*args: Any, **kwargs: Any) -> Any:
-        with worker_state(get_worker()).role_running():
-            return fn(*args, **kwargs)
+        state = worker_state(get_worker())
+        # torch's thread count first: the intra-op team the flags are set on is then its own.
+        state.configure_torch()
+        with state.role_running():
+            # Out of the pool before the flags are set: ``secede`` starts the thread that takes
+            # this one's place from this thread, and a new thread inherits its FTZ/DAZ flags
+            # (the worker's later tasks flushed denormals, seen by tests/runtime/test_denormals.py).
+            leave_pool()
+            with flushed():
+                return fn(*args, **kwargs)
 
     return task  # type: ignore[return-value]
+
+
+def leave_pool() -> None:
+    """``secede`` from the worker's thread pool, once (a role's task calls it at its start; a
+    second call does nothing): roles sharing a process and the feed tasks must never wait for a
+    thread."""
+    from distributed.threadpoolexecutor import thread_state
+
+    if getattr(thread_state, "proceed", False):  # True in a pool thread that has not seceded
+        secede()
 
 
 class TrainerRole:
@@ -73,7 +94,7 @@ class TrainerRole:
         self.worker = get_worker()
         worker_state(self.worker).configure_torch()
         self.state = worker_state(self.worker).job(job)
-        secede()
+        leave_pool()
         self.job, self.index, self.config = job, index, config
         self.name = f"{kind}-{index} on {self.worker.address}" if kind == "trainer" \
             else f"{kind} {index} on {self.worker.address}"

@@ -41,6 +41,7 @@ import numpy as np
 from distributed import Worker
 
 from dask_train.engines.holders.reach import holder_or_reason
+from dask_train.runtime._denormals import call_flushed
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,9 @@ class PushServer:
                         buffers = np.empty(n_buf, dtype=np.float64)
                         _recv_exact(conn, _raw(buffers))
                     position = [p0, p1, p2, p3] if has_pos else None
-                    params, version, stop = server.apply(grad, samples, position, buffers)
+                    # Denormals flushed for the update (runtime._denormals).
+                    params, version, stop = call_flushed(server.apply, grad, samples, position,
+                                                         buffers)
                     params = np.ascontiguousarray(params, dtype=np.float32)
                     conn.sendall(_REPLY.pack(0, version, bool(stop), params.size))
                     conn.sendall(_raw(params))

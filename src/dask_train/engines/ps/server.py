@@ -26,6 +26,7 @@ from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import unwrap
+from dask_train.runtime._denormals import call_flushed
 from dask_train.runtime._plugin import worker_state
 
 
@@ -100,8 +101,10 @@ def make_push_handler(worker: Worker) -> Any:
         if isinstance(server, str):
             return {"missing": server}
         # Off the event loop for a large shard (see FlatOptimizer.run): a step of a big model
-        # blocks for far longer than a heartbeat may wait.
-        params, version, stop = await server.run(server.apply, grad, samples, position, buffers)
+        # blocks for far longer than a heartbeat may wait. Denormals are flushed on the thread
+        # the step runs on, the loop's only during the step (see runtime._denormals).
+        params, version, stop = await server.run(call_flushed, server.apply, grad, samples,
+                                                 position, buffers)
         return {"params": to_serialize(params), "version": version, "stop": stop}
 
     return dask_train_push

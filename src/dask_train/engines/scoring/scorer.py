@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from distributed import get_worker, secede
+from distributed import get_worker
 
 from dask_train.engines._events import Score
 from dask_train.engines._spec import RoleConfig
-from dask_train.engines.harness.role import model_for, role_task
+from dask_train.engines.harness.role import leave_pool, model_for, role_task
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.engines.scoring.keeper import ScoreKeeper, ScoreSchedule, score_event
@@ -58,7 +58,7 @@ def run_scorer(
     worker = get_worker()
     worker_state(worker).configure_torch()
     state = worker_state(worker).job(job)
-    secede()
+    leave_pool()  # done by role_task already: a no-op then
     ps = PSClient(worker, job, state, shards, timeout=config.timeout)
     model = model_for(module, worker.address, config)
     spread = None if validation is not None else SpreadValidation(
