@@ -2,12 +2,12 @@
 ``dask-train.flush-denormal``, default True).
 
 Why: float32 values below 2**-126 (about 1.18e-38) are *denormal*; an x86 core computes with them
-through a slow microcode path, tens of times slower per operation. An optimizer's state decaying
-towards zero makes them (Adam's second moment of a gradient element that stays zero decays by
-``beta2`` per step and reaches them after about 80,000 steps from 1e-3**2... or far sooner from a
-small start), and every step then pays for each one. ``torch.set_flush_denormal(True)`` sets the
-core's FTZ and DAZ flags (results and inputs below 2**-126 become 0), which removed a 40% slow-down
-of async-ps on the MLP 64-1024-1024-10 after 20 s of training (docs/training.md).
+through a slow microcode path, many times slower per operation, and values decaying towards
+zero make them (an optimizer's moments of an element whose gradient has become zero: Adam's
+first moment decays by ``beta1=0.9`` a step, from 1e-3 to below 1.18e-38 in about 770 steps).
+``torch.set_flush_denormal(True)`` sets the core's FTZ and DAZ flags (results and inputs below
+2**-126 become 0), which removed a 40% slow-down of async-ps on the MLP 64-1024-1024-10 after
+20 s of training (docs/training.md).
 
 The flags are per thread (the MXCSR register), and torch's intra-op threads are separate threads:
 with OpenMP (torch's CPU wheels), each thread that starts parallel work owns a team of threads of
