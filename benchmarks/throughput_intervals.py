@@ -1,0 +1,93 @@
+"""Throughput per interval of one job: does a job's samples/s hold from its start to its end?
+
+Usage::
+
+    python benchmarks/throughput_intervals.py [--seconds 60] [--interval 5] [--n-samples N]
+
+For the MLP 64-1024-1024-10 (Adam 1e-3, batch 128 per trainer, digits), trains ``strategy=
+"async-ps"`` (ps=1, workers=2) and ``strategy="sync"`` (2 ranks) on ``dt.connect(n_workers=2)``,
+each with denormals flushed (the default) and with the Dask config ``dask-train.flush-denormal:
+false`` on the workers, for ``--seconds`` each, scored every second; prints the samples/s of each
+``--interval``-second interval of ``result.history`` and the ratio of the last 10 s to the 5-15 s
+stretch (issue 57 asks for >= 0.9). Why per interval: a job whose steps slow down after 20 s
+(denormals in the optimizer's state, 40% on async-ps) shows a fine mean over a short run.
+Printed, never asserted: timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+import numpy as np
+import torch
+
+import dask_train as dt
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+def _set_flag(value: bool, dask_worker: Any = None) -> None:
+    dask.config.set({"dask-train.flush-denormal": value})
+
+
+def intervals(history: Any, width: float) -> list[tuple[float, float]]:
+    """(interval start in s, samples/s in it) from ``result.history`` (rows of time_s, samples)."""
+    t = np.asarray(history["time_s"], dtype=float)
+    s = np.asarray(history["samples"], dtype=float)
+    out = []
+    for start in np.arange(0.0, t.max() if len(t) else 0.0, width):
+        inside = (t >= start) & (t <= start + width)
+        if inside.sum() >= 2:
+            idx = np.flatnonzero(inside)
+            a, b = idx[0], idx[-1]
+            if t[b] > t[a]:
+                out.append((float(start), float((s[b] - s[a]) / (t[b] - t[a]))))
+    return out
+
+
+def rate_between(history: Any, lo: float, hi: float) -> float:
+    t = np.asarray(history["time_s"], dtype=float)
+    s = np.asarray(history["samples"], dtype=float)
+    idx = np.flatnonzero((t >= lo) & (t <= hi))
+    if len(idx) < 2 or t[idx[-1]] <= t[idx[0]]:
+        return float("nan")
+    return float((s[idx[-1]] - s[idx[0]]) / (t[idx[-1]] - t[idx[0]]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--n-samples", type=int, default=300_000)
+    parser.add_argument("--strategies", default="async-ps,sync")
+    args = parser.parse_args(argv)
+    client = dt.connect(n_workers=2, quiet=True)
+    X, y = dt.datasets.digits(args.n_samples, seed=0)
+    validation = dt.datasets.digits_test()
+    for strategy in args.strategies.split(","):
+        for flush in (True, False):
+            client.run(_set_flag, flush)
+            result = dt.Trainer(_net(), optimizer="adam", lr=1e-3, strategy=strategy, ps=1,
+                                workers=2, batch_size=128, epochs=1000, score_every=1.0,
+                                progress=False, client=client,
+                                stop=[dt.StopAfter(seconds=args.seconds)]).fit(
+                X, y, validation=validation)
+            # The last row is the score taken after the stop (its time is not training time).
+            h = result.history.iloc[:-1]
+            end = float(h["time_s"].max())
+            early, late = rate_between(h, 5, 15), rate_between(h, end - 10, end)
+            rates = " ".join(f"{r / 1e3:.1f}k" for _, r in intervals(h, args.interval))
+            print(f"{strategy:8s} flush-denormal={str(flush):5s} samples/s per {args.interval:g} s: "
+                  f"{rates} | last 10 s / 5-15 s: {late / early:.2f}", flush=True)
+    client.run(_set_flag, True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
