@@ -23,6 +23,7 @@ from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.stats import StatsReporter
+from dask_train.errors import release_frames
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import room_below_target
 from dask_train.runtime._plugin import worker_state
@@ -38,7 +39,14 @@ def role_task(fn: F) -> F:
     @functools.wraps(fn)
     def task(*args: Any, **kwargs: Any) -> Any:
         with worker_state(get_worker()).role_running():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                # Dask keeps a failed task's error until the task is released; its frames held
+                # the role's tensors (views of a shared-memory segment among them) until Python's
+                # cycle collector ran. Its traceback still names every file and line.
+                release_frames(exc)
+                raise
 
     return task  # type: ignore[return-value]
 
