@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
 
 
@@ -140,3 +141,23 @@ __all__ = [
     "TrainingTimeout",
     "WorkerLost",
 ]
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop the local variables of the finished frames ``error`` (and the errors it chains)
+    went through; the traceback keeps its file names and line numbers.
+
+    Why: an error's frames hold what the failed code was using (a job's engine and futures in
+    the client; a role's tensors, some viewing shared memory, on a worker), and an error is
+    often in a reference cycle (distributed's ``sync`` keeps the error it re-raises in a closure
+    its own traceback holds), freed only when Python's cycle collector runs: until then the
+    scheduler kept a failed job's tasks and a worker the failed role's memory."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        todo += [exc.__cause__, exc.__context__]

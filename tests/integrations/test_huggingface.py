@@ -12,14 +12,13 @@ import os
 import sys
 from pathlib import Path
 
+# Imported, not skipped when missing: make test installs the huggingface extra.
+import datasets
 import numpy as np
 import pytest
 import torch
 
 import dask_train as dt
-
-# Imported, not skipped when missing: make test installs the huggingface extra.
-import datasets
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))
 from _faults import alive, kill, killable_cluster  # noqa: E402

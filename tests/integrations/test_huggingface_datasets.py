@@ -12,13 +12,12 @@ import subprocess
 import sys
 import textwrap
 
+# Imported, not skipped when missing: make test installs the huggingface extra.
+import datasets
 import numpy as np
 import pytest
 
 import dask_train as dt
-
-# Imported, not skipped when missing: make test installs the huggingface extra.
-import datasets
 
 ROWS, SEQ = 2_000, 8
 

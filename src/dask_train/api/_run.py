@@ -28,7 +28,7 @@ from dask_train.data._inputs import is_lazy
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import InvalidInput
+from dask_train.errors import InvalidInput, release_frames
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy._settings import (
@@ -131,7 +131,11 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     try:
         return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
     except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
+        release_frames(exc)
         raise interrupted_early(exc) from None
+    except BaseException as exc:
+        release_frames(exc)  # the job's futures, held by the frames below (see Trainer.fit)
+        raise
 
 
 def _connected(client: Client | None, clock: dict[str, float], fn: Any) -> Client:

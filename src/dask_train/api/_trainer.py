@@ -22,7 +22,7 @@ from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.data._training import TrainingData
-from dask_train.errors import InvalidInput
+from dask_train.errors import InvalidInput, release_frames
 from dask_train.models._array import ArrayModel
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._settings import ClusterSettings, DataSettings
@@ -312,14 +312,20 @@ class Trainer:
         """
         plan = self._new_plan()
         data_ = TrainingData.of(X, y, sample_weight=sample_weight)
-        if isinstance(plan.model, ArrayModel):
-            result = fit_array(plan, data_, materialize(validation, dtype=np.float64),
-                               resume=resume, start=self._start_model(plan, warm_start),
-                               mode=data, client=lambda: self._client(plan))
-        else:
-            result = fit_torch(plan, data_, validation, resume=resume,
-                               start=self._start_model(plan, warm_start), mode=data,
-                               client=lambda: self._client(plan))
+        try:
+            if isinstance(plan.model, ArrayModel):
+                result = fit_array(plan, data_, materialize(validation, dtype=np.float64),
+                                   resume=resume, start=self._start_model(plan, warm_start),
+                                   mode=data, client=lambda: self._client(plan))
+            else:
+                result = fit_torch(plan, data_, validation, resume=resume,
+                                   start=self._start_model(plan, warm_start), mode=data,
+                                   client=lambda: self._client(plan))
+        except BaseException as exc:
+            # The frames below here hold the job's data and futures: a failed fit must not
+            # keep them (on the scheduler, on the workers) until Python's cycle collector runs.
+            release_frames(exc)
+            raise
         self._last_model = result.model
         self._last_trainers = int(result.plan.get("workers", plan.trainers))
         return result

@@ -50,7 +50,7 @@ from dask_train.engines._events import (
 )
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost
+from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
@@ -140,15 +140,27 @@ class Controller:
         raises (Ctrl-C included), the callbacks hear of it first (``on_fit_error``). Ctrl-C
         stops the roles before it is raised, and says where the job can resume (``_interrupt``)."""
         guard = RunGuard(cleaning=lambda: self.state.phase is Phase.ERRORED)
+        # What the loop runs, reached through a box emptied at the end: distributed's sync()
+        # keeps its callable and the error it raised in one closure, which the error's traceback
+        # holds in turn (a cycle), so the callable must not hold this controller afterwards.
+        box: dict[str, Any] = {"run": guard.run, "job": lambda: self.run(resume=resume)}
+
+        def call() -> Any:
+            return box["run"](box["job"])
+
         try:
-            return self.client.sync(guard.run, lambda: self.run(resume=resume))
-        except KeyboardInterrupt:
+            return self.client.sync(call)
+        except KeyboardInterrupt as exc:
             error = interrupted(self, guard)
             job_failed(self.spec.callbacks, error, self)
+            release_frames(exc)
             raise error from None
         except BaseException as exc:
             job_failed(self.spec.callbacks, exc, self)
+            release_frames(exc)
             raise
+        finally:
+            box.clear()
 
     async def run(self, *, resume: bool = False) -> Outcome:
         """Run generation after generation until one ends; always closes the last engine."""

@@ -21,7 +21,6 @@ def import_tf() -> tuple[Any, Any]:
     the logs unless the user chose a level."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     import keras
-
     import tensorflow as tf
 
     return tf, keras

@@ -128,7 +128,9 @@ class HostSum:
             raise ConnectionAbortedError("Connection closed by peer: the group was released")
 
     def close(self) -> None:
-        """Unmap; rank 0 removes the file."""
+        """Unmap; rank 0 removes the file. The views into the segment go first: a mapping
+        with views left cannot be closed, and keeps a descriptor open."""
+        self.data, self.flags, self.pids = [], self.flags.copy(), self.pids.copy()
         self.seg.close()
 
 

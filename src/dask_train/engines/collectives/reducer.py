@@ -140,9 +140,20 @@ class GradientReducer:
         self._armed = False
         #: Sums the buckets through host memory instead of gloo (``host_sum.HostSum``), if set.
         self.host: Any = None
-        for p in self._params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # Kept to be removed by close(): a hook lives in the parameter's C++ autograd data, out of
+        # Python's cycle collector, so parameter -> hook -> reducer -> parameter was never freed,
+        # and with it the host-memory sum's mapping and its descriptor (one per fit, per worker).
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self.reset()
+
+    def close(self) -> None:
+        """Remove the gradient hooks and unmap the host-memory sum: the parameters, the model
+        and the segment are freed with the rank's last reference to them."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.host is not None:
+            self.host.close()
 
     def set_meta(self, samples: float, stop: float, pause: float,
                  position: Sequence[int] | None = None, *,

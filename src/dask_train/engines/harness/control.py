@@ -107,5 +107,13 @@ def signal_stop(
 
 
 def drop_job(job: str, dask_worker: Any = None) -> None:
-    """Run on workers (``client.run``): forget a finished job and free its memory."""
+    """Run on workers (``client.run``): forget a finished job and free its memory, the
+    host-memory segments its roles mapped here included."""
     worker_state(dask_worker).drop(job)
+    # Imported here: host_memory is only loaded in workers that ran a role that maps segments.
+    import sys
+
+    if "dask_train.engines.holders.host_memory" in sys.modules:
+        from dask_train.engines.holders import host_memory
+
+        host_memory.release_unmapped(collect=True)

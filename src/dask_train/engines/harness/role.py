@@ -23,6 +23,7 @@ from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.stats import StatsReporter
+from dask_train.errors import release_frames
 from dask_train.models._transport import unwrap
 from dask_train.runtime._compat import room_below_target
 from dask_train.runtime._denormals import flushed
@@ -48,8 +49,15 @@ def role_task(fn: F) -> F:
             # this one's place from this thread, and a new thread inherits its FTZ/DAZ flags
             # (the worker's later tasks flushed denormals, seen by tests/runtime/test_denormals.py).
             leave_pool()
-            with flushed():
-                return fn(*args, **kwargs)
+            try:
+                with flushed():
+                    return fn(*args, **kwargs)
+            except BaseException as exc:
+                # Dask keeps a failed task's error until the task is released; its frames held
+                # the role's tensors (views of a shared-memory segment among them) until Python's
+                # cycle collector ran. Its traceback still names every file and line.
+                release_frames(exc)
+                raise
 
     return task  # type: ignore[return-value]
 

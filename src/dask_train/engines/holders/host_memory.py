@@ -51,6 +51,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -142,6 +143,43 @@ def sweep() -> int:
     return removed
 
 
+def _forgotten(path: str, fd: int) -> None:
+    logger.debug("segment %s was dropped without close()", path)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+#: Mappings of closed segments that views still held open (see HostSegment.close).
+_UNMAPPED: list[mmap.mmap] = []
+_UNMAPPED_LOCK = threading.Lock()
+
+
+def release_unmapped(*, collect: bool = False) -> int:
+    """Close the mappings of closed segments whose views are gone (each holds a descriptor and,
+    its file unlinked, the segment's memory); with ``collect``, after one run of the cycle
+    collector when some are still held (views in cyclic garbage: an asyncio future's result, an
+    exception's frames). The number still held after it."""
+    with _UNMAPPED_LOCK:
+        if not _UNMAPPED:
+            return 0
+        held = [m for m in _UNMAPPED if not _try_close(m)]
+        if held and collect:
+            import gc
+
+            gc.collect()
+            held = [m for m in held if not _try_close(m)]
+        _UNMAPPED[:] = held
+        return len(held)
+
+
+def _try_close(m: mmap.mmap) -> bool:
+    try:
+        m.close()
+    except BufferError:
+        return False
+    return True
+
+
 #: Longest wait of :meth:`HostSegment.close` for an update of this process to end.
 CLOSE_WAIT_S = 5.0
 
@@ -162,6 +200,9 @@ class HostSegment:
         self.thread_lock = threading.Lock()
         self.pid = os.getpid()
         self._slot_of: dict[int, np.ndarray] = {}  # trainer -> its row of ``slots``
+        # A segment dropped without close() still gives its descriptor back (a bare descriptor
+        # has no finalizer of its own: one lost per fit, per worker, was how it leaked).
+        self._finalizer = weakref.finalize(self, _forgotten, path, fd)
 
     # -- creation and attachment ---------------------------------------------------------------
 
@@ -171,6 +212,7 @@ class HostSegment:
         """Create the file at ``path`` holding ``entries`` (name -> (dtype, shape)), zeroed.
         ``extra`` is kept in the layout for those who attach."""
         sweep()
+        release_unmapped()
         offset = 4096
         laid: dict[str, Any] = {}
         for name, (dtype, shape) in entries.items():
@@ -358,8 +400,8 @@ class HostSegment:
         return out
 
     def close(self) -> None:
-        """Unmap what can be (arrays still in use keep the mapping), close the descriptor, and
-        remove the file if this process created it.
+        """Close the descriptor and the mapping (arrays still in use keep the mapping until
+        they are freed), and remove the file if this process created it.
 
         Never while a thread of this process holds the update lock: the mapping keeps a
         duplicate of the descriptor (``mmap`` dups it), and with it the ``flock``, for as long as
@@ -373,12 +415,31 @@ class HostSegment:
             if self.owner:
                 with contextlib.suppress(OSError):
                     os.unlink(self.path)
+            self._finalizer.detach()
             if self.fd >= 0:
                 with contextlib.suppress(OSError):
                     fcntl.flock(self.fd, fcntl.LOCK_UN)
                 with contextlib.suppress(OSError):
                     os.close(self.fd)
             self.fd = -1
+            self._unmap()
         finally:
             if held:
                 self.thread_lock.release()
+
+    def _unmap(self) -> None:
+        # The mapping holds a duplicate of the descriptor (mmap dups it) and, unlinked, the
+        # segment's memory, until the mapping is closed: the segment's own views go first (the
+        # header as a copy, for counters read after the close). Views still held elsewhere (a
+        # tensor a caller keeps) keep it mapped until the last of them is freed.
+        self.header = self.header.copy()
+        self.slots = self.slots.copy()
+        self._slot_of = {}
+        try:
+            self.map.close()
+        except BufferError:
+            # Views of it are still in use (the exchange a trainer's last push returned, held a
+            # moment longer, or in garbage the cycle collector has not reached yet): closed by
+            # release_unmapped() once they are gone, at the latest when the job is dropped here.
+            with _UNMAPPED_LOCK:
+                _UNMAPPED.append(self.map)

@@ -330,8 +330,18 @@ class ShardServer(FlatOptimizer):
         """Let the update thread end and, in host memory, release the segment (its creator
         removes the file)."""
         super().close()
-        if self.host is not None:
-            self.host.close()
+        host = self.host
+        if host is not None:
+            # The tensors viewing the segment become copies first: a mapping with views left
+            # cannot be closed, and kept the segment's memory and a descriptor until Python's
+            # cycle collector freed this object (one per fit, per worker, between collections).
+            with torch.no_grad():
+                self.param.data = self.param.data.clone()
+            state = self.optimizer.state.get(self.param)
+            if state:
+                self.optimizer.state[self.param] = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            host.close()
 
 
 #: How often a trainer on a shard in host memory looks whether the shard's server lives (s).

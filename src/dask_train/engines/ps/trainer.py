@@ -45,22 +45,24 @@ def run_trainer(
     role = TrainerRole(job=job, index=index, config=config)
     ps = PSClient(role.worker, job, role.state, shards, timeout=config.timeout,
                   secret=config.push_secret)
-    model = role.model(module)
-    model.train_mode()
-    buffers = model.buffers()
-    start = ps.pull()
-    write_params(model, start)
-    # Start from the kept buffers too: after a resume, or when joining a running job, they carry
-    # the statistics of every batch trained so far.
-    buffers.scatter(start.buffers)
-    pusher = _Pusher(ps, model, every=config.trains.grad_accumulation, depth=config.trains.prefetch,
-                     buffers=buffers)
-    pusher.version = start.version
-    loop = _TrainerLoop(role, model, pusher)
-    loop.run()
-    pusher.drain()
-    host_shards = ps.in_host_memory()
-    ps.close()
+    try:
+        model = role.model(module)
+        model.train_mode()
+        buffers = model.buffers()
+        start = ps.pull()
+        write_params(model, start)
+        # Start from the kept buffers too: after a resume, or when joining a running job, they
+        # carry the statistics of every batch trained so far.
+        buffers.scatter(start.buffers)
+        pusher = _Pusher(ps, model, every=config.trains.grad_accumulation,
+                         depth=config.trains.prefetch, buffers=buffers)
+        pusher.version = start.version
+        loop = _TrainerLoop(role, model, pusher)
+        loop.run()
+        pusher.drain()
+        host_shards = ps.in_host_memory()
+    finally:
+        ps.close()  # connections and mapped shards, also when the trainer fails or is lost
     loop.report_stats(force=True)
     role.exit(steps=pusher.pushes)
     return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed_wait,

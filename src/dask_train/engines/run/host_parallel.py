@@ -77,6 +77,9 @@ class HostGroup:
         self._queued = False
         self.last_active: list[int] = []  # the ranks active in the newest round with any
         self.grad_size = self.buffer_size = 0
+        # Removed by close(): a hook lives in the parameter's C++ autograd data, out of Python's
+        # cycle collector (parameter -> hook -> group -> parameter is never freed otherwise).
+        self._hooks: list[Any] = []
 
     # -- setting up (collective: every rank prepares the same models in the same order) -------------
     def join(self, module: torch.nn.Module) -> bool:
@@ -102,8 +105,7 @@ class HostGroup:
         # Sizes read every step: counted once here.
         self.grad_size = sum(p.numel() for p in self.params)
         self.buffer_size = sum(b.numel() for b in self.buffers)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         # Rank 0's whole state, frozen parameters and integer buffers too, as DDP's constructor
         # broadcasts it: once, so over the process group.
         with torch.no_grad():
@@ -208,7 +210,10 @@ class HostGroup:
             self.host.abort()
 
     def close(self) -> None:
-        """Unmap the segment."""
+        """Remove the gradient hooks and unmap the segment."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self.host is not None:
             self.host.close()
             self.host = None

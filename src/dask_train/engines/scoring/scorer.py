@@ -60,6 +60,17 @@ def run_scorer(
     state = worker_state(worker).job(job)
     leave_pool()  # done by role_task already: a no-op then
     ps = PSClient(worker, job, state, shards, timeout=config.timeout)
+    try:
+        return _score_until_stopped(worker, state, ps, module, validation, job=job,
+                                    config=config)
+    finally:
+        ps.close()  # its mapped shards' descriptors, whichever way the scorer ends
+
+
+def _score_until_stopped(worker: Any, state: Any, ps: PSClient, module: Any,
+                         validation: tuple[np.ndarray, np.ndarray] | None, *, job: str,
+                         config: RoleConfig) -> dict[str, Any]:
+    """The body of :func:`run_scorer`, once its parameter client is open."""
     model = model_for(module, worker.address, config)
     spread = None if validation is not None else SpreadValidation(
         worker, job=job, keys=list(config.validation_keys or []), module=module, config=config)

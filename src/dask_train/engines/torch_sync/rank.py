@@ -170,13 +170,13 @@ def run_rank(
             reducer.host.abort()  # peers waiting on this rank's sum fail at once
         raise
     finally:
-        if reducer.host is not None:
-            reducer.host.close()
+        host_memory_sum = reducer.host is not None
+        reducer.close()
     feed.close_block()
     loop.report_stats(force=True)
     role.exit(steps=server.version)
     return role.result(steps=server.version, samples=loop.samples, allreduce_s=loop.comm_s,
-                       host_memory_sum=reducer.host is not None,
+                       host_memory_sum=host_memory_sum,
                        queued_updates=loop.queue_updates)
 
 
