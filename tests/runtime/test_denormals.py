@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 import pytest
 import torch
-from distributed import Client
+from distributed import Client, LocalCluster
 
 import dask_train as dt
 from dask_train.runtime._denormals import call_flushed, flushed, flushing
@@ -36,6 +36,15 @@ def report() -> dict[str, Any]:
     """This thread's flag and its team's: what a role's math runs with."""
     return {"thread": flushing(), "denormals": denormals_made(), "threads": torch.get_num_threads(),
             "ident": threading.get_ident()}
+
+
+@pytest.fixture(scope="module")
+def denormal_client() -> Iterator[Client]:
+    """A cluster of this module's own: its workers are given two intra-op threads, which the
+    session's cluster must not keep for the tests after these."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
 
 
 @pytest.fixture
@@ -132,30 +141,30 @@ def _run(client: Client) -> list[dict[str, Any]]:
     return list(result.returns)
 
 
-def test_dt_run_ranks_flush_while_they_run_and_the_worker_is_as_before_after(client: Client) -> None:
-    client.run(_make_team)
+def test_dt_run_ranks_flush_while_they_run_and_the_worker_is_as_before_after(denormal_client: Client) -> None:
+    denormal_client.run(_make_team)
     # Each worker's task thread gets a team of two, made with the flags off, before the job.
-    before = [client.submit(_task_report, pure=False, workers=[w]).result()
-              for w in client.scheduler_info()["workers"]]
+    before = [denormal_client.submit(_task_report, pure=False, workers=[w]).result()
+              for w in denormal_client.scheduler_info()["workers"]]
     assert all(not r["thread"] and r["denormals"] == _PROBE for r in before)
-    returns = _run(client)
+    returns = _run(denormal_client)
     assert len(returns) == 2
     for rank in returns:
         for when in ("start", "end"):
             assert rank[when]["thread"], rank
             assert rank[when]["threads"] == 2 and rank[when]["denormals"] == 0, rank
-    after = [client.submit(_task_report, pure=False, workers=[w]).result()
-             for w in client.scheduler_info()["workers"]]
+    after = [denormal_client.submit(_task_report, pure=False, workers=[w]).result()
+             for w in denormal_client.scheduler_info()["workers"]]
     assert all(not r["thread"] and r["denormals"] == _PROBE for r in after), after
 
 
-def test_the_config_key_off_on_the_workers_leaves_dt_run_ranks_as_they_are(client: Client) -> None:
-    client.run(_make_team)
-    client.run(_set_config, False)
+def test_the_config_key_off_on_the_workers_leaves_dt_run_ranks_as_they_are(denormal_client: Client) -> None:
+    denormal_client.run(_make_team)
+    denormal_client.run(_set_config, False)
     try:
-        returns = _run(client)
+        returns = _run(denormal_client)
     finally:
-        client.run(_set_config, True)
+        denormal_client.run(_set_config, True)
     assert len(returns) == 2
     for rank in returns:
         assert not rank["start"]["thread"] and not rank["end"]["thread"], rank
@@ -187,23 +196,23 @@ def _recording_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out, target)
 
 
-def test_async_ps_trainers_and_servers_step_with_denormals_flushed(client: Client,
+def test_async_ps_trainers_and_servers_step_with_denormals_flushed(denormal_client: Client,
                                                                    tmp_path: Path) -> None:
     path = str(tmp_path / "steps.jsonl")
-    client.run(_set_path, path)
+    denormal_client.run(_set_path, path)
     X, y = dt.datasets.digits(4_000, seed=0, chunks=1_000)
     try:
         dt.Trainer(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
                                        torch.nn.Linear(32, 10)),
                    loss=_recording_loss, optimizer=RecordingAdam, lr=1e-3, ps=1, workers=2,
                    batch_size=64, epochs=1, score_every=0.2, progress=False,
-                   client=client).fit(X, y, validation=dt.datasets.digits_test())
+                   client=denormal_client).fit(X, y, validation=dt.datasets.digits_test())
     finally:
-        client.run(_set_path, "")
+        denormal_client.run(_set_path, "")
     steps = [json.loads(line) for line in Path(path).read_text().splitlines()]
     trainer = [json.loads(line) for line in Path(path + ".trainer").read_text().splitlines()]
     assert steps and trainer
     assert all(s["thread"] for s in steps), steps[:5]
     assert all(t["thread"] for t in trainer), trainer[:5]
     # The event loop the small shard's update ran on is as it was between pushes.
-    assert not any(client.run(flushing, on_error="return").values())
+    assert not any(denormal_client.run(flushing, on_error="return").values())
