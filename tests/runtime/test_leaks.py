@@ -10,8 +10,11 @@ threads, and the scheduler's tasks must all be back where they were.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +27,9 @@ from distributed import Client, LocalCluster
 
 import dask_train as dt
 from dask_train.bench._resources import process_resources, scheduler_tasks
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+from _dask_cli import dask_cli_cluster  # noqa: E402
 
 #: How long a worker may take to let go of what a finished job held (tasks released after the
 #: result arrived, a connection closed by its peer's thread): the state is read until it matches.
@@ -59,11 +65,33 @@ def _net() -> torch.nn.Module:
 POOLED_SOCKETS = 3
 
 
+#: A thread of an executor's pool: ``asyncio_3``, ``ThreadPoolExecutor-2_0``, a Dask worker's
+#: ``0-Dask-Default-Threads-6643-4`` (a task that leaves the pool has it start another).
+_POOL_THREAD = re.compile(r"^(?P<pool>.+)[-_]\d+$")
+
+
+def _threads(names: list[str]) -> dict[str, Any]:
+    """Threads as a job must give them back: every thread outside a pool by name and count, and
+    the pools by name. A pool that is already there may start another of its threads under load
+    (``ThreadPoolExecutor`` adds one when none is idle, up to its ``max_workers``): bounded,
+    and not the job's; a pool the job made (a new ``ThreadPoolExecutor-N``) or a thread of its
+    own is."""
+    named: dict[str, int] = {}
+    pools: set[str] = set()
+    for name in names:
+        match = _POOL_THREAD.match(name)
+        if match:
+            pools.add(match["pool"])
+        else:
+            named[name] = named.get(name, 0) + 1
+    return {"named": named, "pools": sorted(pools)}
+
+
 def _held(record: dict[str, Any]) -> dict[str, Any]:
     """The parts of a process's record a job must give back (RSS is the soak benchmark's)."""
     fds = dict(record["fds"])
     return {"fds": fds, "shm": record["shm_names"], "mapped": record["shm_mapped"],
-            "threads": record["threads"]}
+            "threads": _threads(record["thread_names"])}
 
 
 def _state(client: Client, workers: list[str] | None = None, *,
@@ -76,30 +104,37 @@ def _state(client: Client, workers: list[str] | None = None, *,
     return state
 
 
-def _same(before: dict[str, Any], after: dict[str, Any]) -> bool:
-    """Equal, but for up to POOLED_SOCKETS more sockets per process."""
-    def strip(state: dict[str, Any]) -> tuple[Any, list[int]]:
+def _same(before: dict[str, Any], after: dict[str, Any], *, once_pipes: int = 0) -> bool:
+    """Equal, but for up to POOLED_SOCKETS more (or any fewer) sockets per process, and up to
+    ``once_pipes`` more pipe descriptors in one process."""
+    def strip(state: dict[str, Any]) -> tuple[Any, list[int], list[int]]:
         procs = [*state["workers"].values(), *([state["client"]] if "client" in state else [])]
         sockets = [p["fds"].get("socket", 0) for p in procs]
+        pipes = [p["fds"].get("pipe", 0) for p in procs]
+        loose = ("socket", "pipe") if once_pipes else ("socket",)
         rest = {k: v for k, v in state.items() if k not in ("workers", "client")}
-        rest["procs"] = [{**p, "fds": {k: n for k, n in p["fds"].items() if k != "socket"}}
+        rest["procs"] = [{**p, "fds": {k: n for k, n in p["fds"].items() if k not in loose}}
                          for p in procs]
         rest["names"] = sorted(state["workers"])
-        return rest, sockets
+        return rest, sockets, pipes
 
-    (a, sa), (b, sb) = strip(before), strip(after)
-    return a == b and all(0 <= y - x <= POOLED_SOCKETS for x, y in zip(sa, sb))
+    (a, sa, pa), (b, sb, pb) = strip(before), strip(after)
+    grown = [y - x for x, y in zip(pa, pb) if y != x]
+    # Fewer is let go: a pooled connection to a worker that left closes with it.
+    return a == b and all(y - x <= POOLED_SOCKETS for x, y in zip(sa, sb)) \
+        and (not grown or (len(grown) == 1 and 0 < grown[0] <= once_pipes))
 
 
 def _assert_back(client: Client, before: dict[str, Any], what: str,
-                 workers: list[str] | None = None) -> None:
+                 workers: list[str] | None = None, *, once_pipes: int = 0) -> None:
     deadline = time.monotonic() + SETTLE_S
     while True:
         after = _state(client, workers, with_client="client" in before)
-        if _same(before, after) or time.monotonic() > deadline:
+        if _same(before, after, once_pipes=once_pipes) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    assert _same(before, after), f"{what} left its workers or client changed:\n" \
+    assert _same(before, after, once_pipes=once_pipes), \
+        f"{what} left its workers or client changed:\n" \
         f"before {before}\nafter  {after}"
 
 
@@ -137,6 +172,26 @@ def test_a_fit_leaves_every_worker_as_it_found_it(leak_client: Client, strategy:
     _twice(leak_client, lambda: _fit(leak_client, strategy), f"a {strategy} fit")
 
 
+def _own_loop(ctx: Any) -> int:
+    import torch.nn.functional as F
+
+    model = ctx.prepare(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in ctx.epochs(1):
+        for xb, yb in ctx.batches("train", batch_size=64):
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+        ctx.report({"loss": 1.0})
+    return int(ctx.rank)
+
+
+def test_a_run_job_leaves_every_worker_as_it_found_it(leak_client: Client) -> None:
+    X, y, _ = _data()
+    _twice(leak_client, lambda: dt.run(_own_loop, data={"train": (X, y)}, workers=2,
+                                       client=leak_client), "a dt.run job")
+
+
 def _hidden_net(hidden: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(),
                                torch.nn.Linear(hidden, 2))
@@ -170,9 +225,7 @@ class _Explodes(torch.nn.Module):
         return self.linear(x)
 
 
-# A failed async-ps fit still leaves its server's segment mapped on one worker until the next
-# job's end (the failed trainers' tensors outlive the drop): not guarded here yet.
-@pytest.mark.parametrize("strategy", ["sync"])
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
 def test_a_failed_fit_leaves_every_worker_as_it_found_it(leak_client: Client,
                                                           strategy: str) -> None:
     X, y, validation = _data()
@@ -185,6 +238,34 @@ def test_a_failed_fit_leaves_every_worker_as_it_found_it(leak_client: Client,
             trainer.fit(X, y, validation=validation)
 
     _twice(leak_client, failing, f"a failed {strategy} fit")
+
+
+class _PressCtrlC(dt.Callback):
+    """Sends this process SIGINT once the job trains, as Ctrl-C in a notebook does."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def on_stats(self, stats: Any) -> None:
+        if not self.pressed:
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("strategy", ["async-ps", "sync"])
+def test_an_interrupted_fit_leaves_every_worker_as_it_found_it(
+        leak_client: Client, strategy: str, ctrl_c: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the job sets its own
+    X, y, validation = _data()
+
+    def interrupted() -> None:
+        trainer = dt.Trainer(_net(), loss="cross_entropy", strategy=strategy, workers=2,
+                             epochs=10_000, batch_size=64, progress=False, client=leak_client,
+                             callbacks=[_PressCtrlC()])
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit(X, y, validation=validation)
+
+    _twice(leak_client, interrupted, f"an interrupted {strategy} fit")
 
 
 class _KillOne(dt.Callback):
@@ -202,22 +283,59 @@ class _KillOne(dt.Callback):
 
 @pytest.mark.parametrize("strategy", ["async-ps", "sync"])
 def test_a_fit_that_lost_a_worker_leaves_the_survivors_as_it_found_them(
-        strategy: str, tmp_path: Path) -> None:
+        strategy: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import dask
 
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"}), \
             LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
                          dashboard_address=":0") as cluster, Client(cluster) as client:
         X, y, validation = _data(8_000)
-        _fit(client, strategy)  # warm-up on every worker
         workers = sorted(client.scheduler_info()["workers"])
-        victim, survivors = workers[0], workers[1:]
+        survivors = workers[1:]
+
+        def losing(victim: str) -> None:
+            result = dt.Trainer(_net(), loss="cross_entropy", strategy=strategy,
+                                workers=(1, 3), epochs=3, batch_size=64, progress=False,
+                                client=client, callbacks=[_KillOne(client, victim)]
+                                ).fit(X, y, validation=validation)
+            assert result.failures, "the job should have met the worker's loss"
+            client.wait_for_workers(3)  # the nanny's new process
+
+        # The warm-up loses a worker too: what the first job meeting a loss takes once stays.
+        losing(workers[0])
+        replacement = sorted(set(client.scheduler_info()["workers"]) - set(survivors))[0]
         # The client is left out: the nanny's restart gives it (LocalCluster's parent) new
         # process-spawning semaphores.
         before = _settled(client, survivors, with_client=False)
-        result = dt.Trainer(_net(), loss="cross_entropy", strategy=strategy, workers=(1, 3),
-                            epochs=3, batch_size=64, progress=False, client=client,
-                            callbacks=[_KillOne(client, victim)]).fit(X, y, validation=validation)
-        assert result.failures, "the job should have met the worker's loss"
+        losing(replacement)
         # The new worker the nanny started has no before; the survivors and the scheduler do.
-        _assert_back(client, before, f"a {strategy} fit that lost a worker", survivors)
+        # A sync rank that meets a lost peer may open one pipe (both ends, blocking, close-on-
+        # exec) once in its process's life: made in C (os.pipe was never called), held by no
+        # Python object, and never a second one: six fits in a row that lost a worker left
+        # every survivor's count where the first had put it. One such pair in one survivor
+        # is let through; anything more, or anything else, is not.
+        _assert_back(client, before, f"a {strategy} fit that lost a worker", survivors,
+                     once_pipes=2 if strategy == "sync" else 0)
+    # The job met the loss and said so; the gather of the lost role's result cut short is not
+    # an error of the user's (distributed's ERROR and its orphaned tasks' tracebacks were).
+    errors = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.ERROR and ("never retrieved" in r.getMessage()
+                                                 or "Couldn't gather" in r.getMessage())]
+    assert not errors, errors
+
+
+def test_jobs_on_dask_scheduler_and_worker_programs_leave_them_as_they_found_them(
+        tmp_path: Path) -> None:
+    # A cluster as a team runs one: `dask scheduler` and a `dask worker` of two processes,
+    # started elsewhere; every kind of job in turn, twice.
+    with dask_cli_cluster(tmp_path) as (address, _), Client(address) as client:
+        client.wait_for_workers(2, timeout=60)
+        X, y, _ = _data()
+
+        def every_kind() -> None:
+            _fit(client, "async-ps")
+            _fit(client, "sync")
+            dt.run(_own_loop, data={"train": (X, y)}, workers=2, client=client)
+            dt.predict(_net(), X).compute()
+
+        _twice(client, every_kind, "jobs on a `dask scheduler` cluster")

@@ -27,7 +27,7 @@ def _kind(target: str) -> str:
 def process_resources(dask_worker: Any = None) -> dict[str, Any]:
     """This process's descriptors by kind (``socket``, ``pipe``, ``anon_inode``, ``file``,
     ``shm``), the ``/dev/shm`` names they hold (``shm_names``), mapped ``/dev/shm`` files
-    (``shm_mapped``), ``threads`` and ``rss_mb``. Runs as ``client.run(process_resources)``
+    (``shm_mapped``), ``threads`` (a count) and ``thread_names``, and ``rss_mb``. Runs as ``client.run(process_resources)``
     (``dask_worker`` is Dask's, unused) or in the client."""
     fds: dict[str, int] = {}
     names: list[str] = []
@@ -50,6 +50,7 @@ def process_resources(dask_worker: Any = None) -> dict[str, Any]:
         rss_pages = int(statm.read().split()[1])
     return {"fds": fds, "shm_names": sorted(names), "shm_mapped": sorted(mapped),
             "threads": threading.active_count(),
+            "thread_names": sorted(t.name for t in threading.enumerate()),
             "rss_mb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20}
 
 

@@ -1,9 +1,11 @@
 """Filters of distributed's log for what dask-train's own handling makes no error: a heartbeat
 cut by its worker closing, a role's task cancelled by its worker's departure, a rank that failed
 because a peer died, a batched stream's close, scattered blocks dask-train sends again, a closed
-worker's stop queue read as its process ends, a transfer cut as its worker retired. Each
-leaves every other record as distributed logs it. Installed on the workers by the plugin
-(:func:`quiet_worker`) and on the scheduler by ``dt.connect`` (:func:`quiet_scheduler`).
+worker's stop queue read as its process ends, a transfer cut as its worker retired, a role's
+result gathered from a worker that left (the scheduler's ERROR, the client's orphaned waits).
+Each leaves every other record as distributed logs it. Installed on the workers by the plugin
+(:func:`quiet_worker`), on the scheduler by ``dt.connect`` or a job's first use of a client
+(:func:`quiet_scheduler`), and in the client's process (:func:`quiet_client`).
 """
 
 from __future__ import annotations
@@ -240,8 +242,9 @@ def quiet_scheduler() -> None:
     cluster's, or, through ``run_on_scheduler``, a remote one's)."""
     quiet_batched_close()
     log = logging.getLogger("distributed.scheduler")
-    if _resent_data not in log.filters:
-        log.addFilter(_resent_data)
+    for quiet in (_resent_data, _lost_role_result):
+        if quiet not in log.filters:
+            log.addFilter(quiet)
 
 
 def quiet_batched_close() -> None:
@@ -249,3 +252,50 @@ def quiet_batched_close() -> None:
     log = logging.getLogger("distributed.batched")
     if _batched_closed not in log.filters:
         log.addFilter(_batched_closed)
+
+
+class _OrphanedGatherWait(logging.Filter):
+    """Leaves out asyncio's "Task exception was never retrieved" for distributed's ``AllExit``.
+
+    ``Client.gather`` waits on each future in a task of its own (``distributed.utils.All``);
+    cancelled from outside, it leaves those tasks unwatched, and each raises ``AllExit`` (its
+    control-flow signal, "stop waiting") once its future is released. dask-train cancels a
+    gather whose role's worker left (:func:`dask_train.engines.roles.waiting.gather_watching`),
+    and a traceback ended the log of every fit that survived a lost worker. Any other
+    unretrieved exception is still logged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (type(exc).__name__ == "AllExit"
+                    and str(record.msg).startswith("Task exception was never retrieved"))
+
+
+_orphaned_gather_wait = _OrphanedGatherWait()
+
+
+def quiet_client() -> None:
+    """Install this module's filters of the client's own log in this process."""
+    log = logging.getLogger("asyncio")
+    if _orphaned_gather_wait not in log.filters:
+        log.addFilter(_orphaned_gather_wait)
+
+
+class _LostRoleResult(logging.Filter):
+    """Logs the scheduler's "Couldn't gather keys" at INFO when every key is a dask-train role's
+    (``dt-``) result whose worker left: the job meets that loss itself (it restarts or hands
+    the role over, and says so), and an ERROR line would read as a second, unexplained failure.
+    Any other key keeps the ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # logging keeps a lone mapping argument as ``args`` itself, not in a tuple.
+        keys = record.args
+        if record.levelno >= logging.ERROR and record.msg == "Couldn't gather keys: %s" \
+                and isinstance(keys, dict) and keys \
+                and all(str(k).startswith("dt-") for k in keys):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = "a dask-train role's result was on a worker that left: %s"
+        return True
+
+
+_lost_role_result = _LostRoleResult()

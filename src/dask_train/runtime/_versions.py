@@ -133,7 +133,11 @@ _CHECKED = "_dask_train_checked"
 
 
 def mark_checked(client: Any) -> None:
-    """Note that ``client``'s cluster needs no check (checked, or started here by dask-train)."""
+    """Note that ``client``'s cluster needs no check (checked, or started here by dask-train),
+    and filter this process's log of what dask-train's jobs handle (``quiet_client``)."""
+    from dask_train.runtime._quiet_logs import quiet_client
+
+    quiet_client()
     setattr(client, _CHECKED, True)
 
 
@@ -151,5 +155,9 @@ def check_once(client: Any) -> Any:
         return client
     if not isinstance(getattr(client, "cluster", None), LocalCluster):
         check_versions(client)
+    elif getattr(client.cluster, "scheduler", None) is not None:
+        from dask_train.runtime._quiet_logs import quiet_scheduler
+
+        quiet_scheduler()  # a LocalCluster of this process: its scheduler logs here
     mark_checked(client)
     return client

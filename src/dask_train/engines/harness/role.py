@@ -58,8 +58,26 @@ def role_task(fn: F) -> F:
                 # cycle collector ran. Its traceback still names every file and line.
                 release_frames(exc)
                 raise
+            finally:
+                _close_released_segments()
 
     return task  # type: ignore[return-value]
+
+
+def _close_released_segments() -> None:
+    """Close the mappings of segments this role let go of (see ``host_memory._UNMAPPED``).
+
+    Why here: a failing role closes its segment while the error's frames still hold views of it
+    (its ``finally`` runs inside them), so the mapping waits; the frames are cleared only as the
+    error leaves the task, which can be after the job was dropped on this worker (another
+    role's failure ends the job first), and nothing closed it until the next job ended.
+    """
+    import sys
+
+    # Not imported here: only workers that ran a role mapping segments have it loaded.
+    host_memory = sys.modules.get("dask_train.engines.holders.host_memory")
+    if host_memory is not None:
+        host_memory.release_unmapped()
 
 
 def leave_pool() -> None:
