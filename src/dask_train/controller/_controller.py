@@ -56,6 +56,7 @@ from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,12 @@ class Controller:
         """Run generation after generation until one ends; always closes the last engine."""
         for condition in self.spec.stop:  # a fit starts from fresh stop conditions
             condition.reset()
+        # A role's dask-train error reaches the caller in one message (RoleFailed); the
+        # workers' own "Compute Failed" records of it are left out for the job's time.
+        async with quiet_job(self.client, self.spec.job_id):
+            return await self._run(resume=resume)
+
+    async def _run(self, *, resume: bool) -> Outcome:
         await self.publisher.start(self.spec, self.roles, self.rows)
         try:
             return await self._generations(resume=resume)
