@@ -24,7 +24,7 @@ from dask_train.controller._interrupt import interrupted_early
 from dask_train.controller._wanted import placeholder, weigh_placeholders
 from dask_train.data._blocks import BlockSet
 from dask_train.data._hf_datasets import as_arrays, kind_of
-from dask_train.data._inputs import is_lazy
+from dask_train.data._inputs import is_lazy, writable
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
 from dask_train.engines._spec import JobSpec
@@ -320,7 +320,7 @@ def _small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
                                 f"first travel whole to every rank (at most {SMALL_BYTES >> 20} "
                                 "MiB); stream it as the first, or evaluate on a sample.")
                 break
-            parts.append(np.ascontiguousarray(compute() if callable(compute) else part))
+            parts.append(writable(compute() if callable(compute) else part))
         else:
             out[name] = tuple(parts)
     if problems:
