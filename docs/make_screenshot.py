@@ -61,7 +61,7 @@ class KillOnce(Timed):
 
     def on_fit_start(self, info: Any) -> None:
         roles = info["roles"]
-        victim = next(w for w in roles["worker"] if w not in roles["ps"])
+        victim = next(w for w in roles["trainer"] if w not in roles["ps"])
         self.pid = self.client.run(os.getpid, workers=[victim])[victim]
         print(f"will kill {victim} (pid {self.pid}) after {self.after_s:g} s")
 

@@ -119,6 +119,27 @@ def test_fsdp_state_checkpointed_on_two_ranks_resumes_on_one_and_on_two(client, 
     each_epoch_once(two, len(X), range(3))
 
 
+def test_a_checkpoint_of_data_rechunked_for_two_ranks_resumes_on_one(client, uneven,
+                                                                      tmp_path: Path) -> None:
+    # Two blocks for two ranks: dt.run cuts them into 8 (fewer than two a rank); one rank
+    # alone would keep the two, so the resume cuts the data as the checkpoint's ledger was
+    # written (it failed: "the checkpoint's data ledger was written for other data blocks").
+    X, y = (a.rechunk({0: 2_000}) for a in uneven)
+    assert X.numblocks[0] == 2
+    config = dt.CheckpointConfig(tmp_path / "ck", keep=1)
+    first = dt.run(fsdp_train, workers=2, client=client, data={"train": (X, y)},
+                   checkpoint=config, timeout=90)
+    assert first.ledger["block"].nunique() == 8
+    ends = first.returns[0]["end"]
+    one = dt.run(fsdp_train, workers=1, client=client, data={"train": (X, y)},
+                 config={"epochs": 3}, resume=True, timeout=90, checkpoint=config)
+    [alone] = one.returns
+    assert alone["restored"] and alone["world"] == 1 and alone["epochs"] == [2]
+    assert same(alone["start"][0], ends[0]) and same(alone["start"][1], ends[1])
+    each_epoch_once(one, len(X), range(3))
+    assert one.ledger["block"].nunique() == 8
+
+
 def test_a_sharded_report_needs_every_ranks_part_and_restore_needs_a_target(client, uneven,
                                                                            tmp_path: Path):
     X, y = uneven

@@ -261,6 +261,34 @@ def test_a_server_killed_without_checkpoints_goes_on_from_the_copy_in_memory(
     _assert_every_sample_once(result, 4_000, 2)
 
 
+def test_a_server_killed_before_the_first_checkpoint_goes_on_from_the_copy(
+        own_client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # checkpoint= set, its first checkpoint not due before the kill (every 10 minutes): the
+    # job keeps its copies in memory until then, so the kill costs what it costs without
+    # checkpoint= (the test above), not the run; the first checkpoint, at the job's end,
+    # drops them.
+    X, Y, validation = _data(n=4_000)
+    roles = dt.start_roles(own_client, ps=1, worker=2, scorer=1)
+    kill = _KillAt(own_client, roles["ps"][0], samples=4_000)
+    config = dt.CheckpointConfig(str(tmp_path), every_seconds=600, keep=2)
+    with dask.config.set({"dask-train.copy-every": 0.1}), \
+            caplog.at_level(logging.INFO, logger="dask_train"):
+        result = _trainer(own_client, Slow(mlp(8, 16, 3), 0.005), callbacks=[kill],
+                          batch_size=8, checkpoint=config).fit(X, Y, validation=validation)
+    assert kill.killed_at is not None
+    [failure] = [f for f in result.failures if f["role"] == "ps-0"]
+    assert failure["action"] == "restart" and failure["from"] == "copy", result.failures
+    assert failure["redone"] < 2_000, failure  # from the start: 4,000 or more
+    # The user's checkpoints: the final one only, under checkpoint='s path; no copy is left.
+    assert [c.get("final") for c in result.checkpoints] == [True], result.checkpoints
+    assert all(str(c["directory"]).startswith(str(tmp_path)) for c in result.checkpoints)
+    [start] = [r.getMessage().split()[4] for r in caplog.records
+               if r.getMessage().startswith("generation 1 starts from ")]
+    assert start.startswith("/dev/shm/dask-train-copies-"), start
+    assert not Path(start).parent.exists()  # dropped with the first checkpoint
+    _assert_every_sample_once(result, 4_000, 2)
+
+
 def test_sync_rank_killed_goes_on_from_the_survivors_state(own_client: Client, tmp_path: Path) -> None:
     # Checkpoints at steps 40 and 80, the rank killed at its 90th: the survivor's state at the
     # last step both applied is newer than either, and the job goes on from it.

@@ -14,7 +14,7 @@ from dask_train.data._blocks import (
     as_dask_array,
     persist_pairs,
 )
-from dask_train.data._inputs import cast_floats, is_lazy, to_numpy
+from dask_train.data._inputs import cast_floats, is_lazy, to_numpy, writable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def materialize(validation: Any, dtype: Any = np.float32, *, keep_dask: bool = F
     if keep_dask and any(is_lazy(part) for part in validation):
         xv, yv = (as_dask_array(part, name=n) for part, n in zip(validation, names))
         return cast_floats(xv, dtype), yv
-    x_np, y_np = (np.ascontiguousarray(to_numpy(part, name=n))
+    x_np, y_np = (writable(to_numpy(part, name=n))
                   for part, n in zip(validation, names))
     return cast_floats(x_np, dtype), y_np
 

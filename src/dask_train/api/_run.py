@@ -24,7 +24,7 @@ from dask_train.controller._interrupt import interrupted_early
 from dask_train.controller._wanted import placeholder, weigh_placeholders
 from dask_train.data._blocks import BlockSet
 from dask_train.data._hf_datasets import as_arrays, kind_of
-from dask_train.data._inputs import is_lazy
+from dask_train.data._inputs import is_lazy, writable
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
 from dask_train.engines._spec import JobSpec
@@ -320,7 +320,7 @@ def _small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
                                 f"first travel whole to every rank (at most {SMALL_BYTES >> 20} "
                                 "MiB); stream it as the first, or evaluate on a sample.")
                 break
-            parts.append(np.ascontiguousarray(compute() if callable(compute) else part))
+            parts.append(writable(compute() if callable(compute) else part))
         else:
             out[name] = tuple(parts)
     if problems:
@@ -356,11 +356,12 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
     from dask_train.runtime._devices import probe_devices
 
     t = time.time()
+    checkpoint = job.recovery.checkpoint_config()
     blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
-                                    mode=str(job.data_mode), timeout=timeout)
+                                    mode=str(job.data_mode), timeout=timeout,
+                                    written=_written_rows(checkpoint) if job.resume else None)
     clock["persist"] = time.time() - t
     devices = probe_devices(client, job.cluster.device)
-    checkpoint = job.recovery.checkpoint_config()
     ahead, most_ahead = job.data.read_ahead()
     spec = JobSpec(
         strategy="run", workers=most, batch_size=int(job.data.batch_size),
@@ -454,11 +455,27 @@ def _wait_for_workers(client: Client, least: int, *,
     return alive, asked
 
 
+def _written_rows(config: Any) -> list[int] | None:
+    """The rows of each data block the newest checkpoint under ``config`` was written for (its
+    ledger's blocks); None without one."""
+    if config is None:
+        return None
+    from dask_train.checkpoint import CheckpointStore
+    from dask_train.policy._ledger import written_rows
+
+    newest = CheckpointStore(config).newest()
+    ledger = None if newest is None else newest[1].get("ledger")
+    return None if not ledger else written_rows(ledger)
+
+
 def _stream(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode: str = "auto",
-            timeout: float = 120.0) -> tuple[BlockSet, bool, str | None]:
+            timeout: float = 120.0, written: list[int] | None = None,
+            ) -> tuple[BlockSet, bool, str | None]:
     """The streamed data set's blocks, whether it has targets, and its name: sent in blocks
     when in memory, persisted on the workers, or read from storage each epoch (``mode``, as
-    ``Trainer.fit(data=...)``)."""
+    ``Trainer.fit(data=...)``). A dask collection is cut into the blocks ``written`` (the rows
+    of each block a resumed checkpoint's ledger was written for) when it has as many rows,
+    whatever cut its job chose for its ranks; else into at least two blocks a rank."""
     if not data:
         return BlockSet([], []), False, None
     name, value = next(iter(data.items()))
@@ -467,7 +484,8 @@ def _stream(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode:
     labels = train.y is not None
     train = train.with_targets()
     if not train.in_memory:
-        train = train.with_blocks_for(ranks)
+        as_written = None if written is None else train.with_row_blocks(written)
+        train = as_written if as_written is not None else train.with_blocks_for(ranks)
     blocks = train.blocks(client, mode=mode, labels=False, timeout=timeout)
     return blocks, labels, name
 

@@ -22,7 +22,9 @@ from dask_train.errors import InvalidInput
 
 
 def _read_rows(path: str, start: int, stop: int) -> np.ndarray:
-    return np.ascontiguousarray(np.load(path, mmap_mode="r")[start:stop])
+    # Copy-on-write ("c"), not read-only: a block stays a view of the file and is still
+    # writable, so the training blocks are not copied to be (data._inputs.writable).
+    return np.ascontiguousarray(np.load(path, mmap_mode="c")[start:stop])
 
 
 def npy_array(path: str, *, chunk_rows: int) -> da.Array:

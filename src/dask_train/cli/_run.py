@@ -8,14 +8,11 @@ import ast
 import importlib
 import inspect
 import json
-import logging
 import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from distributed import WorkerPlugin
 
 from dask_train.errors import InvalidInput
 
@@ -71,7 +68,6 @@ def run_command(args: argparse.Namespace) -> int:
     import dask_train as dt
 
     with _connect(config, args.scheduler) as client:
-        client.register_plugin(QuietInvalidInput(), name="dt-cli-quiet-invalid-input")
         result = dt.run(fn, client=client, **kwargs)
     out = run_dir(config, "run", args.out)
     summary = {"stopped_by": result.stopped_by, "steps": result.steps, "samples": result.samples,
@@ -200,33 +196,6 @@ def _set_problems(target: str, fn: Any, data: Mapping[str, Any]) -> list[str]:
                  "yv.npy}."
                  for n in asked["dataset"] if n not in small]
     return problems
-
-
-class _RankInvalidInput(logging.Filter):
-    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of a rank's task that
-    raised :class:`~dask_train.InvalidInput`: a mistake in the job's inputs (a data set the
-    function asks for and the config lacks), which the command reports itself, in one line
-    that names it, as ``dask-train: error: rank N ... failed: InvalidInput: ...``. Every other
-    failure is logged as distributed logs it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.ERROR:
-            return True
-        text = record.getMessage()
-        return not (text.startswith("Compute Failed") and "Key:       dt-rank-" in text
-                    and "Exception: 'InvalidInput(" in text)
-
-
-class QuietInvalidInput(WorkerPlugin):
-    """A worker plugin installing :class:`_RankInvalidInput` in each worker's log (workers that
-    join or restart later get it too: the scheduler keeps the plugin)."""
-
-    idempotent = True
-
-    def setup(self, worker: Any) -> None:
-        log = logging.getLogger("distributed.worker")
-        if not any(isinstance(f, _RankInvalidInput) for f in log.filters):
-            log.addFilter(_RankInvalidInput())
 
 
 def _run_kwargs(config: Any, fn: Any, sections: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig, CheckpointStore
-from dask_train.controller._state import JobState
+from dask_train.controller._state import CheckpointTimes, JobState
 from dask_train.engines._protocol import Engine
 from dask_train.errors import InvalidInput, TrainingTimeout
 
@@ -62,7 +62,7 @@ class Checkpoints:
         self.config, self.timeout = config, timeout
         self.store = CheckpointStore(config)
 
-    def due(self, state: JobState, *, step: int, now: float) -> bool:
+    def due(self, state: JobState | CheckpointTimes, *, step: int, now: float) -> bool:
         """True when a checkpoint should be started now."""
         if self.config.every_seconds is not None and \
                 now - state.last_checkpoint_time >= self.config.every_seconds:
@@ -80,7 +80,8 @@ class Checkpoints:
                 f"the trainers did not all pause for a checkpoint within timeout={self.timeout:g} "
                 "s; check the workers' logs, or raise timeout=")
 
-    async def write(self, engine: Engine, state: JobState, manifest: dict[str, Any], *, step: int,
+    async def write(self, engine: Engine, state: JobState | CheckpointTimes,
+                    manifest: dict[str, Any], *, step: int,
                     generation: int, pause_s: float,
                     version: int | None = None) -> dict[str, Any] | None:
         """Have the engine write its files, then write the manifest; None when the parameters

@@ -36,7 +36,7 @@ from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
-from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
 from dask_train.controller._wanted import WantedWorkers
 from dask_train.data._stall import schedule_stranded
 from dask_train.engines._events import (
@@ -56,6 +56,7 @@ from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +125,15 @@ class Controller:
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
                                     publisher=self.publisher, checkpoints=self.checkpoints)
-        # A job without checkpoint= whose workers all run on this machine keeps a copy of its
-        # state in this machine's memory every few seconds (see _copies): a killed server costs
-        # seconds, not the run. Made at the first generation, for the engines that need it.
+        # A job whose servers hold the only copy of its state keeps a copy of it in memory
+        # every few seconds (see _copies) while it has no checkpoint: a killed server costs
+        # seconds, not the run, with checkpoint= set or not. Made at the first generation,
+        # for the engines that need it; beside checkpoint=, on a schedule of its own.
         self.copies: Checkpoints | None = None
         self.copied = False
+        self.copy_times = self.state if self.checkpoints is None else CheckpointTimes()
+        self.pausing_for: Checkpoints | None = None  # the store the current pause writes to
+        self.resumed = False  # the job went on from checkpoint='s newest
         self.report_copy: asyncio.Task[None] | None = None  # a dt.run report's copy being written
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
@@ -166,6 +171,12 @@ class Controller:
         """Run generation after generation until one ends; always closes the last engine."""
         for condition in self.spec.stop:  # a fit starts from fresh stop conditions
             condition.reset()
+        # A role's dask-train error reaches the caller in one message (RoleFailed); the
+        # workers' own "Compute Failed" records of it are left out for the job's time.
+        async with quiet_job(self.client, self.spec.job_id):
+            return await self._run(resume=resume)
+
+    async def _run(self, *, resume: bool) -> Outcome:
         await self.publisher.start(self.spec, self.roles, self.rows)
         try:
             return await self._generations(resume=resume)
@@ -183,6 +194,7 @@ class Controller:
         if resume and self.checkpoints is not None:
             self.restore = self.checkpoints.load(n_params=self.spec.n_params,
                                                  strategy=self.spec.strategy)
+            self.resumed = self.restore is not None
             if self.restore is not None:
                 self._continue_from(self.restore)
         while True:
@@ -407,17 +419,22 @@ class Controller:
 
     # -- checkpoints ------------------------------------------------------------------------------
     async def _copies(self, engine: Engine) -> None:
-        """Keep copies of the state in memory for a job without ``checkpoint=`` that could
-        otherwise only restart from its initial parameters: an engine the controller pauses
-        for checkpoints whose trainers do not hold the state themselves (async-ps: a server's
-        shard is its only copy), every :data:`COPY_EVERY_S`. Where: memory that a
-        worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every worker is
-        on this machine, else two live workers' memory, chosen again at each generation."""
+        """Keep copies of the state in memory for a job that could otherwise only restart from
+        its initial parameters: an engine the controller pauses for checkpoints whose trainers
+        do not hold the state themselves (async-ps: a server's shard is its only copy), every
+        :data:`COPY_EVERY_S`, without ``checkpoint=`` or until its first checkpoint is written
+        (a server killed before it would otherwise cost more with checkpoints on than off).
+        Where: memory that a worker's death does not take (:func:`memory_store`): ``/dev/shm``
+        when every worker is on this machine, else two live workers' memory, chosen again at
+        each generation."""
         every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
         # Not a sync Trainer job: every rank holds the same state. A dt.run job's copies are of
-        # its reports, written after its ranks went on (see _copy_report).
-        if self.checkpoints is not None or every <= 0 or \
-                engine.schedules_checkpoints and engine.recovers_from_survivors:
+        # its reports, written after its ranks went on (see _copy_report); with checkpoint=
+        # each report's state is written there.
+        if every <= 0 or engine.schedules_checkpoints and engine.recovers_from_survivors:
+            return
+        if self.checkpoints is not None and (not engine.schedules_checkpoints or
+                                             self._checkpointed):
             return
         if self.copies is None:
             self.copies = memory_store(
@@ -468,40 +485,60 @@ class Controller:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    @property
+    def _checkpointed(self) -> bool:
+        """Whether ``checkpoint=``'s store holds a checkpoint of this job (written by this fit,
+        or resumed from): its in-memory copies are then no longer needed."""
+        return self.checkpoints is not None and (bool(self.log.checkpoints) or self.resumed)
+
+    def _due(self, engine: Engine, now: float) -> Checkpoints | None:
+        """The store a checkpoint is due in now: ``checkpoint=``'s on its schedule, else the
+        in-memory copies on theirs while no checkpoint exists."""
+        step = engine.reported_step()
+        if self.checkpoints is not None and self.checkpoints.due(self.state, step=step, now=now):
+            return self.checkpoints
+        copies = self.copies
+        if copies is None or self._checkpointed or \
+                not in_workers(copies) and not on_this_machine(engine.roles.addresses):
+            return None  # a worker of another machine joined: it could not write its shard here
+        return copies if copies.due(self.copy_times, step=step, now=now) else None
+
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
-        ckpt, state = self.checkpoints or self.copies, self.state
-        if ckpt is None or not engine.schedules_checkpoints:
+        state = self.state
+        if not engine.schedules_checkpoints or self.checkpoints is None and self.copies is None:
             return
-        if ckpt is self.copies and not in_workers(ckpt) and \
-                not on_this_machine(engine.roles.addresses):
-            return  # a worker of another machine joined: it could not write its shard here
         if state.phase is Phase.RUNNING:
             # Not once a stop is decided (in this same pass): the final checkpoint follows.
-            if engine.running() and not state.stopped_by and \
-                    ckpt.due(state, step=engine.reported_step(), now=now):
+            ckpt = self._due(engine, now) if engine.running() and not state.stopped_by else None
+            if ckpt is not None:
+                self.pausing_for = ckpt
                 state.enter(Phase.CHECKPOINTING)
                 state.pause_id, state.next_pause_id = state.next_pause_id, state.next_pause_id + 1
                 state.pause_started = now
                 await engine.pause(state.pause_id)
                 if ckpt is self.copies and in_workers(ckpt):
                     # A holder without a role may have left since the generation began.
-                    self.copies = rehold(ckpt, alive=await alive_workers(self.client),
-                                         workers=engine.roles.addresses)
+                    self.copies = self.pausing_for = rehold(
+                        ckpt, alive=await alive_workers(self.client),
+                        workers=engine.roles.addresses)
             return
         if not engine.running():  # nothing left to pause: the final checkpoint covers it
             await self._end_pause(engine)
             return
         snapshot = engine.paused(state.pause_id)
+        ckpt = self.pausing_for or self.checkpoints or self.copies
+        assert ckpt is not None
         if snapshot is None:
             ckpt.check_pause_time(state, now)
             return
+        times = state if ckpt is self.checkpoints else self.copy_times
         try:
             # Every push is drained and every trainer paused: the engine's count is exact.
             step = await engine.exact_step()
             info = None
-            if step > state.last_checkpoint_step:
+            if step > times.last_checkpoint_step:
                 try:
-                    info = await ckpt.write(engine, state,
+                    info = await ckpt.write(engine, times,
                                             self._manifest(snapshot.ledger, snapshot.rng),
                                             step=step, generation=state.generation,
                                             pause_s=now - state.pause_started)
@@ -509,12 +546,21 @@ class Controller:
                     # The next look at the roles acts on the loss, from the checkpoint before.
                     logger.warning("checkpoint at step %d abandoned: %s", step, exc)
             else:
-                state.last_checkpoint_time = time.time()  # nothing new to save
+                times.last_checkpoint_time = time.time()  # nothing new to save
         finally:
+            self.pausing_for = None
             await self._end_pause(engine)
         if info is not None and ckpt is self.checkpoints:
             self.log.checkpoints.append(info)
+            await self._drop_copies()
         self.copied = self.copied or info is not None and ckpt is self.copies
+
+    async def _drop_copies(self) -> None:
+        """Drop the in-memory copies kept beside ``checkpoint=`` once its first checkpoint is
+        written: it is newer, and survives what they would."""
+        if self.copies is not None and self.checkpoints is not None:
+            copies, self.copies, self.copied = self.copies, None, False
+            await asyncio.to_thread(drop_store, copies)
 
     async def _report_step(self, engine: Engine) -> Departure | None:
         """Every rank reported (its score is in): write the checkpoint it carries, let them go
@@ -651,7 +697,9 @@ class Controller:
             assert self.copies is not None
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=set(engine.roles.addresses) - lost)
-        store = self.checkpoints or self.copies
+        # The copies in memory until checkpoint= holds one (see _copies), then the checkpoints.
+        store = self.copies if self.copied and not self._checkpointed else \
+            self.checkpoints or self.copies
         stored = None if store is None else store.load(n_params=self.spec.n_params,
                                                        strategy=self.spec.strategy)
         # The state this generation started from may be newer than the store's newest: a
@@ -758,6 +806,7 @@ class Controller:
         self.state.generation += 1
         # Pause ids count per generation: its roles are new and start from the first.
         self.state.pause_id, self.state.next_pause_id = 0, 1
+        self.pausing_for = None
         self.state.enter(Phase.STARTING)
         self.publisher.publish({"kind": "generation", "generation": self.state.generation,
                                 "roles": dict(self.roles.placement), "redone": redone})

@@ -66,6 +66,17 @@ class JobLog:
 
 
 @dataclass
+class CheckpointTimes:
+    """When a store of the job's state last wrote, and at which step: what its schedule reads.
+    The job's checkpoints keep theirs in :class:`JobState`; its in-memory copies, kept beside
+    ``checkpoint=`` until the first checkpoint is written, keep their own here, so that a copy
+    every few seconds does not put the checkpoints' schedule off."""
+
+    last_checkpoint_time: float = field(default_factory=time.time)
+    last_checkpoint_step: int = 0
+
+
+@dataclass
 class JobState:
     """The controller's whole mutable state, in one place.
 

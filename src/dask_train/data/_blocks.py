@@ -14,6 +14,7 @@ import numpy as np
 from dask.base import tokenize
 from distributed import Client, Future
 
+from dask_train.data._inputs import writable
 from dask_train.data._scatter import scatter_resendable, scatter_resendable_async
 from dask_train.data._stall import relax_placement, wait_persisted
 from dask_train.policy._ledger import Block
@@ -240,12 +241,14 @@ def as_pair(x: np.ndarray, y: np.ndarray | None, dtype: Any = None,
     """One block as a contiguous ``(X_block, y_block)`` pair, ``X`` in ``dtype`` (one copy at most);
     a triple ``(X_block, y_block, weights)`` when sample weights ``w`` are given.
 
-    Contiguous so row slices are cheap for BLAS and per-batch gathers, and torch.from_numpy works.
+    Contiguous so row slices are cheap for BLAS and per-batch gathers, and writable so that
+    torch.from_numpy of a batch shares its memory safely (a read-only block, such as pandas 3's,
+    is the one copy; see :func:`~dask_train.data._inputs.writable`).
     """
-    pair = (np.ascontiguousarray(x, dtype=dtype), None if y is None else np.ascontiguousarray(y))
+    pair = (writable(x, dtype), None if y is None else writable(y))
     if w is None:
         return pair
-    return (*pair, np.ascontiguousarray(w, dtype=np.float32))
+    return (*pair, writable(w, np.float32))
 
 
 def pair_parts(X: da.Array, y: da.Array | None, *, dtype: Any = None,

@@ -193,6 +193,29 @@ def as_records(X: Any, *, name: str = "X") -> Any:
     return da.concatenate(packed) if packed else da.empty((0,), dtype=dtype)
 
 
+def writable(a: Any, dtype: Any = None) -> np.ndarray:
+    """``a`` as a contiguous array (in ``dtype``) that may be written: itself when it is one,
+    else one copy.
+
+    pandas 3 hands out read-only views of its columns (``Series.to_numpy()``, a dask
+    DataFrame's ``to_dask_array`` blocks), as ``np.load(mmap_mode="r")`` does, and distributed
+    keeps the flag across the wire; a tensor made from such an array would share memory torch
+    cannot protect (its "The given NumPy array is not writable" warning), so the copy is made
+    once here, where the data enter, rather than for each batch.
+
+    Examples
+    --------
+    >>> a = np.arange(3)
+    >>> writable(a) is a
+    True
+    >>> a.flags.writeable = False
+    >>> writable(a).flags.writeable
+    True
+    """
+    out = np.ascontiguousarray(a, dtype=dtype)
+    return out if out.flags.writeable else out.copy()
+
+
 def to_numpy(part: Any, *, name: str = "X") -> Any:
     """``part`` in memory: several inputs packed as one record array (each computed), a dask
     collection computed, anything else as ``np.asarray`` reads it."""

@@ -103,10 +103,26 @@ class TrainingData:
         rows = -(-self.n_rows // want)
         logger.info("the training data has %d row blocks for %d ranks: rechunked to %d rows a "
                     "block", self.X.numblocks[0], readers, rows)
-        return dataclasses.replace(
-            self, X=self.X.rechunk({0: rows}),
-            y=None if self.y is None else self.y.rechunk({0: rows}),
-            weights=None if self.weights is None else self.weights.rechunk({0: rows}))
+        return self._rechunked(rows)
+
+    def with_row_blocks(self, rows: list[int]) -> TrainingData | None:
+        """The data cut into blocks of ``rows`` rows each, in order (a checkpoint's blocks, see
+        :func:`~dask_train.policy._ledger.written_rows`); None when it has another number of
+        rows in all, so cannot be."""
+        if sum(rows) != self.n_rows or not rows:
+            return None
+        if list(self.X.chunks[0]) == rows:
+            return self
+        logger.info("the training data is cut into the %d row blocks its checkpoint was written "
+                    "for (it has %d)", len(rows), self.X.numblocks[0])
+        return self._rechunked(tuple(rows))
+
+    def _rechunked(self, rows: int | tuple[int, ...]) -> TrainingData:
+        """X, y and the weights in row blocks of ``rows`` (dask's ``rechunk({0: rows})``)."""
+        def cut(a: Any) -> Any:
+            return None if a is None else a.rechunk({0: rows})
+
+        return dataclasses.replace(self, X=cut(self.X), y=cut(self.y), weights=cut(self.weights))
 
     def blocks(self, client: Any, *, mode: str, labels: bool, timeout: float) -> Any:
         """The :class:`~dask_train.data._blocks.BlockSet` a job trains on: in-memory data

@@ -460,9 +460,12 @@ class Ledger:
                  "was written by another version of dask-train; resume with that version."]
             )
         if [list(b) for b in state["blocks"]] != [[b.index, b.rows] for b in blocks]:
+            written = written_rows(state)
             raise InvalidInput(
-                ["the checkpoint's data ledger was written for other data blocks (indexes or rows "
-                 "differ): resume with the same data, chunked the same way."]
+                [f"the checkpoint's data ledger was written for {len(written)} data blocks of "
+                 f"{sum(written)} rows in all, the data has {len(blocks)} of "
+                 f"{sum(b.rows for b in blocks)} (rows a block differ): resume with the same "
+                 "data, chunked the same way."]
             )
         ledger = cls(blocks, trainers, epochs=epochs, shuffle=shuffle, seed=seed, epoch=int(state["epoch"]))
         same_count = len(state["pending"]) == len(ledger.trainers)
@@ -498,6 +501,21 @@ class Ledger:
             ledger._pending = ledger._split([i for i in ledger._epoch_order(ledger.epoch) if i in left])
         ledger._moved = {(int(e), int(b)): int(t) for e, b, t in state["moved"]}
         return ledger
+
+
+def written_rows(state: Mapping[str, Any]) -> list[int]:
+    """The rows of each block, in order, that a ledger :meth:`~Ledger.state` was written for:
+    a job resumed from it cuts the same data into these blocks (whatever cut the job that wrote
+    it chose, e.g. ``dt.run``'s rechunking for its number of ranks), so the ledger's entries
+    name the same rows again.
+
+    Examples
+    --------
+    >>> ledger = Ledger([Block(0, 0, 10), Block(1, 10, 6)], ["a"], epochs=1, shuffle=False)
+    >>> written_rows(ledger.state())
+    [10, 6]
+    """
+    return [int(rows) for _, rows in sorted((int(i), int(r)) for i, r in state["blocks"])]
 
 
 def patch_positions(ledger_state: dict[str, Any], positions: Mapping[int, Any]) -> dict[str, Any]:

@@ -2,21 +2,26 @@
 cut by its worker closing, a role's task cancelled by its worker's departure, a rank that failed
 because a peer died, a batched stream's close, scattered blocks dask-train sends again, a closed
 worker's stop queue read as its process ends, a transfer cut as its worker retired, a role's
-result gathered from a worker that left (the scheduler's ERROR, the client's orphaned waits).
-Each leaves every other record as distributed logs it. Installed on the workers by the plugin
-(:func:`quiet_worker`), on the scheduler by ``dt.connect`` or a job's first use of a client
-(:func:`quiet_scheduler`), and in the client's process (:func:`quiet_client`).
+result gathered from a worker that left (the scheduler's ERROR, the client's orphaned waits), a
+job's role that raised one of dask-train's own errors. Each leaves every other record as
+distributed logs it. Installed on the workers by the plugin (:func:`quiet_worker`), on the
+scheduler by ``dt.connect`` or a job's first use of a client (:func:`quiet_scheduler`), in the
+client's process (:func:`quiet_client`), and for one job's time by its controller
+(:func:`quiet_job`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
 import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-from distributed import Worker
+from distributed import Worker, WorkerPlugin
 
 from dask_train.runtime._calls import LEAVING_STATES
 
@@ -299,3 +304,112 @@ class _LostRoleResult(logging.Filter):
 
 
 _lost_role_result = _LostRoleResult()
+class _JobsOwnErrors(logging.Filter):
+    """Leaves out distributed's ERROR "Compute Failed" (with a traceback) of one job's task
+    that raised one of dask-train's own errors (:class:`~dask_train.DaskTrainError` and its
+    subclasses: an ``InvalidInput`` of ``ctx.dataset``, a ``BlockReadError``...).
+
+    The job's controller raises that error to its caller with its one clear message, as
+    ``RoleFailed: rank 0 on ... failed: InvalidInput: ...`` (the rank's traceback chained);
+    distributed's record, one per rank, printed before it, buried that message under tracebacks
+    of dask-train's own frames. Another job's records, a task's other errors (a user's own
+    ``ZeroDivisionError`` keeps its record) and every other record are left as they are.
+
+    Parameters
+    ----------
+    job : str
+        The job's id: its tasks' keys end with ``-{job}-g{generation}``.
+    """
+
+    def __init__(self, job: str) -> None:
+        super().__init__()
+        self.job = job
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR or not str(record.msg).startswith("Compute Failed"):
+            return True
+        return not (_own_task(record.args, self.job) and _own_error(record.args))
+
+
+def _own_task(args: Any, job: str) -> bool:
+    """Whether a "Compute Failed" record's key (its first argument) is a task of ``job``."""
+    key = str(args[0]) if isinstance(args, tuple) and args else ""
+    return key.startswith("dt-") and re.search(rf"-{re.escape(job)}-g\d+$", key) is not None
+
+
+def _own_error(args: Any) -> bool:
+    """Whether a "Compute Failed" record's exception (its fourth argument, the exception's
+    ``repr`` as distributed's worker formats it) is one of dask-train's own errors."""
+    from dask_train.errors import DaskTrainError
+
+    text = str(args[3]) if isinstance(args, tuple) and len(args) > 3 else ""
+    name = text.partition("(")[0]
+    own, stack = set(), [DaskTrainError]
+    while stack:  # every subclass, those defined outside dask_train.errors too
+        cls = stack.pop()
+        own.add(cls.__name__)
+        stack.extend(cls.__subclasses__())
+    return name in own
+
+
+class QuietJob(WorkerPlugin):
+    """A worker plugin installing :class:`_JobsOwnErrors` for one job in each worker's log
+    while the job runs (a worker that joins or restarts during the job gets it too: the
+    scheduler keeps the plugin until :func:`quiet_job` unregisters it, and its teardown
+    removes the filter again).
+
+    Parameters
+    ----------
+    job : str
+        The job's id.
+    """
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._filter: _JobsOwnErrors | None = None
+
+    def setup(self, worker: Worker) -> None:
+        self._filter = _JobsOwnErrors(self.job)
+        logging.getLogger("distributed.worker").addFilter(self._filter)
+
+    def teardown(self, worker: Worker) -> None:
+        if self._filter is not None:
+            logging.getLogger("distributed.worker").removeFilter(self._filter)
+            self._filter = None
+
+
+#: How long registering or unregistering a job's plugin may take: a scheduler whose worker
+#: just died may wait for it; the job goes on (with Dask's records) rather than wait longer.
+_PLUGIN_TIMEOUT_S = 10.0
+
+
+@asynccontextmanager
+async def quiet_job(client: Any, job: str) -> AsyncIterator[None]:
+    """Quiet distributed's "Compute Failed" records of ``job``'s tasks that raised dask-train's
+    own errors (:class:`QuietJob`) on every worker while the block runs, and only then: the
+    filter is removed again however the block ends, the user's own logging left as it was.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        An asynchronous use of the job's client (on its event loop).
+    job : str
+        The job's id.
+    """
+    from distributed.protocol.pickle import dumps
+
+    name = f"dt-quiet-{job}"
+    try:
+        await asyncio.wait_for(client.scheduler.register_worker_plugin(
+            plugin=dumps(QuietJob(job)), name=name, idempotent=False), _PLUGIN_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - quieter logs are no reason to fail the job
+        logging.getLogger(__name__).debug("job %s: its log filter was not installed: %r", job, exc)
+    try:
+        yield
+    finally:
+        try:
+            await asyncio.wait_for(client.scheduler.unregister_worker_plugin(name=name),
+                                   _PLUGIN_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a closed client: the workers went with it
+            logging.getLogger(__name__).debug("job %s: its log filter was not removed: %r",
+                                              job, exc)

@@ -12,7 +12,7 @@ import dask.array as da
 import numpy as np
 from distributed import Client, Future, futures_of
 
-from dask_train.data._inputs import to_numpy
+from dask_train.data._inputs import to_numpy, writable
 from dask_train.data._training import TrainingData
 from dask_train.runtime._calls import live_workers
 
@@ -107,7 +107,7 @@ def prepare_data(X: Any, y: Any, validation: Any, *, client: Client) -> SearchDa
     arrays go block by block as :class:`Resendable` parts (recomputed by Dask up to
     :data:`EMBED_SEARCH_BYTES`, sent again by the client beyond)."""
     # Several inputs or targets (a dict or tuple of arrays) are one array of records, as in fit.
-    Xv, yv = (np.ascontiguousarray(to_numpy(part, name=name))
+    Xv, yv = (writable(to_numpy(part, name=name))
               for part, name in zip(validation, ("X_val", "y_val")))
     data = TrainingData.of(X, y)  # as a fit reads them: xarray, frames, several inputs
     if not data.in_memory:
