@@ -17,6 +17,7 @@ from distributed import Client
 
 from dask_train.api._auto_strategy import choose
 from dask_train.api._build import (
+    check_trainer_room,
     fit_result,
     fit_roles,
     float_dtype,
@@ -79,6 +80,7 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
     validation = materialize(validation, dtype=float_dtype(plan.model), keep_dask=True)
     check_plan(plan, data, validation, resume=resume, mode=mode)
     cluster = client()
+    check_trainer_room(plan, cluster)
     t = time.time()
     spread = spread_validation(cluster, validation)
     plan.took("persist", t)
@@ -129,7 +131,7 @@ def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, 
     with Progress(total=spec.epochs * blocks.n_rows, enabled=spec.progress) as progress:
         started = time.time()
         controller = Controller(client, spec, make_engine=make_engine,
-                                plan_roles=replan_roles(plan, validation is not None),
+                                plan_roles=replan_roles(plan, validation is not None, client),
                                 roles=roles, rows=blocks.n_rows, progress=progress)
         outcome = controller.run_sync(resume=resume)
         progress.close(outcome.stopped_by)

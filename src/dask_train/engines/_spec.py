@@ -20,6 +20,7 @@ from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.policy._failure import FailureConfig
+from dask_train.policy._placement import Placement
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -94,6 +95,8 @@ class JobSpec:
     #: The most trainers workers that join may bring the job to (``workers=(least, most)``);
     #: None with ``workers=None`` (every worker); ``workers`` itself when it is a count.
     most_workers: int | None = -1
+    #: Where the trainers (ranks) may run: the Dask worker resources each holds.
+    placement: Placement = field(default_factory=Placement)
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
