@@ -97,11 +97,14 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
 def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, resume: bool,
          start: Any, mode: str) -> FitResult:
     from dask_train.runtime._devices import probe_devices
+    from dask_train.runtime._roles import trainer_workers
 
     s = plan.settings
     keras = is_keras_model(plan.model)  # TensorFlow places its math: no torch devices
     devices = probe_devices(client, "cpu" if keras else s.cluster.device,
-                            mixed_precision=s.cluster.mixed_precision)
+                            mixed_precision=s.cluster.mixed_precision,
+                            workers=trainer_workers(client, s.cluster.placement)
+                            if s.cluster.placement else None)
     plan = plan.chose(choose(plan, client, cast_quietly(data, plan.model), data.y,
                              device_kind=devices.kind))
     if devices.kind == "cuda" or devices.precision:

@@ -373,7 +373,8 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
     blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
                                     mode=str(job.data_mode), timeout=timeout)
     clock["persist"] = time.time() - t
-    devices = probe_devices(client, job.cluster.device)
+    devices = probe_devices(client, job.cluster.device,
+                            workers=trainer_workers(client, placement) if placement else None)
     checkpoint = job.recovery.checkpoint_config()
     ahead, most_ahead = job.data.read_ahead()
     spec = JobSpec(

@@ -177,8 +177,12 @@ class RoleConfig:
 
     def device_for(self, address: str) -> str | None:
         """The torch device the roles on ``address`` use: the one chosen for that worker, the
-        current CUDA device for a worker that joined after the start, None for the CPU."""
+        current CUDA device for a worker that joined after the start, None for the CPU (also on
+        a worker without CUDA beside GPU workers: a scorer off the trainers' ``resources=``).
+        Called on the role's worker."""
         device = self.devices.get(address)
         if device is None and self.device_kind == "cuda":
-            device = "cuda"
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else None
         return device
