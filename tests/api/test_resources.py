@@ -181,3 +181,21 @@ def _two_reports(ctx):
             time.sleep(0.01)
         ctx.report({"my_epoch": float(epoch)}, checkpoint={"epoch": torch.tensor([epoch])})
     return {"address": get_worker().address}
+
+
+def test_search_reserves_each_trial_only_workers_with_the_resource(client):
+    X, y = data()
+    Xv, yv = dt.datasets.digits(n_samples=200, seed=3)
+    gpus = gpu_workers(client)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    trainer = dt.Trainer(net, workers=1, ps=1, resources=GPU, batch_size=64, timeout=60)
+    # Two trials at once need two gangs of one worker: the two GPU workers, never the plain one.
+    result = dt.search(trainer, {"lr": [1e-3, 3e-3]}, X, y, validation=(np.asarray(Xv),
+                       np.asarray(yv)), n_trials=2, max_concurrent=2, pruner=None, timeout=60,
+                       progress=False, client=client)
+    assert list(result.trials["state"]) == ["complete", "complete"]
+    assert {w for r in result.records for w in r.workers} == gpus
+    with pytest.raises(InvalidInput, match="each trial's gang needs 1 trainer"):
+        dt.search(dt.Trainer(net, workers=1, resources={"TPU": 1}), {"lr": [1e-3]}, X, y,
+                  validation=(np.asarray(Xv), np.asarray(yv)), n_trials=1, progress=False,
+                  client=client)
