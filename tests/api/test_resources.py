@@ -199,3 +199,16 @@ def test_search_reserves_each_trial_only_workers_with_the_resource(client):
         dt.search(dt.Trainer(net, workers=1, resources={"TPU": 1}), {"lr": [1e-3]}, X, y,
                   validation=(np.asarray(Xv), np.asarray(yv)), n_trials=1, progress=False,
                   client=client)
+
+
+def test_async_ps_with_every_worker_never_takes_in_one_without_the_resource(client):
+    # workers=None takes in every worker that is there and joins (the controller offers the job
+    # each live worker at every check): the plain worker, there all along, must be left out.
+    X, y = dt.datasets.digits(n_samples=6_000)
+    gpus = gpu_workers(client)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    result = dt.Trainer(net, strategy="async-ps", workers=None, ps=1, resources=GPU, epochs=8,
+                        batch_size=32, progress=False, client=client, timeout=60
+                        ).fit(X.rechunk(500), y.rechunk(500))
+    assert sorted(result.roles["trainer"]) == sorted(gpus)
+    assert result.wall_s > 1.5  # long enough for the controller's checks to offer it workers
