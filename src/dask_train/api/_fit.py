@@ -61,6 +61,10 @@ def check_plan(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bo
                          typed=lambda: data.X if array else cast_quietly(data, model),
                          factory=plan.factory)
     problems += check_data_mode(mode, in_memory=data.in_memory and not array, full_batch=array)
+    if array and s.cluster.resources:
+        # The numpy engine places its groups on every worker itself (engines.array).
+        problems.append(f"resources={s.cluster.resources!r} applies to the trainers of torch and "
+                        "Keras models; an ArrayModel's groups run on every worker: leave it out.")
     if problems:
         raise InvalidInput(problems)
 
