@@ -68,6 +68,10 @@ def test_run_command_names_every_problem_before_running(tmp_path: Path, capsys) 
     config.write_text("config: {lrr: 1}\ndata: {train: {X: X.npy, y: y.npy}}\n")
     assert main(["run", "mytrain:train", str(config), "--check"]) == 2
     assert "cannot be called with config={'lrr': 1}" in capsys.readouterr().err
+    # resources: is dt.run's resources=, checked with its words.
+    config.write_text("run: {resources: {GPU: 0}}\ndata: {train: {X: X.npy, y: y.npy}}\n")
+    assert main(["run", "mytrain:train", str(config), "--check"]) == 2
+    assert "resources={'GPU': 0} is invalid: GPU=0 is not" in capsys.readouterr().err
 
 
 # docs/own-loop.md's function, as a user copies it into mytrain.py (its dt.run call left out).

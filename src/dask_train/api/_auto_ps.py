@@ -35,11 +35,11 @@ def resolve_ps(plan: FitPlan, client: Client, X: Any, y: Any) -> tuple[int, dict
         return int(s.ps), {}
     if s.strategy == "sync":
         return 0, {}
-    from dask_train.runtime._roles import worker_threads
+    from dask_train.runtime._roles import trainer_workers, worker_threads
 
     model, probe_s = probe_model(plan, client, X, y)
     threads = worker_threads(client)
-    workers = s.cluster.trainers(len(threads))
+    workers = s.cluster.trainers(len(trainer_workers(client, s.cluster.placement)))
     choice = model.recommend_ps(workers=workers, max_ps=max(1, len(threads)))
     logger.info("ps='auto': %s (compute %.1f ms a step, link %.0f MB/s, %d parameters)",
                 choice.describe(), model.compute_s * 1e3, model.link_bytes_per_s / 1e6,

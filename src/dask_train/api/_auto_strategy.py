@@ -46,10 +46,12 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any, *, device_kind: str = 
     ``strategy="auto"`` (and ``ps="auto"``) the measured choice. ``X`` and ``y`` are the
     training dask arrays (the probe computes one batch of them). On GPU workers
     (``device_kind="cuda"``) "auto" is sync, one rank a worker, with the reason in the log."""
-    from dask_train.runtime._roles import worker_threads
+    from dask_train.runtime._roles import trainer_workers
 
     s = plan.settings
-    workers = s.cluster.trainers(len(worker_threads(client)))
+    # The workers that may hold a trainer: every worker, or those with the job's resources.
+    usable = trainer_workers(client, s.cluster.placement)
+    workers = s.cluster.trainers(len(usable))
     if s.strategy != AUTO:
         ps, noted = resolve_ps(plan, client, X, y)
         strategy = str(s.strategy)
@@ -57,7 +59,7 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any, *, device_kind: str = 
         return Choice(strategy, workers, ps, {"strategy": strategy, "workers": workers,
                                               "ps": ps, **noted})
     if device_kind == "cuda":
-        workers = min(workers, len(worker_threads(client)))  # one rank a worker process
+        workers = min(workers, len(usable))  # one rank a worker process
         logger.info("strategy='auto': sync on %d GPU workers. async-ps's servers keep the "
                     "parameters and optimizer state in host memory, so each of its steps "
                     "copies the gradients off the GPU and the parameters back: %s", workers,
@@ -67,7 +69,7 @@ def choose(plan: FitPlan, client: Client, X: Any, y: Any, *, device_kind: str = 
     from dask_train.policy._strategy import choose_strategy
 
     model, probe_s = probe_model(plan, client, X, y, cores=True)
-    addresses = sorted(worker_threads(client))
+    addresses = sorted(usable)
     measured: dict[str, float] = {}
     if model.shared_cores is not None and len(addresses) > 1 and host_memory_shards():
         # One machine: the candidates' whole steps measured there, not predicted.

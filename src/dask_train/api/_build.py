@@ -54,6 +54,7 @@ def job_spec(plan: FitPlan, *, start: Any, devices: Any = None, n_params: int | 
     ahead, most_ahead = data.read_ahead()
     return JobSpec(
         strategy=plan.strategy, workers=trainers, most_workers=s.cluster.most(),
+        placement=s.cluster.placement,
         batch_size=plan.per_trainer_batch(),
         epochs=int(data.epochs), shuffle=bool(data.shuffle), seed=int(data.seed),
         blocks_ahead=ahead, blocks_ahead_max=most_ahead, timeout=float(s.cluster.timeout),
@@ -83,41 +84,73 @@ def fit_roles(plan: FitPlan, client: Any, *, has_validation: bool) -> Roles:
 
     ensure_plugin(client)
     threads = worker_threads(client)
+    cluster = plan.settings.cluster
     if engine_entry(plan.strategy).one_rank_per_worker and plan.trainers > len(threads):
         # torch's default process group is one per process: one rank per Dask worker.
-        workers = plan.settings.cluster.workers
+        workers = cluster.workers
         raise InvalidInput([
             f"workers={workers} needs at least {plan.trainers} Dask workers and the cluster "
             f"has {len(threads)}: strategy={plan.strategy!r} runs one rank per worker process; "
-            "lower the least or add workers." if plan.settings.cluster.ranged else
+            "lower the least or add workers." if cluster.ranged else
             f"workers={workers} is more than the {len(threads)} Dask "
             f"workers of the cluster: strategy={plan.strategy!r} runs one rank per worker "
             "process; lower workers= or add workers."
         ])
-    return replan_roles(plan, has_validation)(threads, cap=False)
+    return replan_roles(plan, has_validation, client)(threads, cap=False)
 
 
-def replan_roles(plan: FitPlan, has_validation: bool) -> Any:
-    """The placement of a generation on the live workers: ``plan(alive)``. An engine of one
-    rank per worker takes as many ranks as there are workers left, up to its own (``cap``)."""
-    entry = engine_entry(plan.strategy)
-    scorer = int(plan.settings.scoring.scorer) if has_validation else 0
+def check_trainer_room(plan: FitPlan, client: Any) -> None:
+    """Refuse a fit with ``resources=`` whose trainers cannot all be placed, before its data is
+    put on the workers (see :func:`~dask_train.runtime._roles.check_room`): its least trainers,
+    one a worker for a strategy of ranks."""
+    from dask_train.runtime._roles import check_room
 
     cluster = plan.settings.cluster
+    if not cluster.placement:
+        return
+    strategy = str(plan.settings.strategy)
+    one_rank = strategy != "auto" and engine_entry(strategy).one_rank_per_worker
+    check_room(client, cluster.placement, need=plan.trainers, what=f"workers={cluster.workers!r}",
+               one_per_worker=one_rank)
+
+
+def replan_roles(plan: FitPlan, has_validation: bool, client: Any) -> Any:
+    """The placement of a generation on the live workers: ``plan(alive)``. An engine of one
+    rank per worker takes as many ranks as there are workers left, up to its own (``cap``).
+    With ``resources=``, trainers go only to the workers that declare them (as many on each as
+    its resources hold, one for a rank); servers and the scorer anywhere."""
+    from dask_train.data._cluster import declared_resources
+
+    entry = engine_entry(plan.strategy)
+    scorer = int(plan.settings.scoring.scorer) if has_validation else 0
+    cluster = plan.settings.cluster
+    placement = cluster.placement
 
     def place(alive: Mapping[str, int], cap: bool = True) -> Roles:
+        declared = {a: declared_resources(client).get(a, {}) for a in alive}
+        slots = placement.slots(declared) if placement else None
+        if slots is not None and entry.one_rank_per_worker:
+            slots = {a: 1 for a in slots}
+        room = len(alive) if slots is None else sum(slots.values())
         workers = plan.trainers
         if cluster.ranged:
             # As many as there are workers within (least, most): joiners bring it up to most.
-            workers = cluster.trainers(len(alive))
-            if entry.one_rank_per_worker and workers > len(alive):
-                raise InvalidInput([f"workers={cluster.workers!r}: only {len(alive)} Dask "
-                                    f"workers are left, fewer than the {workers} the job needs; "
-                                    "add workers or lower the least."])
-        if entry.one_rank_per_worker and cap:
-            workers = min(workers, len(alive))
+            workers = cluster.trainers(room)
+            if (entry.one_rank_per_worker or slots is not None) and workers > room:
+                raise InvalidInput([
+                    placement.too_few(need=workers, declared=declared,
+                                      what=f"workers={cluster.workers!r}") if slots is not None
+                    else f"workers={cluster.workers!r}: only {len(alive)} Dask workers are "
+                         f"left, fewer than the {workers} the job needs; add workers or lower "
+                         "the least."])
+        if (entry.one_rank_per_worker or slots is not None) and cap:
+            # A restart on fewer workers than it had: fewer ranks (trainers), none sharing.
+            workers = min(workers, room)
+        if slots is not None and not 0 < workers <= room:
+            raise InvalidInput([placement.too_few(need=max(workers, 1), declared=declared,
+                                                  what=f"workers={cluster.workers!r}")])
         return Roles(plan_roles(alive, ps=plan.servers if entry.servers else 0, worker=workers,
-                                scorer=scorer))
+                                scorer=scorer, slots=slots))
 
     return place
 

@@ -17,6 +17,7 @@ from distributed import Client
 
 from dask_train.api._auto_strategy import choose
 from dask_train.api._build import (
+    check_trainer_room,
     fit_result,
     fit_roles,
     float_dtype,
@@ -60,6 +61,10 @@ def check_plan(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bo
                          typed=lambda: data.X if array else cast_quietly(data, model),
                          factory=plan.factory)
     problems += check_data_mode(mode, in_memory=data.in_memory and not array, full_batch=array)
+    if array and s.cluster.resources:
+        # The numpy engine places its groups on every worker itself (engines.array).
+        problems.append(f"resources={s.cluster.resources!r} applies to the trainers of torch and "
+                        "Keras models; an ArrayModel's groups run on every worker: leave it out.")
     if problems:
         raise InvalidInput(problems)
 
@@ -79,6 +84,7 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
     validation = materialize(validation, dtype=float_dtype(plan.model), keep_dask=True)
     check_plan(plan, data, validation, resume=resume, mode=mode)
     cluster = client()
+    check_trainer_room(plan, cluster)
     t = time.time()
     spread = spread_validation(cluster, validation)
     plan.took("persist", t)
@@ -95,11 +101,14 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
 def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, resume: bool,
          start: Any, mode: str) -> FitResult:
     from dask_train.runtime._devices import probe_devices
+    from dask_train.runtime._roles import trainer_workers
 
     s = plan.settings
     keras = is_keras_model(plan.model)  # TensorFlow places its math: no torch devices
     devices = probe_devices(client, "cpu" if keras else s.cluster.device,
-                            mixed_precision=s.cluster.mixed_precision)
+                            mixed_precision=s.cluster.mixed_precision,
+                            workers=trainer_workers(client, s.cluster.placement)
+                            if s.cluster.placement else None)
     plan = plan.chose(choose(plan, client, cast_quietly(data, plan.model), data.y,
                              device_kind=devices.kind))
     if devices.kind == "cuda" or devices.precision:
@@ -129,7 +138,7 @@ def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, 
     with Progress(total=spec.epochs * blocks.n_rows, enabled=spec.progress) as progress:
         started = time.time()
         controller = Controller(client, spec, make_engine=make_engine,
-                                plan_roles=replan_roles(plan, validation is not None),
+                                plan_roles=replan_roles(plan, validation is not None, client),
                                 roles=roles, rows=blocks.n_rows, progress=progress)
         outcome = controller.run_sync(resume=resume)
         progress.close(outcome.stopped_by)

@@ -23,13 +23,14 @@ from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._interrupt import interrupted_early
 from dask_train.controller._wanted import placeholder, weigh_placeholders
 from dask_train.data._blocks import BlockSet
+from dask_train.data._cluster import declared_resources
 from dask_train.data._hf_datasets import as_arrays, kind_of
 from dask_train.data._inputs import is_lazy, writable
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput, release_frames
-from dask_train.policy._placement import Roles
+from dask_train.policy._placement import Placement, Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy._settings import (
     ClusterSettings,
@@ -38,7 +39,7 @@ from dask_train.policy._settings import (
     stop_problems,
 )
 from dask_train.policy.callbacks import run_callbacks
-from dask_train.runtime._roles import ensure_plugin, worker_threads
+from dask_train.runtime._roles import check_room, ensure_plugin, trainer_workers
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -58,7 +59,8 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         stop: Sequence[StopCondition] = (), callbacks: Sequence[Callback] = (),
         checkpoint: CheckpointConfig | str | None = None, failure: FailureConfig | None = None,
         resume: bool = False, seed: int = 0, shuffle: bool = True, blocks_ahead: int | str = "auto",
-        timeout: float = 120.0, device: str = "auto", data_mode: str = "auto") -> RunResult:
+        timeout: float = 120.0, device: str = "auto", data_mode: str = "auto",
+        resources: Mapping[str, float] | None = None) -> RunResult:
     """Run ``fn(ctx, **config)`` on one rank per Dask worker, as one job.
 
     Parameters
@@ -93,6 +95,13 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
         Longest wait for a rank (start, data, a report, the end), in seconds.
     device : {"auto", "cpu", "cuda"}
         ``ctx.device``: "auto" is the GPU when every worker has one (NCCL for the group).
+    resources : dict, optional
+        Dask worker resources each rank holds, ``{"GPU": 1}`` (as ``dask worker --resources
+        GPU=1`` declares them): ranks run only on workers that declare them, a lost rank's
+        worker is replaced only by one that does, and each rank's task holds them while it runs,
+        so another job's ranks cannot share its worker. The data's tasks go where Dask puts
+        them. Refused before any work, naming the workers with them, when fewer than the ranks
+        (the least of ``(least, most)``, waited for up to ``timeout``) have them free.
 
     Returns
     -------
@@ -181,7 +190,7 @@ class RunJob:
                               shuffle=s["shuffle"], seed=s["seed"],
                               blocks_ahead=s["blocks_ahead"]),
             cluster=ClusterSettings(workers=s["workers"], device=s["device"],
-                                    timeout=s["timeout"]),
+                                    timeout=s["timeout"], resources=s.get("resources")),
             # A rank's non-finite metric is reported, never a reason to stop: the function
             # decides what to do about its own loss.
             recovery=RecoverySettings(checkpoint=s["checkpoint"], failure=s["failure"],
@@ -337,9 +346,13 @@ def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any
     """Run the checked ``dt.run`` job on ``client``'s cluster."""
     ensure_plugin(client)
     timeout = float(job.cluster.timeout)
-    least, most = job.cluster.bounds(len(worker_threads(client)))
-    alive, asked = _wait_for_workers(client, least, timeout=timeout)
+    placement = job.cluster.placement
+    least, most = job.cluster.bounds(len(trainer_workers(client, placement)))
+    alive, asked = _wait_for_workers(client, least, timeout=timeout, placement=placement)
     try:
+        # Before the data moves: workers with the resources whose slots others hold now.
+        check_room(client, placement, need=least, what=f"workers={job.cluster.workers!r}",
+                   one_per_worker=True)
         return _run_on(client, job, alive, asked, least=least, most=most, timeout=timeout,
                        fn_blob=fn_blob, small=small, clock=clock)
     finally:
@@ -355,13 +368,15 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
     from dask_train.engines.run.context import RunSettings
     from dask_train.runtime._devices import probe_devices
 
+    placement = job.cluster.placement
     t = time.time()
     checkpoint = job.recovery.checkpoint_config()
     blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
                                     mode=str(job.data_mode), timeout=timeout,
                                     written=_written_rows(checkpoint) if job.resume else None)
     clock["persist"] = time.time() - t
-    devices = probe_devices(client, job.cluster.device)
+    devices = probe_devices(client, job.cluster.device,
+                            workers=trainer_workers(client, placement) if placement else None)
     ahead, most_ahead = job.data.read_ahead()
     spec = JobSpec(
         strategy="run", workers=most, batch_size=int(job.data.batch_size),
@@ -370,7 +385,7 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
         timeout=timeout, stop=list(job.stop), callbacks=list(job.callbacks),
         checkpoint=checkpoint, failure=job.recovery.failure_config(),
         on_nan=str(job.recovery.on_nan), device_kind=devices.kind,
-        devices=dict(devices.by_worker))
+        devices=dict(devices.by_worker), placement=placement)
     # The engine's own settings: what the user's function gets besides ctx's data.
     run = RunSettings(train=train, labels=labels, small=small,
                       checkpointing=checkpoint is not None, epochs=job.data.epochs,
@@ -379,6 +394,9 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
     engine_cls = engine_entry("run").engine_class()
 
     def plan(alive: Mapping[str, int]) -> Roles:
+        if placement:  # ranks only where the resources are (a replacement, a joiner too)
+            alive = placement.usable_for(alive, declared_resources(client), need=least,
+                                         what=f"workers={job.cluster.workers!r}")
         if len(alive) < least:
             raise InvalidInput([f"workers={job.cluster.workers!r}: only {len(alive)} Dask "
                                 f"workers are left, fewer than the {least} the job needs; add "
@@ -424,17 +442,17 @@ def _staging(config: Any) -> str:
     return StoragePath(path, config.storage_options) if config.storage_options else path
 
 
-def _wait_for_workers(client: Client, least: int, *,
-                      timeout: float) -> tuple[dict[str, int], list[Any]]:
+def _wait_for_workers(client: Client, least: int, *, timeout: float,
+                      placement: Placement) -> tuple[dict[str, int], list[Any]]:
     """The live workers, once there are at least ``least`` of them (up to ``timeout``), and the
     placeholder tasks that asked for them, for the job's controller to hold until its ranks run.
 
     While it waits, the scheduler holds ``least`` placeholder tasks, so that an adaptive cluster
     grows to them (see :mod:`dask_train.controller._wanted`): not one per worker lacking, as a
     running job holds, since the workers there are have no task yet and the scheduler's target
-    counts the tasks only."""
+    counts the tasks only. With resources, the workers counted are those that declare them."""
     deadline = time.monotonic() + timeout
-    alive = worker_threads(client)
+    alive = trainer_workers(client, placement)
     asked: list[Any] = []
     if len(alive) < least and current_scope() is None:
         token = uuid.uuid4().hex[:12]
@@ -443,11 +461,15 @@ def _wait_for_workers(client: Client, least: int, *,
     try:
         while len(alive) < least:
             if time.monotonic() > deadline:
+                if placement:
+                    raise InvalidInput([placement.too_few(
+                        need=least, what=f"workers={least} (after {timeout:g} s)",
+                        declared=declared_resources(client))])
                 raise InvalidInput([f"workers={least} or more are needed but the cluster has "
                                     f"{len(alive)} Dask workers after {timeout:g} s: add "
                                     "workers, or ask for fewer ranks."])
             time.sleep(0.2)
-            alive = worker_threads(client)
+            alive = trainer_workers(client, placement)
     except BaseException:
         if asked:
             client.cancel(asked)

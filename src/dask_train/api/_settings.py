@@ -176,7 +176,7 @@ PARAMETERS: dict[str, str | None] = {
     "shuffle": "data", "seed": "data", "prefetch": "model", "grad_accumulation": "model",
     "blocks_ahead": "data", "timeout": "cluster", "progress": None, "checkpoint": "recovery",
     "failure": "recovery", "on_nan": "recovery", "device": "cluster",
-    "mixed_precision": "cluster", "client": None,
+    "mixed_precision": "cluster", "resources": "cluster", "client": None,
 }
 
 _RECORDS = {"model": ModelSettings, "data": DataSettings, "cluster": ClusterSettings,

@@ -160,6 +160,19 @@ class Trainer:
         Autocast the forward pass: ``True`` is bfloat16 where the device supports it (CPUs and
         recent GPUs), else float16 with dynamic loss scaling. Parameters, gradients and the
         optimizer stay float32.
+    resources : dict, optional
+        Dask worker resources each trainer (async-ps) or rank (sync) holds, ``{"GPU": 1}``, as
+        ``dask worker --resources GPU=1`` declares them (dask-cuda's and dask-jobqueue's
+        convention): trainers run only on workers that declare them, as many on one worker as
+        its amount holds (one rank a worker for sync), and each trainer's task holds them while
+        it runs, so two jobs never share one GPU worker. A lost trainer's worker is replaced,
+        and a joining worker taken, only when it declares them. Parameter servers and the
+        scorer hold none and go where placement puts them, the least-loaded workers: those
+        without trainers when the cluster has any (a server applies updates in host memory and
+        needs no GPU; beside the trainers it would take their workers' CPU and memory), else
+        beside them. The data's tasks go where Dask puts them. Refused before any work, naming
+        the resource and the workers that have it, when fewer trainers than ``workers`` (its
+        least) fit on them, or when other tasks hold them now.
     client : distributed.Client, optional
         Defaults to the current client, or an embedded cluster from :func:`dask_train.connect`.
 
@@ -203,6 +216,7 @@ class Trainer:
         on_nan: str = "stop",
         device: str = "auto",
         mixed_precision: bool | str = False,
+        resources: Mapping[str, float] | None = None,
         client: Client | None = None,
     ) -> None:
         self.module = module
@@ -234,6 +248,7 @@ class Trainer:
         self.on_nan = on_nan
         self.device = device
         self.mixed_precision = mixed_precision
+        self.resources = resources
         self.client = client
         # What this Trainer keeps between fits (never a fit's plan): the last fit's model, for
         # warm_start, and its trainers; the model a factory built, once per factory.

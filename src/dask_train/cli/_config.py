@@ -35,6 +35,7 @@ trainer:                            # any dt.Trainer argument
   workers: 2
   batch_size: 128
   epochs: 3
+  # resources: {GPU: 1}             # trainers only on workers started with --resources GPU=1
 stop: {accuracy: 0.97, seconds: 600}  # dt.StopAtScore per score; seconds/minutes: dt.StopAfter
 search:
   space:

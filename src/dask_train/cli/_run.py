@@ -29,6 +29,7 @@ run:                                # dt.run's arguments
   checkpoint: runs/ckpt             # a directory or fsspec URL; keep: 3
   max_failures: 3
   resume: false
+  # resources: {GPU: 1}             # ranks only on workers started with --resources GPU=1
 stop: {accuracy: 0.97, minutes: 30}
 cluster: {scheduler: null, n_workers: 2}
 out: runs/mine                      # the run writes into runs/mine/run
@@ -36,7 +37,7 @@ out: runs/mine                      # the run writes into runs/mine/run
 
 _SECTIONS = ("config", "data", "run", "stop", "cluster", "out")
 _RUN_KEYS = ("workers", "epochs", "batch_size", "seed", "shuffle", "blocks_ahead", "timeout",
-             "device", "checkpoint", "keep", "max_failures", "resume")
+             "device", "checkpoint", "keep", "max_failures", "resume", "resources")
 
 
 def add_run_command(commands: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from distributed import Client
@@ -17,4 +18,26 @@ def live_workers(client: Client) -> dict[str, Any]:
     every 5 ms), and a search once took a running trial's live worker for lost.
     """
     info = client.sync(client.scheduler.identity, n_workers=-1)
-    return dict(info.get("workers", {}))
+    workers = dict(info.get("workers", {}))
+    note_resources(client, workers)
+    return workers
+
+
+#: Attribute of a client: the Dask worker resources each listed worker declares, as last seen.
+_DECLARED = "_dask_train_declared_resources"
+
+
+def note_resources(client: Client, workers: Mapping[str, Any]) -> None:
+    """Remember what each worker of a scheduler's listing (address -> its record) declares.
+
+    Every listing the jobs take (:func:`live_workers`, ``runtime._calls.alive_workers``) notes
+    it, so that a placement made from that listing, in the client's event loop where nothing
+    may wait on the scheduler, reads the resources of the very workers it was given
+    (:func:`declared_resources`). A worker declares them when it starts.
+    """
+    setattr(client, _DECLARED, {a: dict(w.get("resources") or {}) for a, w in workers.items()})
+
+
+def declared_resources(client: Client) -> dict[str, dict[str, float]]:
+    """Worker address -> the resources it declares, from the client's latest listing."""
+    return dict(getattr(client, _DECLARED, {}))

@@ -20,6 +20,7 @@ from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.policy._failure import FailureConfig
+from dask_train.policy._placement import Placement
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -94,6 +95,8 @@ class JobSpec:
     #: The most trainers workers that join may bring the job to (``workers=(least, most)``);
     #: None with ``workers=None`` (every worker); ``workers`` itself when it is a count.
     most_workers: int | None = -1
+    #: Where the trainers (ranks) may run: the Dask worker resources each holds.
+    placement: Placement = field(default_factory=Placement)
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -174,8 +177,12 @@ class RoleConfig:
 
     def device_for(self, address: str) -> str | None:
         """The torch device the roles on ``address`` use: the one chosen for that worker, the
-        current CUDA device for a worker that joined after the start, None for the CPU."""
+        current CUDA device for a worker that joined after the start, None for the CPU (also on
+        a worker without CUDA beside GPU workers: a scorer off the trainers' ``resources=``).
+        Called on the role's worker."""
         device = self.devices.get(address)
         if device is None and self.device_kind == "cuda":
-            device = "cuda"
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else None
         return device

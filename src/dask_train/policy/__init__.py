@@ -6,7 +6,13 @@ distributed runtime or an ML framework, so every rule is tested without a cluste
 from dask_train.policy._cost import CostModel, Measured, Prediction, Recommendation, calibrate
 from dask_train.policy._failure import Action, Decision, Failure, FailureConfig, JobStatus, decide
 from dask_train.policy._ledger import Assignment, Block, Ledger, LedgerEntry
-from dask_train.policy._placement import Roles, balance_blocks, check_role_counts, plan_roles
+from dask_train.policy._placement import (
+    Placement,
+    Roles,
+    balance_blocks,
+    check_role_counts,
+    plan_roles,
+)
 from dask_train.policy.callbacks import Callback, History, run_callbacks
 from dask_train.policy.stop import (
     EarlyStopping,
@@ -32,6 +38,7 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "Measured",
+    "Placement",
     "Prediction",
     "Recommendation",
     "Roles",

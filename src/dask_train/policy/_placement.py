@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from dask_train.errors import InvalidInput
 
@@ -90,7 +94,8 @@ class Roles(Mapping[str, list[str]]):
 
 
 def plan_roles(
-    workers: Mapping[str, int], *, ps: int, worker: int, scorer: int
+    workers: Mapping[str, int], *, ps: int, worker: int, scorer: int,
+    slots: Mapping[str, int] | None = None,
 ) -> dict[str, list[str]]:
     """Place roles on workers, spreading load; pure and deterministic.
 
@@ -104,24 +109,170 @@ def plan_roles(
         Worker address -> number of Dask threads.
     ps, worker, scorer : int
         Number of parameter servers, trainers and scorers.
+    slots : mapping of str to int, optional
+        Trainers only on these workers, at most this many on each (see
+        :meth:`Placement.slots`); servers and the scorer still go anywhere in ``workers``, and
+        so, being placed after the trainers, to the least loaded: workers without trainers.
 
     Examples
     --------
     >>> plan_roles({"a": 1, "b": 1}, ps=1, worker=2, scorer=1)
     {'trainer': ['a', 'b'], 'ps': ['a'], 'scorer': ['b']}
+    >>> plan_roles({"a": 1, "gpu": 1}, ps=1, worker=1, scorer=1, slots={"gpu": 1})
+    {'trainer': ['gpu'], 'ps': ['a'], 'scorer': ['a']}
     """
     if not workers:
         raise InvalidInput(["the cluster has no workers: start at least one Dask worker."])
     load = {addr: 0.0 for addr in sorted(workers)}
+    placed = {addr: 0 for addr in load}
     placement: dict[str, list[str]] = {}
     for kind, count in (("trainer", worker), ("ps", ps), ("scorer", scorer)):
         placement[kind] = []
         for _ in range(count):
+            room = list(load) if kind != "trainer" or slots is None else \
+                [a for a in load if placed[a] < slots.get(a, 0)]
+            if not room:
+                raise InvalidInput([f"workers={worker} do not fit: the workers with the job's "
+                                    f"resources hold {sum((slots or {}).values())} trainers."])
             # Least loaded first; ties go to the worker with more threads, then to address order.
-            addr = min(load, key=lambda a: (load[a] / max(workers[a], 1), -workers[a], a))
+            addr = min(room, key=lambda a: (load[a] / max(workers[a], 1), -workers[a], a))
             placement[kind].append(addr)
             load[addr] += _WEIGHT[kind]
+            placed[addr] += kind == "trainer"
     return placement
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which Dask workers may run a job's trainers (async-ps trainers, sync and ``dt.run``
+    ranks): those that declare the Dask worker ``resources`` each trainer needs.
+
+    A worker declares resources when it starts (``dask worker --resources GPU=1``,
+    ``Nanny(resources={"GPU": 1})``; dask-cuda's and dask-jobqueue's convention). A trainer's
+    task asks for them (:attr:`task_resources`), so it runs only there and holds them while it
+    runs: a second job's trainer waits for the worker instead of sharing its GPU. The job's
+    other tasks (feeds, saves, pulls) ask for none, so they never wait on the trainer's slot.
+    Parameter servers and the scorer ask for none either: they go to the least-loaded workers,
+    which are the ones without trainers when there are any.
+
+    Parameters
+    ----------
+    resources : mapping of str to number, optional
+        Resource name -> amount each trainer holds; empty (the default): every worker.
+
+    Examples
+    --------
+    >>> gpu = Placement.of({"GPU": 1})
+    >>> gpu.slots({"tcp://a:1": {}, "tcp://b:2": {"GPU": 2}, "tcp://c:3": {"GPU": 1}})
+    {'tcp://b:2': 2, 'tcp://c:3': 1}
+    >>> Placement.of(None).slots({"tcp://a:1": {}})
+    {'tcp://a:1': 1}
+    """
+
+    resources: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, resources: Any, *, name: str = "resources") -> Placement:
+        """The placement of ``resources=`` (None or a mapping), checked.
+
+        Raises
+        ------
+        InvalidInput
+            Naming ``name``, the value and the fix (see :func:`resource_problems`).
+        """
+        problems = resource_problems(resources, name=name)
+        if problems:
+            raise InvalidInput(problems)
+        return cls({str(k): float(v) for k, v in (resources or {}).items()})
+
+    def __bool__(self) -> bool:
+        return bool(self.resources)
+
+    @property
+    def task_resources(self) -> dict[str, float] | None:
+        """What a trainer's task asks of Dask (``client.submit(resources=...)``); None: nothing."""
+        return dict(self.resources) or None
+
+    def fits(self, declared: Mapping[str, float]) -> int:
+        """How many trainers a worker that declares ``declared`` can hold at once (1 when the
+        job needs no resources: one trainer per worker, as placement spreads them)."""
+        if not self.resources:
+            return 1
+        return min(int(math.floor(float(declared.get(r, 0)) / amount + 1e-9))
+                   for r, amount in self.resources.items())
+
+    def slots(self, declared: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
+        """Worker address -> the trainers it can hold, for the workers of ``declared`` (address
+        -> the resources it declares) that can hold one."""
+        return {a: n for a, n in ((a, self.fits(r)) for a, r in declared.items()) if n > 0}
+
+    def usable(self, alive: Mapping[str, int],
+               declared: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
+        """Those of ``alive`` (address -> threads) that can hold a trainer."""
+        if not self.resources:
+            return dict(alive)
+        can = self.slots({a: declared.get(a, {}) for a in alive})
+        return {a: n for a, n in alive.items() if a in can}
+
+    def usable_for(self, alive: Mapping[str, int], declared: Mapping[str, Mapping[str, float]],
+                   *, need: int, what: str) -> dict[str, int]:
+        """:meth:`usable`, refused (:meth:`too_few`) when fewer than ``need`` are.
+
+        Raises
+        ------
+        InvalidInput
+        """
+        usable = self.usable(alive, declared)
+        if len(usable) < need:
+            raise InvalidInput([self.too_few(need=need, what=what, declared={
+                a: declared.get(a, {}) for a in alive})])
+        return usable
+
+    @property
+    def shown(self) -> str:
+        """The resources as the user wrote them: ``{'GPU': 1}``."""
+        return "{" + ", ".join(f"{r!r}: {v:g}" for r, v in self.resources.items()) + "}"
+
+    def describe(self) -> str:
+        """``GPU=1`` (``dask worker --resources``'s spelling)."""
+        return ",".join(f"{r}={v:g}" for r, v in self.resources.items())
+
+    def too_few(self, *, need: int, declared: Mapping[str, Mapping[str, float]],
+                what: str) -> str:
+        """The refusal of a job whose ``what`` (``"workers=4"``) needs ``need`` trainers when
+        the workers of ``declared`` hold fewer: names the resource, the workers that have it
+        and the fix."""
+        slots = self.slots(declared)
+        have = sum(slots.values())
+        others = sorted({r for d in declared.values() for r in d} - set(self.resources))
+        where = ", ".join(f"{a} ({n})" if n > 1 else a for a, n in sorted(slots.items()))
+        return (f"resources={self.shown}: {what} needs {need} trainer(s) on workers "
+                f"with {self.describe()} and the cluster's {len(declared)} workers have room "
+                f"for {have}{f' ({where})' if where else ''}"
+                f"{f'; resources declared: {others}' if others and not slots else ''}. Start "
+                f"workers with `dask worker --resources {self.describe()}`, lower workers=, or "
+                "drop resources=.")
+
+
+def resource_problems(resources: Any, *, name: str = "resources") -> list[str]:
+    """Problems with a ``resources=`` value: None, or a mapping of resource name (str) to an
+    amount > 0 (``{"GPU": 1}``); one message each."""
+    if resources is None:
+        return []
+    fix = (f"pass a mapping of Dask worker resource name to the amount each trainer holds, "
+           f"{name}={{'GPU': 1}}, as `dask worker --resources GPU=1` declares them")
+    if not isinstance(resources, Mapping):
+        return [f"{name}={resources!r} is invalid: {fix}."]
+    problems = []
+    for key, amount in resources.items():
+        if not isinstance(key, str) or not key:
+            problems.append(f"{name}={dict(resources)!r} is invalid: the resource name "
+                            f"{key!r} is not a non-empty str; {fix}.")
+        elif isinstance(amount, bool) or not isinstance(amount, numbers.Real) or \
+                not math.isfinite(amount) or amount <= 0:
+            problems.append(f"{name}={dict(resources)!r} is invalid: {key}={amount!r} is not "
+                            f"a finite number > 0 (a job that needs none leaves it out); {fix}.")
+    return problems
 
 
 def check_role_counts(*, ps: object, worker: object, scorer: object, min_ps: int = 1) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dask_train.policy._data_mode import read_ahead
+from dask_train.policy._placement import Placement, resource_problems
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -148,6 +149,8 @@ class ClusterSettings:
     device: Any = "auto"
     mixed_precision: Any = False
     timeout: Any = 60.0
+    #: Dask worker resources each trainer (rank) holds, ``{"GPU": 1}``; None: any worker.
+    resources: Any = None
 
     def problems(self, *, ranges: bool = False) -> list[str]:
         """What is wrong with these values; ``ranges``: ``(least, most)`` and None are allowed."""
@@ -163,7 +166,14 @@ class ClusterSettings:
             problems = int_at_least("workers", w, 1)
         problems += device_problems(self.device, self.mixed_precision)
         problems += positive("timeout", self.timeout)
+        problems += resource_problems(self.resources)
         return problems
+
+    @property
+    def placement(self) -> Placement:
+        """Where the trainers may run (:class:`~dask_train.policy._placement.Placement`);
+        call after :meth:`problems` found none."""
+        return Placement.of(self.resources)
 
     @property
     def ranged(self) -> bool:

@@ -11,6 +11,7 @@ from distributed.protocol.pickle import dumps
 
 # Asked of the scheduler by the data layer too: defined there, one function for both.
 from dask_train.data._cluster import live_workers as live_workers
+from dask_train.data._cluster import note_resources
 from dask_train.policy._scope import in_scope
 
 #: Worker states in which a worker is on its way out: still listed, never given a new role.
@@ -55,6 +56,7 @@ async def asked_to_retire(client: Client, addresses: Iterable[str]) -> set[str]:
 async def _listed(client: Client) -> dict[str, tuple[int, str | None]]:
     """The workers the scheduler lists now (in the job's scope): threads and status."""
     info = (await client.scheduler.identity()).get("workers", {})
+    note_resources(client, info)
     return in_scope({addr: (int(w.get("nthreads", 1)), w.get("status"))
                      for addr, w in info.items()})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,9 +130,15 @@ def assign_devices(requested: str, info: Mapping[str, Mapping[str, Any]], *,
     return Devices(kind, by_worker, precision)
 
 
-def probe_devices(client: Client, requested: str, *, mixed_precision: Any = False) -> Devices:
-    """Ask every worker for its CUDA devices (unless ``requested`` is "cpu") and resolve them."""
+def probe_devices(client: Client, requested: str, *, mixed_precision: Any = False,
+                  workers: Collection[str] | None = None) -> Devices:
+    """Ask every worker for its CUDA devices (unless ``requested`` is "cpu") and resolve them.
+
+    ``workers``: only those (the ones that may hold a trainer, with ``resources=``): a GPU
+    cluster's CPU workers, which run only servers and the scorer, then leave "auto" the GPU.
+    """
     if requested == "cpu":
         return assign_devices("cpu", {}, mixed_precision=mixed_precision)
-    info: dict[str, dict[str, Any]] = client.run(_cuda_info)
+    info: dict[str, dict[str, Any]] = client.run(
+        _cuda_info, workers=sorted(workers) if workers is not None else None)
     return assign_devices(requested, info, mixed_precision=mixed_precision)

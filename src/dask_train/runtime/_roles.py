@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from distributed import Client
 
+from dask_train.data._cluster import declared_resources
 from dask_train.errors import InvalidInput
-from dask_train.policy._placement import Roles, check_role_counts, plan_roles
+from dask_train.policy._placement import Placement, Roles, check_role_counts, plan_roles
 from dask_train.policy._scope import in_scope
 from dask_train.runtime._calls import live_workers
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin, handler_names
@@ -48,6 +51,52 @@ def worker_threads(client: Client) -> dict[str, int]:
     """Live worker address -> its number of Dask threads (in the current job's scope)."""
     info = live_workers(client)
     return in_scope({addr: int(w.get("nthreads", 1)) for addr, w in info.items()})
+
+
+def trainer_workers(client: Client, placement: Placement) -> dict[str, int]:
+    """Live workers (in the job's scope) that can hold one of its trainers: address -> threads."""
+    return placement.usable(worker_threads(client), declared_resources(client))
+
+
+def check_room(client: Client, placement: Placement, *, need: int, what: str,
+               one_per_worker: bool) -> None:
+    """Refuse, before any work, a job whose ``what`` (``"workers=4"``) needs ``need`` trainers
+    when the workers with its resources cannot hold them all: too few declare them, or other
+    tasks (another job's trainers) hold them now, which the job's trainers would wait for until
+    its timeout. A job without resources passes.
+
+    Raises
+    ------
+    InvalidInput
+        Naming the resource, the workers that have it and the fix.
+    """
+    if not placement:
+        return
+    threads = worker_threads(client)
+    declared = {a: r for a, r in declared_resources(client).items() if a in threads}
+    slots = placement.slots(declared)
+    if one_per_worker:  # a rank is one process's torch group: one a worker, whatever it has
+        slots = {a: 1 for a in slots}
+    if sum(slots.values()) < need:
+        raise InvalidInput([placement.too_few(need=need, declared=declared, what=what)])
+    used: dict[str, dict[str, float]] = client.run_on_scheduler(_used_resources)
+    free = {a: min(n, placement.fits({r: declared[a].get(r, 0) - used.get(a, {}).get(r, 0)
+                                      for r in placement.resources}))
+            for a, n in slots.items()}
+    if sum(free.values()) < need:
+        busy = sorted(a for a in slots if free[a] < slots[a])
+        raise InvalidInput([
+            f"resources={placement.shown}: {what} needs {need} trainer(s) on "
+            f"workers with {placement.describe()}, and tasks running now hold them on {busy} "
+            f"(another job's trainers?): {sum(free.values())} are free. Wait for that job to "
+            "end, add workers with the resources, or lower workers=."])
+
+
+def _used_resources(dask_scheduler: Any = None) -> dict[str, dict[str, float]]:
+    """Run on the scheduler: what the tasks processing on each worker hold of its resources
+    (the scheduler's listing says what a worker declares, not what is taken)."""
+    return {a: dict(ws.used_resources) for a, ws in dask_scheduler.workers.items()
+            if ws.used_resources}
 
 
 def ensure_plugin(client: Client) -> None:

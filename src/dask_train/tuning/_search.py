@@ -24,6 +24,7 @@ from typing import Any
 
 from distributed import Client
 
+from dask_train.data._cluster import declared_resources
 from dask_train.errors import InvalidInput
 from dask_train.policy.stop import StopCondition, check_stop
 from dask_train.runtime import default_client
@@ -147,9 +148,13 @@ def _trials_at_once(runner: TrialRunner, space: Space, stops: list[StopCondition
     """How many trials run at once (``max_concurrent``, else as many as the cluster's workers
     hold); the problems of the trials on this cluster raised at once."""
     problems = runner.problems() + stop_problems(stops, metric)
-    alive = len(live_workers(client))
     need = runner.workers_needed(space.first())
-    if need > alive:
+    placement = runner.placement(space.first())
+    alive = len(placement.usable({a: 1 for a in live_workers(client)}, declared_resources(client)))
+    if need > alive and placement:
+        problems.append(placement.too_few(need=need, what="each trial's gang",
+                                          declared=declared_resources(client)))
+    elif need > alive:
         problems.append(f"each trial needs {need} workers and the cluster has {alive}: lower "
                         "workers_per_trial (or the Trainer's workers=) or add workers.")
     if problems:
@@ -294,7 +299,9 @@ class _Search:
 
     def _start(self, pending: _Pending) -> bool:
         trial, params = pending.trial, pending.params
-        alive = live_workers(self.client)
+        # Only workers that declare the trial's resources (every worker without any).
+        alive = self.runner.placement(pending.params).usable(
+            {a: 1 for a in live_workers(self.client)}, declared_resources(self.client))
         gang = self.book.take(alive, need=pending.need, trial=trial.number)
         if gang is None:
             return False

@@ -13,6 +13,7 @@ from distributed import Client
 from dask_train.api import Trainer
 from dask_train.errors import InvalidInput
 from dask_train.models._array import ArrayModel
+from dask_train.policy._placement import Placement, resource_problems
 from dask_train.policy._scope import use_workers
 from dask_train.tuning._data import SearchData
 from dask_train.tuning._space import Space
@@ -119,6 +120,12 @@ class TrainerTrials(TrialRunner):
         workers = self.split(params)[0].get("workers", self.trainer.workers)
         # A range reserves its least: the trial's job then runs with those.
         return int(workers[0] if isinstance(workers, tuple) else 1 if workers is None else workers)
+
+    def placement(self, params: Mapping[str, Any]) -> Placement:
+        # The trial's gang is only workers with its trainers' resources, so the job's servers
+        # and scorer share them (a trial runs on its gang alone).
+        resources = self.split(params)[0].get("resources", self.trainer.resources)
+        return Placement() if resource_problems(resources) else Placement.of(resources)
 
     def _module(self, params: Mapping[str, Any], seed: int) -> Any:
         if self.factory is None:

@@ -23,6 +23,7 @@ from typing import Any
 import pandas as pd
 
 from dask_train.errors import WorkerLost
+from dask_train.policy._placement import Placement
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -93,6 +94,11 @@ class TrialRunner(ABC):
     @abstractmethod
     def workers_needed(self, params: Mapping[str, Any]) -> int:
         """How many workers a trial with ``params`` reserves."""
+
+    def placement(self, params: Mapping[str, Any]) -> Placement:
+        """Which workers a trial with ``params`` may reserve: those declaring the resources its
+        trainers hold (a Trainer's ``resources=``); default: every worker."""
+        return Placement()
 
     def prepare(self) -> None:
         """Work done once before the first trial (persisting data)."""

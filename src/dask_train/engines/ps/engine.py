@@ -8,6 +8,7 @@ import logging
 import secrets
 from collections.abc import Mapping
 
+from dask_train.data._cluster import declared_resources
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders import host_memory
@@ -88,6 +89,8 @@ class AsyncPSEngine(RoleEngine):
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
         """A worker that joined (a restarted one too) gets a trainer, up to ``workers`` (its
         most, for ``workers=(least, most)``; every worker for None)."""
+        # Only a worker that declares the job's resources takes a trainer (see Placement).
+        alive = self.spec.placement.usable(alive, declared_resources(self.client))
         live = self.live()
         cap = self.spec.trainer_cap
         room = len(alive) if cap is None else cap - len(live)

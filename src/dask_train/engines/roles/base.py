@@ -155,7 +155,8 @@ class RoleEngine(Engine):
     def _trainer_task(self, index: int, address: str) -> Future:
         return self.pinned(type(self).run_trainer, self.module_f, address=address,
                            key=f"dt-trainer-{index}", job=self.job, index=index,
-                           shards=self.shards, config=self.config)
+                           shards=self.shards, config=self.config,
+                           resources=self.spec.placement.task_resources)
 
     async def start_scorer(self, address: str) -> None:
         """Start (or restart, on another worker) the scorer on ``address``."""

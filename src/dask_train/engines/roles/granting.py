@@ -27,17 +27,20 @@ from dask_train.runtime._enqueue import feed_block
 
 
 def pin(client: Client, generation: str, fn: Any, /, *args: Any, address: str, key: str,
-        retries: int = 0, **kwargs: Any) -> Future:
+        retries: int = 0, resources: dict[str, float] | None = None, **kwargs: Any) -> Future:
     """Submit ``fn`` to run exactly once on ``address``, under a key of ``generation`` (a job's
     key on the workers; ``kwargs`` go to ``fn``, ``job=`` among them).
 
     Pinned with no fallback: a role's state lives on that worker. ``pure=False``: each call has
     side effects. retries stay 0 for roles: a lost role is the controller's decision, not a
     silent re-run elsewhere; a streamed block's feed is tried ``retries`` more times, on the same
-    worker, when its read fails (it queues nothing before the read succeeded).
+    worker, when its read fails (it queues nothing before the read succeeded). ``resources``:
+    the Dask worker resources the task holds while it runs (a trainer's, see
+    :class:`~dask_train.policy._placement.Placement`); the job's other tasks ask for none.
     """
     return client.submit(fn, *args, workers=[address], allow_other_workers=False, pure=False,
-                         retries=retries or None, key=f"{key}-{generation}", **kwargs)
+                         retries=retries or None, key=f"{key}-{generation}",
+                         resources=resources, **kwargs)
 
 
 class Granter:

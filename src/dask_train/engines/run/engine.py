@@ -116,7 +116,7 @@ class RunEngine(TorchSyncEngine):
             self.trainer_futures.append(self.pinned(
                 run_user_rank, self.fn_blob, address=address, key=f"dt-rank-{i}", job=self.job,
                 index=i, config=self.config, run=run,
-                user_config=self.user_config))
+                user_config=self.user_config, resources=self.spec.placement.task_resources))
         if not self.blocks.blocks:
             return  # no data: nothing to grant (the ledger would plan empty epochs forever)
         for _ in range(self.spec.blocks_ahead):
