@@ -90,7 +90,21 @@ def test_trainer_puts_trainers_and_ranks_on_them_and_servers_beside(client):
         assert result.steps > 0
 
 
+def _gpus_free(client: Client, timeout: float = 30.0) -> None:
+    """Wait until no task holds a GPU slot: an earlier test's role task keeps its worker's slot
+    until its thread returns, a moment after its job ended (the refusal counts free room)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        used = client.run_on_scheduler(lambda dask_scheduler: [
+            dict(ws.used_resources) for ws in dask_scheduler.workers.values()])
+        if all(not any(u.values()) for u in used):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"GPU slots still held after {timeout:g} s: {used}")
+
+
 def test_too_few_workers_with_the_resource_is_refused_before_any_work(client):
+    _gpus_free(client)
     gpus = gpu_workers(client)
     X, y = data(500)
     net = torch.nn.Linear(64, 10)
