@@ -86,8 +86,8 @@ def job_group(*, job_made: bool, where: str) -> Iterator[None]:
                              destroy_process_group=c10d.destroy_process_group)
         if _ACTIVE["depth"] == 0:
             for module in (dist, c10d):
-                module.init_process_group = _init  # type: ignore[assignment]
-                module.destroy_process_group = _destroy  # type: ignore[assignment]
+                setattr(module, "init_process_group", _init)  # noqa: B010 - a module's global
+                setattr(module, "destroy_process_group", _destroy)  # noqa: B010
         _ACTIVE["depth"] += 1
         _ACTIVE.update(job_made=job_made, user_made=False, where=where)
     try:
@@ -99,8 +99,9 @@ def job_group(*, job_made: bool, where: str) -> Iterator[None]:
             _ACTIVE["user_made"] = False
             if _ACTIVE["depth"] == 0:
                 for module in (dist, c10d):
-                    module.init_process_group = _ORIGINAL["init_process_group"]
-                    module.destroy_process_group = _ORIGINAL["destroy_process_group"]
+                    setattr(module, "init_process_group", _ORIGINAL["init_process_group"])  # noqa: B010
+                    setattr(module, "destroy_process_group",  # noqa: B010
+                            _ORIGINAL["destroy_process_group"])
             if made and dist.is_initialized():
                 # The function's own group (it ran alone, with no group of the job): the
                 # worker is left as it was found.

@@ -30,7 +30,6 @@ def run_user_rank(
 ) -> dict[str, Any]:
     """Dask task: rank ``index`` of a ``dt.run`` job; its function's return value in
     ``"returned"`` beside the rank's counts."""
-    import torch
     import torch.distributed as dist
 
     role = TrainerRole(job=job, index=index, config=config, kind="rank")
