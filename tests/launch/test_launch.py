@@ -234,3 +234,62 @@ def test_a_remote_cluster_gets_the_scripts_directory(tmp_path):
     cwd = lines[0].split()[3]
     assert str(project) not in cwd and "dask-train-launch" in cwd
     assert not (project / "written.txt").exists()  # relative paths are the worker's disk
+
+
+def test_bad_arguments_are_all_named_before_anything_runs(tmp_path, monkeypatch):
+    from dask_train.errors import InvalidInput
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput) as info:
+        dt.launch("missing.py", workers=(3, 1), max_restarts=-1, grace="soon",
+                  include=["nowhere"], scheduler="tcp://127.0.0.1:1")
+    text = str(info.value)
+    for part in ("script='missing.py' is not a file", "workers=(3, 1)", "max_restarts=-1",
+                 "grace='soon'", "include='nowhere'"):
+        assert part in text, part
+    with pytest.raises(InvalidInput, match="module='not a module'"):
+        dt.launch("not a module", module=True, scheduler="tcp://127.0.0.1:1")
+
+
+def test_the_command_line_takes_torchruns_option_names():
+    from dask_train.cli.main import _parser
+
+    args = _parser().parse_args(["launch", "--nnodes", "1:4", "--max_restarts", "2",
+                                 "--rdzv-id", "r1", "-m", "pkg.train", "--lr", "0.1", "-m", "x"])
+    assert (args.workers, args.max_restarts, args.run_id, args.module) == ((1, 4), 2, "r1", True)
+    assert (args.target, args.args) == ("pkg.train", ["--lr", "0.1", "-m", "x"])
+
+
+def test_workers_that_joined_are_taken_at_the_next_restart(cluster, tmp_path, monkeypatch):
+    local, client = cluster
+    (tmp_path / "grow.py").write_text(
+        "import os, sys, time\n"
+        "restart = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+        "open(f\"up.{restart}.{os.environ['RANK']}\", 'w').close()\n"
+        "print('world', os.environ['WORLD_SIZE'], 'restart', restart, flush=True)\n"
+        "if restart == '0' and os.environ['RANK'] == '0':\n"
+        "    while not os.path.exists('go'):\n"
+        "        time.sleep(0.02)\n"
+        "    sys.exit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    got: dict[str, dt.LaunchResult] = {}
+    run = threading.Thread(target=lambda: got.setdefault("result", dt.launch(
+        "grow.py", workers=(1, 3), max_restarts=1, client=client, echo=False,
+        log_dir=tmp_path / "logs")))
+    run.start()
+    try:
+        _wait_for(tmp_path / "up.0.1")
+        local.scale(3)
+        client.wait_for_workers(3, timeout=60)
+        (tmp_path / "go").touch()
+        run.join(60)
+    finally:
+        local.scale(2)
+    result = got["result"]
+    assert result.exit_code == 0 and result.restarts == 1 and len(result.ranks) == 3, result
+    assert len(result.history[0]["workers"]) == 2
+    assert (tmp_path / "logs" / "attempt_1" / "2" / "stdout.log").read_text() == \
+        "world 3 restart 1\n"
+    deadline = time.monotonic() + 60
+    while len(client.scheduler_info()["workers"]) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the launcher looks at its ranks and the cluster.
 POLL_S = 0.05
+#: How long a failed rank's exit waits for a lost worker that may have caused it to show.
+FAILED_LOOK_S = 0.3
 #: How long a finished rank's last output may take to arrive after its task's result.
 LAST_OUTPUT_S = 2.0
 #: Ctrl-C's grace: the programs get SIGTERM, then SIGKILL after this (never more than ``grace``).
@@ -215,9 +217,7 @@ class Gang:
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> LaunchResult:
-        from dask_train.runtime._roles import ensure_plugin
-
-        ensure_plugin(self.client)
+        """Attempt after attempt until one ends the run (see the module docstring)."""
         self.job.log_dir.mkdir(parents=True, exist_ok=True)
         self.client.subscribe_topic(self.topic, self.output.on_event)
         self.client.subscribe_topic(self.notice_topic, self._on_notice)
@@ -225,7 +225,9 @@ class Gang:
         attempt: _Attempt | None = None
         try:
             while True:
-                attempt = self._start(number, restarts=restarts)
+                lost = len(attempt.workers) if attempt is not None and \
+                    self.history[-1]["ended"] == "lost" else 0
+                attempt = self._start(number, restarts=restarts, size=lost)
                 ended, why = self._watch(attempt)
                 self._stop(attempt, grace=float(self.job.grace))
                 self.history.append({"attempt": number, "workers": attempt.workers,
@@ -258,9 +260,10 @@ class Gang:
     def _say(self, text: str) -> None:
         print(f"dask-train launch: {text}", file=sys.stderr, flush=True)
 
-    def _start(self, number: int, *, restarts: int) -> _Attempt:
-        """Place one rank per worker (waiting for the least the gang needs) and start them."""
-        workers = self._placement()
+    def _start(self, number: int, *, restarts: int, size: int) -> _Attempt:
+        """Place one rank per worker (waiting for the least the gang needs, see
+        :meth:`_placement` for ``size``) and start them."""
+        workers = self._placement(size=size)
         ranks = len(workers)
         hosts: list[str] = []
         for address in workers:
@@ -292,16 +295,22 @@ class Gang:
                     workers, restarts)
         return _Attempt(number=number, workers=workers, futures=futures)
 
-    def _placement(self) -> list[str]:
+    def _placement(self, *, size: int = 0) -> list[str]:
         """The workers of the next gang, rank order: by host, then address (a host's ranks
-        together, as torchrun numbers a node's; the same workers get the same ranks again)."""
+        together, as torchrun numbers a node's; the same workers get the same ranks again).
+
+        After a loss, ``size`` is the gang's size before it: up to 10 s are given for the
+        cluster to get back to it (a nanny restarts a killed worker in 1-7 s), so that a
+        ``MIN:MAX`` gang does not restart smaller only to restart again."""
         deadline = time.monotonic() + float(self.job.cluster.timeout)
+        back_by = time.monotonic() + min(10.0, float(self.job.cluster.timeout))
         said = False
         while True:
             alive = self._alive(placeable=True)
             alive = [a for a in alive if a not in self.noticed]
             least, most = self.job.cluster.bounds(len(alive))
-            if len(alive) >= least:
+            if len(alive) >= least and (len(alive) >= min(size, most) or
+                                        time.monotonic() > back_by):
                 ordered = sorted(alive, key=lambda a: (get_address_host(a), a))
                 return ordered[:most]
             if time.monotonic() > deadline:
@@ -350,16 +359,19 @@ class Gang:
             bad = [i for i in attempt.exits if attempt.code(i) != 0]
             if bad:
                 # A peer's loss shows as a failed rank first (its collective broke): look at
-                # the cluster a moment longer before blaming the rank.
-                failed_at = failed_at or now
-                if now - failed_at > 1.0 or len(bad) == len(attempt.workers):
+                # the cluster at once and a moment longer (the scheduler removes a killed
+                # worker within milliseconds, more under load) before blaming the rank.
+                if failed_at is None:
+                    failed_at, next_look = now, now
+                    continue
+                if now - failed_at > FAILED_LOOK_S or len(bad) == len(attempt.workers):
                     first = min(bad, key=lambda i: attempt.exits[i]["order"])
                     got = attempt.exits[first]
                     return "failed", (
                         f"rank {first} (worker {got['worker']}, pid {got.get('pid')}) exited "
                         f"with {_status(int(got['exit']))}; its traceback is above and in "
                         f"{self.output.path(attempt.number, first, 'stderr')}")
-                next_look = min(next_look, now + 0.2)
+                next_look = min(next_look, now + 0.1)
             elif len(attempt.exits) == len(attempt.workers):
                 self._last_output(attempt)
                 return "done", ""

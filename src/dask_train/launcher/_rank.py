@@ -97,11 +97,24 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
             pass
 
 
+_PRCTL: Any = None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the worker's thread that started it dies (a
-    killed worker must not leave the program running, holding its port and its peers)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    killed worker must not leave the program running, holding its port and its peers).
+    ``prctl`` is looked up before the fork (:func:`_prctl`): loading a library in the child of
+    a threaded process can deadlock on a lock another thread held at the fork."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (Linux), None elsewhere."""
+    global _PRCTL
+    if _PRCTL is None and sys.platform.startswith("linux"):
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
 
 
 def master_port(*, dask_worker: Any) -> int:
@@ -165,6 +178,7 @@ def launch_rank(program: Program, env: dict[str, str], *, run_id: str, rank: int
         if iface and "GLOO_SOCKET_IFNAME" not in child_env:
             child_env["GLOO_SOCKET_IFNAME"] = iface
         started = time.time()
+        _prctl()
         # start_new_session: the terminal's Ctrl-C reaches the launcher, which stops every rank
         # (a LocalCluster's workers share the terminal's process group); the program and what
         # it starts are one process group to signal.
