@@ -28,7 +28,7 @@ from distributed.comm import get_address_host
 from dask_train.errors import InvalidInput
 from dask_train.launcher._job import LaunchJob
 from dask_train.launcher._output import Output
-from dask_train.launcher._rank import Program, launch_rank, master_port, stop_ranks
+from dask_train.launcher._rank import Program, forget_run, launch_rank, master_port, stop_ranks
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -214,6 +214,7 @@ class Gang:
         self.noticed: set[str] = set()
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
+        self.attempt: _Attempt | None = None  # the newest, from before its ranks are submitted
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> LaunchResult:
@@ -250,9 +251,9 @@ class Gang:
                               f"{self.job.max_restarts})")
                 number += 1
         except KeyboardInterrupt:
-            if attempt is not None:
+            if self.attempt is not None:  # the one being started, too
                 self._say("interrupted: stopping every rank")
-                self._stop(attempt, grace=min(INTERRUPT_GRACE_S, float(self.job.grace)))
+                self._stop(self.attempt, grace=min(INTERRUPT_GRACE_S, float(self.job.grace)))
             raise
         finally:
             self._close()
@@ -274,7 +275,9 @@ class Gang:
         # rank 0's worker picks the port its program's env:// store binds.
         port = self.client.run(master_port, workers=[workers[0]])[workers[0]]
         master = get_address_host(workers[0])
-        futures = []
+        futures: list[Any] = []
+        # Known before its first task is submitted: Ctrl-C from here on stops its ranks.
+        self.attempt = _Attempt(number=number, workers=workers, futures=futures)
         for rank, address in enumerate(workers):
             host = get_address_host(address)
             env = {"RANK": str(rank), "LOCAL_RANK": str(local[rank]), "WORLD_SIZE": str(ranks),
@@ -293,7 +296,7 @@ class Gang:
                 pure=False, key=f"dt-launch-{self.job.run_id}-a{number}-r{rank}"))
         logger.info("attempt %d: %d ranks on %s (restarts counted so far: %d)", number, ranks,
                     workers, restarts)
-        return _Attempt(number=number, workers=workers, futures=futures)
+        return self.attempt
 
     def _placement(self, *, size: int = 0) -> list[str]:
         """The workers of the next gang, rank order: by host, then address (a host's ranks
@@ -420,8 +423,9 @@ class Gang:
         if running:
             with self.lock:
                 leaving = sorted(self.noticed)
-            self.client.sync(run_on_live, self.client, stop_ranks, self.job.run_id, grace,
-                             workers=sorted(set(running)), leaving=leaving)
+            self.client.sync(run_on_live, self.client, stop_ranks, self.job.run_id,
+                             attempt.number, grace, workers=sorted(set(running)),
+                             leaving=leaving)
         deadline = time.monotonic() + grace + 10.0
         while time.monotonic() < deadline:
             self._collect(attempt)
@@ -460,7 +464,12 @@ class Gang:
         return result
 
     def _close(self) -> None:
+        from dask_train.runtime._calls import run_on_live
         from dask_train.runtime._compat import drop_topic_handler
+
+        with contextlib.suppress(Exception):  # the workers keep nothing of the run
+            self.client.sync(run_on_live, self.client, forget_run, self.job.run_id,
+                             workers=self._alive())
 
         for topic in (self.topic, self.notice_topic):
             with contextlib.suppress(Exception):

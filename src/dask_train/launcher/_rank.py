@@ -41,6 +41,8 @@ LINES_PER_EVENT = 2000
 _PR_SET_PDEATHSIG = 1
 _CHILDREN: dict[tuple[str, int], _Child] = {}
 _CHILDREN_LOCK = threading.Lock()
+#: Run -> the newest attempt stopped here (forgotten at the run's end, :func:`forget_run`).
+_STOPPED: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,22 @@ def master_port(*, dask_worker: Any) -> int:
     return free_port(get_address_host(dask_worker.address))
 
 
-def stop_ranks(run_id: str, grace: float, *, dask_worker: Any = None) -> int:
-    """``client.run``: SIGTERM to this worker's programs of ``run_id``, SIGKILL after ``grace``
-    seconds; how many there were."""
+def stop_ranks(run_id: str, attempt: int, grace: float, *, dask_worker: Any = None) -> int:
+    """``client.run``: SIGTERM to this worker's programs of ``run_id`` up to ``attempt``,
+    SIGKILL after ``grace`` seconds; how many there were. A rank of those attempts whose task
+    starts later (it was queued) does not start its program."""
     with _CHILDREN_LOCK:
-        children = [c for (run, _), c in _CHILDREN.items() if run == run_id]
+        _STOPPED[run_id] = max(attempt, _STOPPED.get(run_id, -1))
+        children = [c for (run, n), c in _CHILDREN.items() if run == run_id and n <= attempt]
     for child in children:
         child.stop(grace)
     return len(children)
+
+
+def forget_run(run_id: str, *, dask_worker: Any = None) -> None:
+    """``client.run`` at a run's end: nothing of it is kept here."""
+    with _CHILDREN_LOCK:
+        _STOPPED.pop(run_id, None)
 
 
 def running_children(run_id: str = "", *, dask_worker: Any = None) -> list[int]:
@@ -182,12 +192,17 @@ def launch_rank(program: Program, env: dict[str, str], *, run_id: str, rank: int
         # start_new_session: the terminal's Ctrl-C reaches the launcher, which stops every rank
         # (a LocalCluster's workers share the terminal's process group); the program and what
         # it starts are one process group to signal.
-        proc = subprocess.Popen(program.argv(root), cwd=root or None, env=child_env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-        child = _Child(proc)
-        with _CHILDREN_LOCK:
+        with _CHILDREN_LOCK:  # one lock with stop_ranks: a stop never misses a program
+            if _STOPPED.get(run_id, -1) >= attempt:
+                state.drop(run_id)
+                return {"rank": rank, "attempt": attempt, "exit": -signal.SIGTERM,
+                        "worker": worker.address, "pid": None, "signalled": "not started",
+                        "seconds": 0.0}
+            proc = subprocess.Popen(program.argv(root), cwd=root or None, env=child_env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+            child = _Child(proc)
             _CHILDREN[(run_id, attempt)] = child
         try:
             code = _relay(proc, worker=worker, topic=topic, rank=rank, attempt=attempt)
