@@ -212,7 +212,8 @@ def test_ctrl_c_ends_every_rank_and_leaves_the_workers_usable(cluster, tmp_path)
 
 
 def test_a_remote_cluster_gets_the_scripts_directory(tmp_path):
-    from tests.controller._dask_cli import dask_cli_cluster
+    sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+    from _dask_cli import dask_cli_cluster
 
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     (project / "data").mkdir(parents=True)
