@@ -56,6 +56,8 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
 #     policy, runtime, and from data the one wait on futures that needs no default client;
+#   * launcher (dt.launch, a torchrun script on the workers): a user of the runtime, beside the
+#     engines; imports errors, policy (the workers' settings) and runtime;
 #   * bench (the multi-host harness, the throughput grid): above api, below the cli; runs Trainers
 #     on datasets and probes with the engines;
 #   * cli and the root package (the lazy facade): the top; may import everything.
@@ -79,6 +81,8 @@ ALLOWED: dict[str, set[str]] = {
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
     "tensorflow": _BASE | {"policy", "data", "runtime"},
+    # dt.launch: one program per worker, in a child process of a pinned task.
+    "launcher": _BASE | {"policy", "runtime"},
     "api": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "classical", "engines",
                     "controller", "report", "monitor"},
     # dt.predict: a model's outputs over dask collections, one task per block.
@@ -386,6 +390,7 @@ LIGHT_AT_IMPORT: dict[str, tuple[str, ...]] = {
     "dask_train.tuning": NOT_AT_IMPORT,
     "dask_train.tensorflow": NOT_AT_IMPORT + ("tensorflow", "keras"),
     "dask_train.bench": NOT_AT_IMPORT,
+    "dask_train.launcher": NOT_AT_IMPORT,
     # GLMs subclass scikit-learn's estimators and solve with SciPy: only torch and matplotlib.
     "dask_train.classical": ("torch", "matplotlib"),
 }

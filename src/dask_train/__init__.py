@@ -38,6 +38,9 @@ _LAZY = {
     "FitResult": ".api",
     "run": ".api",
     "RunResult": ".api",
+    # a torchrun script, unchanged, on the cluster's workers
+    "launch": ".launcher",
+    "LaunchResult": ".launcher",
     # pure policies and settings
     "Callback": ".policy",
     "History": ".policy",
@@ -102,6 +105,7 @@ __all__ = [
     "FitResult",
     "History",
     "InvalidInput",
+    "LaunchResult",
     "LinearRegression",
     "LogisticRegression",
     "NonFiniteLoss",
@@ -127,6 +131,7 @@ __all__ = [
     "from_npy",
     "huggingface",
     "intuniform",
+    "launch",
     "lightning",
     "loguniform",
     "patches",
@@ -152,6 +157,7 @@ if TYPE_CHECKING:  # static names for type checkers and IDEs; nothing is importe
         distributed_loss_grad,
     )
     from dask_train.data import from_npy
+    from dask_train.launcher import LaunchResult, launch
     from dask_train.models import ArrayModel, softmax_regression
     from dask_train.policy import (
         Callback,

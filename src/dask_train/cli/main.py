@@ -6,7 +6,8 @@ on the cluster predict fastest), and writes what it measured to ``--out``.
 ``dask-train train|search|predict CONFIG.yaml`` run a job described by a YAML config (``--help``
 of each shows an example) and write a run directory, each command its own (``out/train``,
 ``out/search``, ``out/predict``); ``dask-train run module:function
-CONFIG.yaml`` runs your own training function on every rank (``dt.run``). ``dask-train bench``
+CONFIG.yaml`` runs your own training function on every rank (``dt.run``); ``dask-train launch
+script.py`` runs a torchrun script, unchanged, on one rank per worker (``dt.launch``). ``dask-train bench``
 measures throughput over a grid of trainers x parameter servers x model sizes (x link rates).
 """
 
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     from dask_train.cli._run import add_run_command
 
     add_run_command(commands)
+    from dask_train.cli._launch import add_launch_command
+
+    add_launch_command(commands)
     from dask_train.bench._cli import DESCRIPTION, add_arguments
 
     add_arguments(commands.add_parser(
@@ -167,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dask_train.cli._run import run_command
 
             return run_command(args)
+        if args.command == "launch":
+            from dask_train.cli._launch import launch_command
+
+            return launch_command(args)
         if args.command == "bench":
             from dask_train.bench._cli import run
 

@@ -8,10 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
+from distributed.comm import get_address_host
 
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.run.context import RunContext, RunSettings
+from dask_train.runtime._adopt import job_group
+from dask_train.runtime._ports import free_port
 from dask_train.runtime._torch_rank import rank_device
 
 
@@ -27,7 +30,6 @@ def run_user_rank(
 ) -> dict[str, Any]:
     """Dask task: rank ``index`` of a ``dt.run`` job; its function's return value in
     ``"returned"`` beside the rank's counts."""
-    import torch
     import torch.distributed as dist
 
     role = TrainerRole(job=job, index=index, config=config, kind="rank")
@@ -36,10 +38,33 @@ def run_user_rank(
         raise RuntimeError(f"rank {index} on {role.address} found the process group of rank "
                            f"{dist.get_rank()}: the job's group was not started here")
     local_rank = run.local_ranks[index] if index < len(run.local_ranks) else 0
-    # As torchrun sets them: libraries that read them (Lightning, accelerate) find the job's group.
+    # As torchrun sets them: libraries that read them (Lightning, accelerate) and the function's
+    # own init_process_group (env://) find the job's group.
     host, _, port = run.master.rpartition(":")
-    os.environ.update({"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-                       **({"MASTER_ADDR": host, "MASTER_PORT": port} if host else {})})
+    if not host:  # a rank alone, with no group of the job: its function's own init finds one
+        host, port = get_address_host(role.address), str(free_port(get_address_host(role.address)))
+    torchrun_env = {"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                    "MASTER_ADDR": host, "MASTER_PORT": port}
+    before = {name: os.environ.get(name) for name in torchrun_env}
+    os.environ.update(torchrun_env)
+    try:
+        with job_group(job_made=dist.is_initialized(), where=f"rank {index} on {role.address}"):
+            return _run_fn(fn_blob, role=role, run=run, config=config, user_config=user_config,
+                           index=index, world=world, local_rank=local_rank)
+    finally:
+        for name, value in before.items():  # the worker as it was for the tasks after the job
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_fn(fn_blob: bytes, *, role: TrainerRole, run: RunSettings, config: RoleConfig,
+            user_config: Mapping[str, Any], index: int, world: int,
+            local_rank: int) -> dict[str, Any]:
+    """The user's function on this rank, inside the job's group (see :func:`run_user_rank`)."""
+    import torch
+
     _forget_accelerate_state()
     device = torch.device(rank_device(config.device_kind, config.device_for(role.address)) or "cpu")
     restore = _restore_info(config.restore)
