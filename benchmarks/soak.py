@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 import dask_train as dt
-from dask_train.bench._resources import process_resources, scheduler_tasks, trim_malloc
+from dask_train.bench._resources import (process_resources, scheduler_tasks, scheduler_topics,
+                                         trim_malloc)
 
 
 def _net() -> torch.nn.Module:
@@ -63,31 +64,37 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     started = time.time()
     print("| round | jobs | worker | fds (socket, pipe, anon, file) | /dev/shm fds | threads | "
-          "RSS MB | RSS MB after malloc_trim | scheduler tasks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "RSS MB | RSS MB after malloc_trim | modules | Python blocks (k) | scheduler tasks | "
+          "scheduler's dask-train topics (events) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in range(args.rounds):
         _round(client, X, y, validation)
         seen = client.run(process_resources)
         trimmed = client.run(trim_malloc)
         tasks = client.run_on_scheduler(scheduler_tasks)
+        topics = client.run_on_scheduler(scheduler_topics)
         for i, (address, rec) in enumerate(sorted(seen.items())):
             fds = rec["fds"]
             row = {"round": r, "worker": i, "fds": sum(fds.values()), "shm": fds.get("shm", 0),
-                   "threads": rec["threads"], "rss": rec["rss_mb"], "trimmed": trimmed[address]}
+                   "threads": rec["threads"], "rss": rec["rss_mb"], "trimmed": trimmed[address],
+                   "modules": rec["modules"], "blocks": rec["py_blocks"] / 1000}
             rows.append(row)
             print(f"| {r} | {4 * (r + 1)} | {i} | {row['fds']} ({fds.get('socket', 0)}, "
                   f"{fds.get('pipe', 0)}, {fds.get('anon_inode', 0)}, {fds.get('file', 0)}) | "
                   f"{row['shm']} | {row['threads']} | {row['rss']:.0f} | {row['trimmed']:.0f} | "
-                  f"{tasks} |", flush=True)
+                  f"{row['modules']} | {row['blocks']:.0f} | {tasks} | {len(topics)} "
+                  f"({sum(topics.values())}) |", flush=True)
     print(f"\n{4 * args.rounds} jobs in {time.time() - started:.0f} s; growth per round after "
           f"round {args.warmup} (least-squares slope):")
-    print("| worker | fds | /dev/shm fds | threads | RSS MB | RSS MB after malloc_trim |")
-    print("|---|---|---|---|---|---|")
+    print("| worker | fds | /dev/shm fds | threads | RSS MB | RSS MB after malloc_trim | modules | "
+          "Python blocks (k) |")
+    print("|---|---|---|---|---|---|---|---|")
     for i in sorted({row["worker"] for row in rows}):
         mine = [row for row in rows if row["worker"] == i and row["round"] >= args.warmup]
         xs = [float(row["round"]) for row in mine]
         print(f"| {i} | " + " | ".join(f"{_slope(xs, [float(row[k]) for row in mine]):+.3f}"
-                                       for k in ("fds", "shm", "threads", "rss", "trimmed"))
+                                       for k in ("fds", "shm", "threads", "rss", "trimmed",
+                                                 "modules", "blocks"))
               + " |")
     client.close()
 

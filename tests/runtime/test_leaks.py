@@ -26,7 +26,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_train as dt
-from dask_train.bench._resources import process_resources, scheduler_tasks
+from dask_train.bench._resources import process_resources, scheduler_tasks, scheduler_topics
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
 from _dask_cli import dask_cli_cluster  # noqa: E402
@@ -190,6 +190,18 @@ def test_a_run_job_leaves_every_worker_as_it_found_it(leak_client: Client) -> No
     X, y, _ = _data()
     _twice(leak_client, lambda: dt.run(_own_loop, data={"train": (X, y)}, workers=2,
                                        client=leak_client), "a dt.run job")
+
+
+def test_the_scheduler_forgets_a_jobs_event_topics(leak_client: Client) -> None:
+    # The scheduler keeps every topic it heard of, with up to 1,000 events each, for its life:
+    # a job's figures and scores, two topics a fit, would pile up over months of jobs.
+    for strategy in ("async-ps", "sync"):
+        _fit(leak_client, strategy)
+    deadline = time.monotonic() + SETTLE_S
+    while (left := leak_client.run_on_scheduler(scheduler_topics)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"the scheduler still keeps the jobs' topics: {left}"
 
 
 def _hidden_net(hidden: int) -> torch.nn.Module:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 import threading
 from typing import Any
 
@@ -27,7 +28,9 @@ def _kind(target: str) -> str:
 def process_resources(dask_worker: Any = None) -> dict[str, Any]:
     """This process's descriptors by kind (``socket``, ``pipe``, ``anon_inode``, ``file``,
     ``shm``), the ``/dev/shm`` names they hold (``shm_names``), mapped ``/dev/shm`` files
-    (``shm_mapped``), ``threads`` (a count) and ``thread_names``, and ``rss_mb``. Runs as ``client.run(process_resources)``
+    (``shm_mapped``), ``threads`` (a count) and ``thread_names``, ``rss_mb``, and what the
+    resident memory is made of on Python's side: ``modules`` imported and ``py_blocks``
+    (memory blocks Python's allocator holds, ``sys.getallocatedblocks``). Runs as ``client.run(process_resources)``
     (``dask_worker`` is Dask's, unused) or in the client."""
     fds: dict[str, int] = {}
     names: list[str] = []
@@ -51,6 +54,7 @@ def process_resources(dask_worker: Any = None) -> dict[str, Any]:
     return {"fds": fds, "shm_names": sorted(names), "shm_mapped": sorted(mapped),
             "threads": threading.active_count(),
             "thread_names": sorted(t.name for t in threading.enumerate()),
+            "modules": len(sys.modules), "py_blocks": sys.getallocatedblocks(),
             "rss_mb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20}
 
 
@@ -70,3 +74,11 @@ def trim_malloc(dask_worker: Any = None) -> float:
 def scheduler_tasks(dask_scheduler: Any = None) -> int:
     """The number of tasks the scheduler knows (``client.run_on_scheduler``)."""
     return len(dask_scheduler.tasks)
+
+
+def scheduler_topics(dask_scheduler: Any = None, prefix: str = "dask-train-") -> dict[str, int]:
+    """The scheduler's event topics named ``prefix...`` and the events it keeps of them
+    (``client.run_on_scheduler``; read from distributed's broker, ``{}`` where it has none)."""
+    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", None) or {}
+    return {name: len(topic.events) for name, topic in list(topics.items())
+            if name.startswith(prefix)}

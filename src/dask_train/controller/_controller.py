@@ -55,6 +55,7 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
+from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._calls import alive_workers
 from dask_train.runtime._quiet_logs import quiet_job
 
@@ -189,6 +190,15 @@ class Controller:
             await self._drop_report_copy()
             if self.copies is not None:
                 await asyncio.to_thread(drop_store, self.copies)
+            await self._forget_topics()
+
+    async def _forget_topics(self) -> None:
+        """The scheduler forgets the job's event topics once its last events landed."""
+        try:
+            await self.client.run_on_scheduler(forget_topics, self.publisher.topic,
+                                               asynchronous=True)
+        except Exception:  # noqa: BLE001 - a closed client, a scheduler that runs no functions
+            logger.debug("job %s: the scheduler keeps its event topics", self.spec.job_id)
 
     async def _generations(self, *, resume: bool) -> Outcome:
         if resume and self.checkpoints is not None:

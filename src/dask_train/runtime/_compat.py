@@ -97,6 +97,35 @@ def drop_topic_handler(client: Any, topic: str) -> None:
         forget()
 
 
+def forget_topics(topic: str, *, after: float = LATE_EVENTS_S, dask_scheduler: Any = None) -> None:
+    """``run_on_scheduler``: forget, ``after`` seconds from now, the scheduler's record of event
+    topic ``topic`` and of its generations' (``<topic>-g<n>``), unless someone subscribes to one.
+
+    Missing public API: the scheduler keeps every topic it ever heard of, with its last
+    ``distributed.admin.low-level-log-length`` events (1,000 by default), for as long as it
+    lives, and a job publishes on two topics or more (its roles' figures each second, its
+    scores): a scheduler that runs for months kept them all (two topics and about 60 events
+    per one-second fit, measured; 1,000 per topic for a long job). The Training page keeps its
+    own view of the latest jobs (``monitor._jobs.Jobs``), so nothing reads them after the job.
+    The wait lets events still on their way land first (a topic they reached again would stay).
+    """
+    import asyncio
+    import re
+
+    broker = getattr(dask_scheduler, "_broker", None)
+    topics = getattr(broker, "_topics", None)
+    if not isinstance(topics, dict):
+        return
+    mine = re.compile(rf"^{re.escape(topic)}(-g\d+)?$")
+
+    def forget() -> None:
+        for name in [n for n in topics if mine.match(n)]:
+            if not getattr(topics[name], "subscribers", ()):
+                del topics[name]
+
+    asyncio.get_running_loop().call_later(after, forget)
+
+
 def reset_torch_group_count() -> None:
     """Reset torch's count of process groups created in this process.
 
