@@ -273,3 +273,18 @@ def _reports(ctx, epochs: int):
             time.sleep(0.01)
         ctx.report({"my_epoch": float(epoch)}, checkpoint={"epoch": torch.tensor([epoch])})
     return {"address": get_worker().address}
+
+
+def test_launch_puts_every_rank_on_a_worker_with_the_resource(client, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    _gpus_free(client)
+    result = dt.launch(script, workers=None, resources=GPU, client=client, echo=False,
+                       log_dir=tmp_path / "run", timeout=60)
+    assert result.exit_code == 0, result.failure
+    # workers=None is every worker: without resources= the plain worker would run a rank.
+    assert {r["worker"] for r in result.ranks} == gpu_workers(client)
+    with pytest.raises(InvalidInput, match="room for 2") as refused:
+        dt.launch(script, workers=3, resources=GPU, client=client, echo=False,
+                  log_dir=tmp_path / "refused", timeout=5)
+    assert "dask worker --resources GPU=1" in str(refused.value)

@@ -259,6 +259,10 @@ def test_the_command_line_takes_torchruns_option_names():
                                  "--rdzv-id", "r1", "-m", "pkg.train", "--lr", "0.1", "-m", "x"])
     assert (args.workers, args.max_restarts, args.run_id, args.module) == ((1, 4), 2, "r1", True)
     assert (args.target, args.args) == ("pkg.train", ["--lr", "0.1", "-m", "x"])
+    args = _parser().parse_args(["launch", "--resources", "GPU=1,MEM=2e9", "train.py"])
+    assert args.resources == {"GPU": 1.0, "MEM": 2e9}
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["launch", "--resources", "GPU", "train.py"])
 
 
 def test_workers_that_joined_are_taken_at_the_next_restart(cluster, tmp_path, monkeypatch):

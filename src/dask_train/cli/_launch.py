@@ -16,12 +16,31 @@ examples:
   dask-train launch --workers 2:4 --max-restarts 3 train.py  # 2 to 4 ranks, 3 restarts
   dask-train launch --scheduler tcp://10.0.0.5:8786 --include data/labels.json train.py
   dask-train launch -m mypkg.train --lr 0.1
+  dask-train launch --resources GPU=1 train.py               # ranks on workers with a GPU
 
 Each rank runs the program as `python script.py args` would, with torchrun's environment
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...).
 With --scheduler the script's directory (its .py files and --include) travels to the workers
 and the program runs there: relative paths it writes are on the worker's disk.
 """
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``GPU=1`` or ``GPU=1,MEM=2e9``, as ``dask worker --resources`` takes them."""
+    resources: dict[str, float] = {}
+    for part in text.replace(" ", ",").split(","):
+        if not part:
+            continue
+        name, sep, amount = part.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError(part)
+            resources[name] = float(amount)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not NAME=AMOUNT[,NAME=AMOUNT]: write it as to `dask worker "
+                "--resources`, GPU=1") from None
+    return resources
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -47,6 +66,10 @@ def add_launch_command(commands: Any) -> None:
                          "(a worker leaving with notice does not count; default 0)")
     command.add_argument("--scheduler", default=None, metavar="ADDR",
                          help="a Dask scheduler's address (default: the embedded cluster)")
+    command.add_argument("--resources", type=parse_resources, default=None,
+                         metavar="NAME=N[,NAME=N]",
+                         help="Dask worker resources each rank holds (GPU=1): ranks only on "
+                         "workers started with `dask worker --resources GPU=1`")
     command.add_argument("--timeout", type=float, default=120.0, metavar="S",
                          help="longest wait for the workers a gang needs (default 120 s)")
     command.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -83,7 +106,8 @@ def launch_command(args: argparse.Namespace) -> int:
                            max_restarts=args.max_restarts, scheduler=args.scheduler,
                            timeout=args.timeout, grace=args.grace, include=args.include,
                            ship=None if not args.in_place else False, log_dir=args.log_dir,
-                           run_id=args.run_id, echo=not args.quiet)
+                           run_id=args.run_id, echo=not args.quiet,
+                           resources=args.resources)
     except _Interrupted:
         print("dask-train launch: terminated (SIGTERM): every rank was stopped", file=sys.stderr)
         return 128 + signal.SIGTERM

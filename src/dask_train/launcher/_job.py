@@ -58,12 +58,13 @@ class LaunchJob:
     @classmethod
     def of(cls, target: Any, args: Sequence[Any], *, module: bool, workers: Any,
            max_restarts: Any, timeout: Any, grace: Any, include: Sequence[str],
-           ship: bool, log_dir: Any, run_id: Any) -> LaunchJob:
+           ship: bool, log_dir: Any, run_id: Any, resources: Any = None) -> LaunchJob:
         run_id = str(run_id) if run_id else uuid.uuid4().hex[:12]
         if log_dir is None:
             log_dir = Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[:6]}"
         return cls(target=str(target), args=tuple(str(a) for a in args), module=bool(module),
-                   cluster=ClusterSettings(workers=workers, timeout=timeout),
+                   cluster=ClusterSettings(workers=workers, timeout=timeout,
+                                           resources=resources),
                    max_restarts=max_restarts, grace=grace, include=tuple(include),
                    ship=bool(ship), log_dir=Path(log_dir), run_id=run_id)
 

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +85,7 @@ def launch(target: str | Path, args: Sequence[Any] = (), *, module: bool = False
            client: Client | None = None, scheduler: str | None = None, timeout: float = 120.0,
            grace: float = 10.0, include: Sequence[str] = (), ship: bool | None = None,
            log_dir: str | Path | None = None, run_id: str | None = None,
-           echo: bool = True) -> LaunchResult:
+           echo: bool = True, resources: Mapping[str, float] | None = None) -> LaunchResult:
     """Run a torchrun script on one rank per Dask worker, as ``torchrun script.py args`` would.
 
     Parameters
@@ -125,6 +125,10 @@ def launch(target: str | Path, args: Sequence[Any] = (), *, module: bool = False
     echo : bool
         Print every rank's lines here as they come (``[rank1]: ...``); they are kept in
         ``log_dir`` either way.
+    resources : mapping of str to number, optional
+        Dask worker resources each rank holds while it runs (``{"GPU": 1}``): ranks go only to
+        workers started with them (``dask worker --resources GPU=1``), as for ``dt.run``;
+        refused before anything runs when too few workers have them free.
 
     Returns
     -------
@@ -147,7 +151,7 @@ def launch(target: str | Path, args: Sequence[Any] = (), *, module: bool = False
     job = LaunchJob.of(target, args, module=module, workers=workers, max_restarts=max_restarts,
                        timeout=timeout, grace=grace, include=include,
                        ship=bool(scheduler) if ship is None else ship, log_dir=log_dir,
-                       run_id=run_id)
+                       run_id=run_id, resources=resources)
     problems = job.problems()
     if problems:
         raise InvalidInput(problems)
@@ -177,15 +181,31 @@ def _connected(client: Client | None, scheduler: str | None, job: LaunchJob) -> 
     if client is not None:
         client = check_once(client)
         ensure_plugin(client)
+        _check_room(client, job)
         yield client
         return
     workers = job.cluster.workers
     n = None if scheduler else (workers[1] if isinstance(workers, tuple) else workers)
     made = connect(scheduler, n_workers=n, dashboard=False, quiet=True)
     try:
+        _check_room(made, job)
         yield made
     finally:
         made.close()
+
+
+def _check_room(client: Client, job: LaunchJob) -> None:
+    """Refuse a run with ``resources=`` whose least gang the workers with them cannot hold now,
+    before any rank starts (a rank holds its worker's resources: one rank a worker)."""
+    placement = job.cluster.placement
+    if not placement:
+        return
+    from dask_train.data._cluster import live_workers
+    from dask_train.runtime._roles import check_room
+
+    least, _ = job.cluster.bounds(len(live_workers(client)))
+    check_room(client, placement, need=least, what=f"workers={job.cluster.workers!r}",
+               one_per_worker=True)
 
 
 @dataclass
@@ -293,7 +313,8 @@ class Gang:
             futures.append(self.client.submit(
                 launch_rank, self.program, env, run_id=self.job.run_id, rank=rank,
                 attempt=number, topic=self.topic, workers=[address], allow_other_workers=False,
-                pure=False, key=f"dt-launch-{self.job.run_id}-a{number}-r{rank}"))
+                pure=False, key=f"dt-launch-{self.job.run_id}-a{number}-r{rank}",
+                resources=self.job.cluster.placement.task_resources))
         logger.info("attempt %d: %d ranks on %s (restarts counted so far: %d)", number, ranks,
                     workers, restarts)
         return self.attempt
@@ -310,7 +331,7 @@ class Gang:
         said = False
         while True:
             alive = self._alive(placeable=True)
-            alive = [a for a in alive if a not in self.noticed]
+            alive = [a for a in alive if a not in self.noticed and self._fits(a)]
             least, most = self.job.cluster.bounds(len(alive))
             if len(alive) >= least and (len(alive) >= min(size, most) or
                                         time.monotonic() > back_by):
@@ -325,6 +346,19 @@ class Gang:
                 said = True
                 logger.info("waiting for %d workers (%d now)", least, len(alive))
             time.sleep(0.2)
+
+    def _fits(self, address: str) -> bool:
+        """Whether a rank may run on the worker at ``address`` (it has the run's resources)."""
+        placement = self.job.cluster.placement
+        if not placement:
+            return True
+        from dask_train.data._cluster import declared_resources, live_workers
+
+        declared = declared_resources(self.client)
+        if address not in declared:  # a worker that joined since the client's last listing
+            live_workers(self.client)
+            declared = declared_resources(self.client)
+        return placement.fits(declared.get(address, {})) > 0
 
     def _alive(self, *, placeable: bool = False) -> list[str]:
         from dask_train.runtime._calls import alive_workers
