@@ -157,8 +157,9 @@ def _dt_run_rank(ctx: Any, target: float, out: str) -> Any:
 
 
 def run_dt(data: Path, target: float, out: str) -> None:
-    import dask_train as dt
     import datasets
+
+    import dask_train as dt
 
     # Started first, as a script does, with what the ranks import (torch, transformers'
     # Trainer): the workers start with it (see dt.connect's imports=; dt.run started without a

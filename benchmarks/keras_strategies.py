@@ -96,7 +96,6 @@ def run_trainer(client: Client, strategy: str, data: Any, args: argparse.Namespa
 
 def run_pss(client: Client, data: Any, args: argparse.Namespace) -> dict:
     import keras
-
     import tensorflow as tf
 
     X, y, x_val, y_val = data
@@ -167,7 +166,6 @@ def _mwms_rank(tf_config: dict, parts: list, x_val: np.ndarray, y_val: np.ndarra
     """One rank of MultiWorkerMirroredStrategy: a custom loop over this worker's blocks."""
     os.environ["TF_CONFIG"] = json.dumps(tf_config)
     import keras
-
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()

@@ -17,12 +17,12 @@ import argparse
 import time
 from typing import Any
 
+import dask
 import numpy as np
 import torch
 
 import dask_train as dt
-from dask_train.bench._resources import (process_resources, scheduler_tasks, scheduler_topics,
-                                         trim_malloc)
+from dask_train.bench._resources import process_resources, scheduler_tasks, scheduler_topics, trim_malloc
 
 
 def _net() -> torch.nn.Module:
@@ -57,7 +57,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=25, help="rounds of 4 jobs (default 25)")
     parser.add_argument("--warmup", type=int, default=10,
                         help="rounds left out of the growth per round (default 10)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="turn Dask's statistical profiler off on the workers "
+                        "(distributed.worker.profile.enabled): its history of one profile a "
+                        "second, kept for an hour, is most of a young worker's growth")
     args = parser.parse_args()
+    if args.no_profile:
+        dask.config.set({"distributed.worker.profile.enabled": False})
     client = dt.connect(n_workers=2)
     X, y = dt.datasets.digits(n_samples=20_000, seed=0)
     validation = dt.datasets.digits_test()

@@ -30,8 +30,8 @@ def process_resources(dask_worker: Any = None) -> dict[str, Any]:
     ``shm``), the ``/dev/shm`` names they hold (``shm_names``), mapped ``/dev/shm`` files
     (``shm_mapped``), ``threads`` (a count) and ``thread_names``, ``rss_mb``, and what the
     resident memory is made of on Python's side: ``modules`` imported and ``py_blocks``
-    (memory blocks Python's allocator holds, ``sys.getallocatedblocks``). Runs as ``client.run(process_resources)``
-    (``dask_worker`` is Dask's, unused) or in the client."""
+    (memory blocks Python's allocator holds, ``sys.getallocatedblocks``). Runs as
+    ``client.run(process_resources)`` (``dask_worker`` is Dask's, unused) or in the client."""
     fds: dict[str, int] = {}
     names: list[str] = []
     for fd in os.listdir("/proc/self/fd"):

@@ -55,8 +55,8 @@ from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
