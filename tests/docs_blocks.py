@@ -12,6 +12,9 @@ comments on the lines just before a block's fence, invisible on the rendered pag
 ``<!-- docs-test: fragment WHAT -->``
     The block is a part of a script, not a whole one (a loop's body left out as ``...``, the
     reader's own ``LightningModule``): WHAT says which part. Not run.
+``<!-- docs-test: file NAME -->``
+    The block is a program of its own that the page's other blocks run (a torchrun script
+    ``dt.launch`` starts): written to NAME in the page's directory, not part of the script.
 ``<!-- docs-test: replace OLD => NEW -->``
     Run the block with OLD replaced by NEW (each OLD must occur in it): smaller data than the
     page's, for the suite's time, and nothing else.
@@ -48,13 +51,15 @@ class Block:
     code: str
     skip: str = ""
     fragment: str = ""
+    file: str = ""
     replace: list[tuple[str, str]] = field(default_factory=list)
     setup: str = ""
 
     @property
     def runs(self) -> bool:
-        """Whether the suite runs it (neither skipped nor a fragment)."""
-        return not (self.skip or self.fragment)
+        """Whether the suite runs it in the page's script (neither skipped, a fragment nor a
+        file of its own)."""
+        return not (self.skip or self.fragment or self.file)
 
     def runnable(self) -> str:
         """The code the suite runs: setup first, then the block with its replacements."""
@@ -89,6 +94,8 @@ def blocks(page: Path) -> list[Block]:
                 block.skip = body
             elif kind == "fragment":
                 block.fragment = body
+            elif kind == "file":
+                block.file = body
             elif kind == "replace":
                 old, sep, new = body.partition(" => ")
                 if not sep:
@@ -106,6 +113,11 @@ def pages() -> list[Path]:
     """README.md and every page of docs/ that has a Python block."""
     return [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
             if blocks(p)]
+
+
+def files(page: Path) -> dict[str, str]:
+    """The programs of its own a page's script runs: file name -> code (``file`` markers)."""
+    return {b.file: b.runnable() for b in blocks(page) if b.file and not b.skip}
 
 
 def script(page: Path) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from docs_blocks import ROOT, SKIP_REASONS, blocks, pages, script  # noqa: E402
+from docs_blocks import ROOT, SKIP_REASONS, blocks, files, pages, script  # noqa: E402
 
 SRC = ROOT / "src"
 
@@ -35,6 +35,8 @@ def _runnable_pages() -> list[Path]:
 @pytest.mark.parametrize("page", _runnable_pages(), ids=lambda p: p.name)
 def test_a_pages_blocks_run_as_pasted(page: Path, tmp_path: Path) -> None:
     code = script(page)
+    for name, program in files(page).items():
+        (tmp_path / name).write_text(program)
     (tmp_path / "page.py").write_text(code)
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

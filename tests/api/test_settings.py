@@ -112,7 +112,10 @@ def test_the_job_spec_is_frozen_and_the_worker_config_typed() -> None:
     assert config.trains.module is None  # the module reaches each worker once, not per role
     assert config.trains.optimizer is torch.optim.SGD and config.device_for("tcp://w:1") is None
     gpu = dataclasses.replace(config, device_kind="cuda", devices={"tcp://w:1": "cuda:1"})
-    assert gpu.device_for("tcp://w:1") == "cuda:1" and gpu.device_for("tcp://new:2") == "cuda"
+    # A worker that joined after the start: its current CUDA device, its CPU where it has none
+    # (a CPU worker beside the GPU ones of a job with resources=).
+    assert gpu.device_for("tcp://w:1") == "cuda:1"
+    assert gpu.device_for("tcp://new:2") == ("cuda" if torch.cuda.is_available() else None)
     # What a checkpoint records: the optimizer by name (a class too), the data's settings.
     assert spec.manifest_config() == {"optimizer": "SGD", "lr": 1e-3, "grad_accumulation": 1,
                                       "batch_size": 32, "seed": 0, "epochs": 1}

@@ -197,11 +197,15 @@ def test_the_scheduler_forgets_a_jobs_event_topics(leak_client: Client) -> None:
     # a job's figures and scores, two topics a fit, would pile up over months of jobs.
     for strategy in ("async-ps", "sync"):
         _fit(leak_client, strategy)
-    deadline = time.monotonic() + SETTLE_S
+    deadline = time.monotonic() + 3 * SETTLE_S  # it looks at 5 s, then at 10 or 30 s
     while (left := leak_client.run_on_scheduler(scheduler_topics)) \
             and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, f"the scheduler still keeps the jobs' topics: {left}"
+    subscribers = leak_client.run_on_scheduler(lambda dask_scheduler: {
+        n: sorted(map(str, t.subscribers)) for n, t in dask_scheduler._broker._topics.items()
+        if n.startswith("dask-train-")})
+    assert not left, f"the scheduler still keeps the jobs' topics: {left}; subscribers " \
+        f"{subscribers}"
 
 
 def _hidden_net(hidden: int) -> torch.nn.Module:

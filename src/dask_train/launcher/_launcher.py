@@ -200,10 +200,9 @@ def _check_room(client: Client, job: LaunchJob) -> None:
     placement = job.cluster.placement
     if not placement:
         return
-    from dask_train.data._cluster import live_workers
-    from dask_train.runtime._roles import check_room
+    from dask_train.runtime._roles import check_room, worker_threads
 
-    least, _ = job.cluster.bounds(len(live_workers(client)))
+    least, _ = job.cluster.bounds(len(worker_threads(client)))
     check_room(client, placement, need=least, what=f"workers={job.cluster.workers!r}",
                one_per_worker=True)
 
@@ -349,16 +348,9 @@ class Gang:
 
     def _fits(self, address: str) -> bool:
         """Whether a rank may run on the worker at ``address`` (it has the run's resources)."""
-        placement = self.job.cluster.placement
-        if not placement:
-            return True
-        from dask_train.data._cluster import declared_resources, live_workers
+        from dask_train.runtime._roles import can_hold
 
-        declared = declared_resources(self.client)
-        if address not in declared:  # a worker that joined since the client's last listing
-            live_workers(self.client)
-            declared = declared_resources(self.client)
-        return placement.fits(declared.get(address, {})) > 0
+        return can_hold(self.client, self.job.cluster.placement, address)
 
     def _alive(self, *, placeable: bool = False) -> list[str]:
         from dask_train.runtime._calls import alive_workers

@@ -71,6 +71,17 @@ def _destroy(group: Any = None) -> None:
         _ACTIVE["user_made"] = False
 
 
+def torch_own(name: str) -> Any:
+    """torch's own ``init_process_group`` or ``destroy_process_group`` (``name``), never the
+    shims: dask-train's own start and teardown of a group (a ``dt.run`` job regrouping at a
+    report, inside a rank's function) must make and destroy it for real; through the shim the
+    destroy did nothing, and the next group met "a torch default process group that dask-train
+    did not start"."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return _ORIGINAL.get(name) or getattr(c10d, name)
+
+
 @contextlib.contextmanager
 def job_group(*, job_made: bool, where: str) -> Iterator[None]:
     """Within: the rank's function's ``init_process_group``/``destroy_process_group`` meet the

@@ -107,7 +107,8 @@ def forget_topics(topic: str, *, after: float = LATE_EVENTS_S, dask_scheduler: A
     scores): a scheduler that runs for months kept them all (two topics and about 60 events
     per one-second fit, measured; 1,000 per topic for a long job). The Training page keeps its
     own view of the latest jobs (``monitor._jobs.Jobs``), so nothing reads them after the job.
-    The wait lets events still on their way land first (a topic they reached again would stay).
+    The wait lets events still on their way land first; it looks again three times, later
+    (a topic someone still subscribes to is kept while they do).
     """
     import asyncio
     import re
@@ -117,13 +118,21 @@ def forget_topics(topic: str, *, after: float = LATE_EVENTS_S, dask_scheduler: A
     if not isinstance(topics, dict):
         return
     mine = re.compile(rf"^{re.escape(topic)}(-g\d+)?$")
+    loop = asyncio.get_running_loop()
 
-    def forget() -> None:
+    def forget(tries: int) -> None:
+        kept = False
         for name in [n for n in topics if mine.match(n)]:
-            if not getattr(topics[name], "subscribers", ()):
+            if getattr(topics[name], "subscribers", ()):
+                kept = True  # a client's unsubscribe still on its way, or someone watching
+            else:
                 del topics[name]
+        # Again later: for a topic kept by its subscriber, and for events that came late
+        # (a worker's last figures, its stream held up on a loaded machine) and made it anew.
+        if tries > 1:
+            loop.call_later(after * (1 if kept else 5), forget, tries - 1)
 
-    asyncio.get_running_loop().call_later(after, forget)
+    loop.call_later(after, forget, 4)
 
 
 def reset_torch_group_count() -> None:

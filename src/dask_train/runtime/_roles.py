@@ -58,6 +58,18 @@ def trainer_workers(client: Client, placement: Placement) -> dict[str, int]:
     return placement.usable(worker_threads(client), declared_resources(client))
 
 
+def can_hold(client: Client, placement: Placement, address: str) -> bool:
+    """Whether the worker at ``address`` declares the resources one of the job's trainers (a
+    rank) holds; a worker that joined since the client's last listing is looked up."""
+    if not placement:
+        return True
+    declared = declared_resources(client)
+    if address not in declared:
+        worker_threads(client)  # lists the workers again, their resources with them
+        declared = declared_resources(client)
+    return placement.fits(declared.get(address, {})) > 0
+
+
 def check_room(client: Client, placement: Placement, *, need: int, what: str,
                one_per_worker: bool) -> None:
     """Refuse, before any work, a job whose ``what`` (``"workers=4"``) needs ``need`` trainers

@@ -21,6 +21,7 @@ from distributed import get_worker
 from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput
+from dask_train.runtime._adopt import torch_own
 from dask_train.runtime._compat import reset_torch_group_count
 from dask_train.runtime._denormals import flushed
 from dask_train.runtime._plugin import worker_state
@@ -60,11 +61,9 @@ def _membership(groups: dict[str, RankRecord], address: str, exclude: str = "") 
 
 
 def _destroy(st: RankRecord, reason: str) -> None:
-    import torch.distributed as dist
-
     if st.initialised:
         st.initialised, st.broken = False, reason
-        dist.destroy_process_group()
+        torch_own("destroy_process_group")()
 
 
 def gloo_interface(host: str) -> str | None:
@@ -189,8 +188,8 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
             # gloo's worker threads, which sum the ranks' gradients, are made here and inherit
             # this thread's FTZ/DAZ flags for the group's life (see runtime._denormals).
             with flushed():
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                        timeout=delta)
+                torch_own("init_process_group")(backend, store=store, rank=rank,
+                                                world_size=world, timeout=delta)
         finally:
             for name in env:
                 os.environ.pop(name, None)
