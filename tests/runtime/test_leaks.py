@@ -27,6 +27,7 @@ from distributed import Client, LocalCluster
 
 import dask_train as dt
 from dask_train.bench._resources import process_resources, scheduler_tasks, scheduler_topics
+from dask_train.runtime._compat import _late_event
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
 from _dask_cli import dask_cli_cluster  # noqa: E402
@@ -101,6 +102,11 @@ def _state(client: Client, workers: list[str] | None = None, *,
              "scheduler_tasks": client.run_on_scheduler(scheduler_tasks)}
     if with_client:
         state["client"] = _held(process_resources())
+        # Topics the client still listens to (a dropped one's no-op that takes late events
+        # for a few seconds is not listening): each holds its handler, and with it its engine.
+        state["client_topics"] = sorted(
+            t for t, h in client._event_handlers.items()
+            if t.startswith("dask-train-") and h is not _late_event)
     return state
 
 

@@ -107,6 +107,10 @@ class RunEngine(TorchSyncEngine):
         await self.start_servers()
         self.config = self.trainer_config()
         self.client.subscribe_topic(self.topic, lambda event: self._on_event(event[1]))
+        # The base's close unsubscribes (and forgets the handler, with this engine) only when
+        # told: without it the client kept every dt.run job's engine, and the scheduler its
+        # topic, for the client's life.
+        self.subscribed = True
         ranks = self.roles["trainer"]
         run = RunSettings(**{**self.run.__dict__, "local_ranks": tuple(local_ranks(ranks)),
                              "master": self.group.master if self.group is not None else "",
