@@ -588,6 +588,14 @@ def render_models_table(env: dict[str, Any], rows: list[dict[str, Any]], seconds
                              f"plain 2-thread loop (goal >= {aim:.2f}x: "
                              f"{'met' if ratio >= aim else 'NOT met'})")
         cells.append(cell)
+    disturbed = [r for r in rows if r["other_load"] > DISTURBED_CORES]
+    if disturbed:
+        goals += ["", f"Warning: {len(disturbed)} cells ran while other programs used more than "
+                  f"{DISTURBED_CORES} cores in every attempt (column 'other load'): "
+                  + "; ".join(f"{r['model']}, {r['runner']}, flag "
+                              f"{'on' if r['flush'] else 'off'} ({r['other_load']:.2f})"
+                              for r in disturbed)
+                  + ". Their rates, and the ratios to them, are not trustworthy."]
     return "\n".join([
         "# Throughput of three models, denormals flushed and not", "",
         f"Machine: {env['cores']} cores ({env['cpu']}), torch {env['torch']}, dask "
