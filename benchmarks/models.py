@@ -22,6 +22,7 @@ to ``results/models.md``; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_load, environment, markdown_table, wait_for_quiet, write_results  # noqa: E402
+from _common import build_mlp, cpu_load, environment, markdown_table, wait_for_quiet, write_results  # noqa: E402
 
 import dask_train as dt  # noqa: E402
 
@@ -106,6 +107,17 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]] = {
     "transformer encoder 2x(d=32, 4 heads)": (seeded(Encoder), (64,)),
 }
 BATCH = 128
+
+
+def side_by_side() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]]:
+    """The three models that ``throughput.py --models-table`` and ``throughput_intervals.py``
+    compare (issue 57): the large MLP, the CNN and the token transformer, each with the shape
+    its digit takes."""
+    return {
+        "MLP 64-1024-1024-10": (functools.partial(build_mlp, (1024, 1024)), (64,)),
+        "CNN conv16-BN-conv32-fc": (cnn, (1, 8, 8)),
+        "transformer 2x(d=32, 4 heads)": (seeded(Encoder), (64,)),
+    }
 
 
 def plain_torch(make: Callable[[], torch.nn.Module], x: np.ndarray, y: np.ndarray,

@@ -42,6 +42,18 @@ the number of epochs is chosen so that each run lasts about ``--seconds``. The d
 
 Results go to ``benchmarks/results/throughput.md`` and ``throughput.json`` (``throughput-quick.*``
 with ``--quick``, so a smoke test never overwrites a full run).
+
+``--models-table`` measures something else, in one run (issue 57): the large MLP 64-1024-1024-10,
+the CNN and the token transformer of ``benchmarks/models.py`` (batch 128, Adam 1e-3), each as
+plain torch with 1 and 2 threads and as ``Trainer`` async-ps (ps=1, workers=2) and sync (2 ranks),
+every runner with denormals flushed (``dask-train.flush-denormal``, the default; the plain loop
+under the same FTZ/DAZ flags on its thread and its OpenMP team) and without; each cell a fresh
+model for ``--seconds`` (default 15), the Trainer's rate its steady state (scores every second).
+One table with each runner's ratio to the better plain 2-thread loop and to plain torch with the
+same flag, the trainers' busy, feed-wait and server-wait seconds, and the CPU; written to
+``results/throughput-models.md``. Each cell waits (``--max-wait``, 60 s) for other programs to
+leave the cores idle and is measured again (``--attempts``, 2) while they took a core anyway,
+the least disturbed attempt kept; its "other load" column says how much they took.
 """
 
 from __future__ import annotations
@@ -304,19 +316,19 @@ def trainer_rows(
         least_disturbed(
             functools.partial(trainer_row, case, X, y, client, epochs=epochs, variant=variant,
                               scorer=scorer, settings=settings),
-            settings,
+            settings.attempts,
         )
         for variant, scorer in [(DEFAULT, False), (DEFAULT, True)] + [(v, True) for v in VARIANTS]
     ]
 
 
-def least_disturbed(measure: Callable[[], dict[str, Any]], settings: Settings) -> dict[str, Any]:
-    """Measure again (up to ``--attempts`` times) while other programs disturbed the measurement.
+def least_disturbed(measure: Callable[[], dict[str, Any]], attempts: int) -> dict[str, Any]:
+    """Measure again (up to ``attempts`` times) while other programs disturbed the measurement.
 
     Returns the attempt during which other programs used the least CPU.
     """
     best: dict[str, Any] | None = None
-    for attempt in range(1, settings.attempts + 1):
+    for attempt in range(1, attempts + 1):
         row = {**measure(), "attempt": attempt}
         _log_row(row)
         if best is None or row["other_load"] < best["other_load"]:
@@ -424,7 +436,7 @@ def plain_rows(data: Data, settings: Settings) -> list[dict[str, Any]]:
         X, y = torch.from_numpy(X_np), torch.from_numpy(y_np)
         for threads in TORCH_THREADS:
             measure = functools.partial(plain_torch, case, X, y, threads=threads, settings=settings)
-            rows.append(least_disturbed(measure, settings))
+            rows.append(least_disturbed(measure, settings.attempts))
     torch.set_num_threads(default_threads)
     return rows
 
@@ -438,7 +450,174 @@ def cluster_rows(data: Data, settings: Settings) -> list[dict[str, Any]]:
         client.close()
 
 
+# -- the models side by side, denormals flushed and not (--models-table) ---------------------------
+
+
+TABLE_BATCH = 128
+
+
+def _set_flush(value: bool) -> None:
+    dask.config.set({"dask-train.flush-denormal": value})
+
+
+def plain_cell(make: Callable[[], torch.nn.Module], X: torch.Tensor, y: torch.Tensor, *,
+               threads: int, flush: bool, seconds: float) -> dict[str, Any]:
+    """Plain torch for ``seconds`` from a fresh model (20 steps of warm-up left out)."""
+    from dask_train.runtime._denormals import flushed
+
+    torch.set_num_threads(threads)
+    net = make()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    batches = shuffled_batches(X, y, TABLE_BATCH)
+    # The flags on this thread and its OpenMP team, as a role sets them (set_flush_denormal
+    # alone would reach this thread only).
+    with flushed(flush):
+        train_steps(net, opt, batches, 20)
+        samples, started = 0, time.perf_counter()
+        with cpu_load() as load:
+            while time.perf_counter() - started < seconds:
+                samples += train_steps(net, opt, batches, 10)
+    return {"runner": f"torch, {threads} thread{'s' if threads > 1 else ''}", "flush": flush,
+            "threads": threads, "samples_per_s": samples / load.wall_s,
+            "other_load": load.foreign}
+
+
+def trainer_cell(make: Callable[[], torch.nn.Module], X: da.Array, y: da.Array,
+                 validation: Any, client: Client, *, strategy: str, flush: bool,
+                 seconds: float) -> dict[str, Any]:
+    """One Trainer run of ``seconds``; its steady state and where its trainers' time went."""
+    client.run(_set_flush, flush)
+    with cpu_load() as load:
+        result = dt.Trainer(make(), optimizer="adam", lr=1e-3, strategy=strategy, ps=1,
+                            workers=2, batch_size=TABLE_BATCH, epochs=1000, score_every=1.0,
+                            stop=[dt.StopAfter(seconds=seconds)], progress=False,
+                            client=client).fit(X, y, validation=validation)
+    samples, span = steady_state(result)
+    ran = [t for t in result.trainers if t.get("busy_s", 0) > 0]
+
+    def mean(key: str) -> float:
+        values = [float(t[key]) for t in ran if t.get(key) is not None]
+        return sum(values) / len(values) if values else math.nan
+
+    # A sync rank waits in its all-reduce where an async-ps trainer waits for its servers.
+    waits = {"busy_s": mean("busy_s"), "feed_wait_s": mean("feed_wait_s"),
+             "exchange_s": mean("ps_wait_s" if strategy == "async-ps" else "allreduce_s")}
+    return {"runner": f"Trainer {strategy}", "flush": flush,
+            "samples_per_s": samples / span if span > 0 else math.nan,
+            "accuracy": float(result.history["accuracy"].iloc[-1]),
+            "other_load": load.foreign, **waits}
+
+
+def models_table(seconds: float, n_samples: int, *, attempts: int, max_wait_s: float) -> int:
+    """Every model x runner x flag, plain loops first (before the cluster exists); each cell
+    measured again (up to ``attempts`` times) while other programs took a core, after waiting
+    up to ``max_wait_s`` for them to leave it idle."""
+    env = environment()
+    from models import side_by_side  # benchmarks/models.py: the CNN and the transformer
+
+    chosen = side_by_side()
+    X, y = dt.datasets.digits(n_samples, seed=0, chunks=math.ceil(n_samples / 16))
+    x_np, y_np = dask.compute(X, y)
+    rows: list[dict[str, Any]] = []
+    default_threads = torch.get_num_threads()
+    for name, (make, shape) in chosen.items():
+        xm = torch.from_numpy(x_np.reshape(-1, *shape))
+        for threads in TORCH_THREADS:
+            for flush in (False, True):
+                measure = functools.partial(
+                    _cell, name, max_wait_s, plain_cell, make, xm, torch.from_numpy(y_np),
+                    threads=threads, flush=flush, seconds=seconds)
+                rows.append(least_disturbed(measure, attempts))
+    torch.set_num_threads(default_threads)
+    client = dt.connect(n_workers=2, quiet=True)
+    try:
+        X, y = client.persist([X, y])
+        xv, yv = dt.datasets.digits_test()
+        for name, (make, shape) in chosen.items():
+            for strategy in ("async-ps", "sync"):
+                for flush in (False, True):
+                    measure = functools.partial(
+                        _cell, name, max_wait_s, trainer_cell, make, X.reshape(-1, *shape), y,
+                        (xv.reshape(-1, *shape), yv), client, strategy=strategy, flush=flush,
+                        seconds=seconds)
+                    rows.append(least_disturbed(measure, attempts))
+        client.run(_set_flush, True)
+    finally:
+        client.close()
+    markdown = render_models_table(env, rows, seconds)
+    print(markdown)
+    paths = write_results("throughput-models", markdown,
+                          {"environment": env, "seconds": seconds, "rows": rows})
+    _log("wrote " + ", ".join(os.path.relpath(p) for p in paths))
+    return 0
+
+
+def _cell(model: str, max_wait_s: float, measure: Callable[..., dict[str, Any]], *args: Any,
+          **kwargs: Any) -> dict[str, Any]:
+    waited = wait_for_quiet(max_wait_s=max_wait_s) if max_wait_s > 0 else 0.0
+    return {"model": model, **measure(*args, **kwargs), "waited_s": waited}
+
+
+def render_models_table(env: dict[str, Any], rows: list[dict[str, Any]], seconds: float) -> str:
+    """One table: each row's rate, its ratio to the better plain 2-thread loop of its model and
+    to plain torch with 2 and 1 threads under the same flag; and the goals' verdicts."""
+    plain = {(r["model"], r["threads"], r["flush"]): r["samples_per_s"]
+             for r in rows if "threads" in r}
+    cells, goals = [], []
+    for r in rows:
+        best2 = max(plain[(r["model"], 2, False)], plain[(r["model"], 2, True)])
+        ratio = r["samples_per_s"] / best2
+        cell = {"model": r["model"], "runner": r["runner"],
+                "flush-denormal": "on" if r["flush"] else "off",
+                "samples/s": f"{r['samples_per_s']:,.0f}",
+                "vs better torch 2 threads": f"{ratio:.2f}x",
+                "vs torch 2 threads, same flag":
+                    f"{r['samples_per_s'] / plain[(r['model'], 2, r['flush'])]:.2f}x",
+                "vs torch 1 thread, same flag":
+                    f"{r['samples_per_s'] / plain[(r['model'], 1, r['flush'])]:.2f}x",
+                "accuracy": f"{r['accuracy']:.3f}" if "accuracy" in r else "",
+                "per trainer: busy / feed wait / server or all-reduce wait (s)": "",
+                "other load": f"{r['other_load']:.2f}"}
+        if "busy_s" in r:
+            feed = "-" if math.isnan(r["feed_wait_s"]) else f"{r['feed_wait_s']:.2f}"
+            cell["per trainer: busy / feed wait / server or all-reduce wait (s)"] = (
+                f"{r['busy_s']:.1f} / {feed} / {r['exchange_s']:.2f}")
+            if r["flush"]:
+                aim = 1.15 if r["runner"].endswith("async-ps") else 1.0
+                goals.append(f"- {r['model']}, {r['runner']} (flag on): {ratio:.2f}x the better "
+                             f"plain 2-thread loop (goal >= {aim:.2f}x: "
+                             f"{'met' if ratio >= aim else 'NOT met'})")
+        cells.append(cell)
+    disturbed = [r for r in rows if r["other_load"] > DISTURBED_CORES]
+    if disturbed:
+        goals += ["", f"Warning: {len(disturbed)} cells ran while other programs used more than "
+                  f"{DISTURBED_CORES} cores in every attempt (column 'other load'): "
+                  + "; ".join(f"{r['model']}, {r['runner']}, flag "
+                              f"{'on' if r['flush'] else 'off'} ({r['other_load']:.2f})"
+                              for r in disturbed)
+                  + ". Their rates, and the ratios to them, are not trustworthy."]
+    return "\n".join([
+        "# Throughput of three models, denormals flushed and not", "",
+        f"Machine: {env['cores']} cores ({env['cpu']}), torch {env['torch']}, dask "
+        f"{env['dask']}, distributed {env['distributed']}; {env['date']}; 1-minute load at "
+        f"start {env['loadavg_at_start'][0]:.2f}. Each cell {seconds:g} s from a fresh model, "
+        "batch 128, Adam 1e-3; Trainer: ps=1, workers=2 (sync: 2 ranks), steady state.", "",
+        markdown_table(cells, list(cells[0])), "", "Goals:", "", *goals])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--models-table" in argv:
+        table = argparse.ArgumentParser(description="the models side by side (issue 57)")
+        table.add_argument("--models-table", action="store_true")
+        table.add_argument("--seconds", type=float, default=15.0)
+        table.add_argument("--n-samples", type=int, default=200_000)
+        table.add_argument("--attempts", type=int, default=2)
+        table.add_argument("--max-wait", type=float, default=60.0)
+        options = table.parse_args(argv)
+        return models_table(options.seconds, options.n_samples, attempts=options.attempts,
+                            max_wait_s=options.max_wait)
     settings = parse_args(argv)
     env = environment()
     data = make_data(settings)
