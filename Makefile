@@ -55,11 +55,9 @@ demo: $(VENV)/.setup
 # suite in 604 s against 790 s. Two still leave a fifth of it idle, but three were no faster
 # (fresh clones: 701 s with three, 706 s with two; each test slower under the load) and load
 # the timing of the kill and departure tests more. PYTEST_WORKERS=1 runs them one at a time.
-# --dist worksteal: a process that runs out of tests takes some of the other's queue, so the
-# suite's last minute is not one process finishing a long module alone while the other idles.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
 bench: $(VENV)/.setup
 	$(PY) benchmarks/throughput.py
