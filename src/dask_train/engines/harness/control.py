@@ -110,10 +110,15 @@ def drop_job(job: str, dask_worker: Any = None) -> None:
     """Run on workers (``client.run``): forget a finished job and free its memory, the
     host-memory segments its roles mapped here included."""
     worker_state(dask_worker).drop(job)
-    # Imported here: host_memory is only loaded in workers that ran a role that maps segments.
+    close_released_segments(collect=True)
+
+
+def close_released_segments(*, collect: bool = False) -> None:
+    """Close the mappings of segments this process's roles let go of whose views are gone
+    (``host_memory.release_unmapped``; ``collect``: after a run of the cycle collector). Not
+    imported here: only workers that ran a role mapping segments have host_memory loaded."""
     import sys
 
-    if "dask_train.engines.holders.host_memory" in sys.modules:
-        from dask_train.engines.holders import host_memory
-
-        host_memory.release_unmapped(collect=True)
+    host_memory = sys.modules.get("dask_train.engines.holders.host_memory")
+    if host_memory is not None:
+        host_memory.release_unmapped(collect=collect)

@@ -22,6 +22,7 @@ from distributed import get_worker, secede
 from dask_train.data._feed import FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import RoleConfig
+from dask_train.engines.harness.control import close_released_segments
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.errors import release_frames
 from dask_train.models._transport import unwrap
@@ -59,25 +60,12 @@ def role_task(fn: F) -> F:
                 release_frames(exc)
                 raise
             finally:
-                _close_released_segments()
+                # A failing role closed its segment inside the error's frames, whose views kept
+                # the mapping; they are cleared only here, possibly after the job was dropped on
+                # this worker (another role's failure ended it first).
+                close_released_segments()
 
     return task  # type: ignore[return-value]
-
-
-def _close_released_segments() -> None:
-    """Close the mappings of segments this role let go of (see ``host_memory._UNMAPPED``).
-
-    Why here: a failing role closes its segment while the error's frames still hold views of it
-    (its ``finally`` runs inside them), so the mapping waits; the frames are cleared only as the
-    error leaves the task, which can be after the job was dropped on this worker (another
-    role's failure ends the job first), and nothing closed it until the next job ended.
-    """
-    import sys
-
-    # Not imported here: only workers that ran a role mapping segments have it loaded.
-    host_memory = sys.modules.get("dask_train.engines.holders.host_memory")
-    if host_memory is not None:
-        host_memory.release_unmapped()
 
 
 def leave_pool() -> None:
