@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 
 from dask_train.errors import DaskTrainError, InvalidInput
+from dask_train.runtime._hosts import worker_host
 
 #: Names of everything created start with this, then the owner's pid and a counter, in base 36:
 #: namespaces ``dtn<pid>x<n>-s`` (scheduler) and ``-0``, ``-1``...; the bridge ``...b``; the veth
@@ -363,7 +364,7 @@ class NetnsCluster:
 
     def host_of(self, worker_address: str) -> Host:
         """The host a Dask worker address belongs to."""
-        ip = worker_address.split("://")[-1].rsplit(":", 1)[0]
+        ip = worker_host(worker_address)
         for host in [*self.hosts, *([self.scheduler] if self.scheduler else [])]:
             if host.address == ip:
                 return host

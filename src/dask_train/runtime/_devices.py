@@ -17,6 +17,7 @@ from typing import Any
 from distributed import Client
 
 from dask_train.errors import InvalidInput
+from dask_train.runtime._hosts import worker_host
 
 #: Device files of a GPU that torch.cuda can use on Linux: NVIDIA's driver, AMD's (ROCm builds of
 #: torch answer through torch.cuda), WSL2's GPU paravirtualization.
@@ -58,10 +59,6 @@ class Devices:
     precision: str | None = None
 
 
-def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0]
-
-
 def group_backend(kind: str, devices: Mapping[str, str], ranks: Sequence[str]) -> str:
     """The torch process group's backend for ranks on ``ranks``: NCCL for a CUDA job whose ranks
     each have a GPU of their own, else gloo.
@@ -82,10 +79,10 @@ def group_backend(kind: str, devices: Mapping[str, str], ranks: Sequence[str]) -
         return "gloo"
     gpus: dict[str, set[str]] = {}
     for address, device in devices.items():
-        gpus.setdefault(_host(address), set()).add(device)
+        gpus.setdefault(worker_host(address), set()).add(device)
     ranks_on: dict[str, int] = {}
     for address in ranks:
-        ranks_on[_host(address)] = ranks_on.get(_host(address), 0) + 1
+        ranks_on[worker_host(address)] = ranks_on.get(worker_host(address), 0) + 1
     shared = any(n > max(1, len(gpus.get(host, ()))) for host, n in ranks_on.items())
     return "gloo" if shared else "nccl"
 
@@ -117,8 +114,8 @@ def assign_devices(requested: str, info: Mapping[str, Mapping[str, Any]], *,
     if kind == "cuda":
         position: dict[str, int] = {}
         for address in sorted(info):
-            index = position.get(_host(address), 0)
-            position[_host(address)] = index + 1
+            index = position.get(worker_host(address), 0)
+            position[worker_host(address)] = index + 1
             fixed = requested.split(":", 1)[1] if requested.startswith("cuda:") else None
             by_worker[address] = f"cuda:{fixed if fixed is not None else index % info[address]['cuda']}"
     precision = None

@@ -25,6 +25,7 @@ from dask_train.data._stall import wait_futures
 from dask_train.errors import InvalidInput, RoleFailed, TrainingTimeout
 from dask_train.policy._placement import KINDS, SEED_TRAINER, check_role_counts, plan_roles
 from dask_train.runtime._calls import live_workers
+from dask_train.runtime._hosts import worker_host
 from dask_train.runtime._roles import worker_threads
 from dask_train.tensorflow import _server
 
@@ -127,7 +128,7 @@ class TensorFlowCluster:
         import tensorflow as tf
 
         scheduler = self.client.scheduler.address  # type: ignore[union-attr]
-        host = get_ip(scheduler.split("://", 1)[-1].rsplit(":", 1)[0])
+        host = get_ip(worker_host(scheduler))
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]

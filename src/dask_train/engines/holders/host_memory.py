@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from dask_train.runtime._hosts import worker_host
+
 logger = logging.getLogger(__name__)
 
 #: Where segments live: a tmpfs on Linux. Elsewhere (no such directory) shards stay in their
@@ -97,10 +99,12 @@ def enabled() -> bool:
 def same_host(a: str, b: str) -> bool:
     """Whether two Dask addresses are on one host (its address, as Dask sees it: the namespace
     hosts of the multi-host harness differ, although they share a ``/dev/shm``)."""
-    def host(address: str) -> str:
-        return address.partition("://")[2].rsplit(":", 1)[0].strip("[]")
-
-    return host(a) == host(b) and a.partition("://")[0] in ("tcp", "tls", "inproc")
+    scheme = a.partition("://")[0]
+    if scheme == "inproc":
+        # Kept as it was: an in-process address has no port, so the old parse compared whole
+        # addresses, and only a worker with itself counted as one host.
+        return a == b
+    return scheme in ("tcp", "tls") and worker_host(a) == worker_host(b)
 
 
 def pid_alive(pid: int) -> bool:

@@ -42,6 +42,7 @@ from distributed import Worker
 
 from dask_train.engines.holders.reach import holder_or_reason
 from dask_train.runtime._denormals import call_flushed
+from dask_train.runtime._hosts import worker_host
 
 logger = logging.getLogger(__name__)
 
@@ -185,10 +186,9 @@ def push_endpoint(worker: Worker) -> str | None:
     ``dask-train.direct-push`` set to False (a network that allows only Dask's ports)."""
     import dask
 
-    scheme, _, rest = worker.address.partition("://")
-    if scheme != "tcp" or not dask.config.get("dask-train.direct-push", True):
+    if not worker.address.startswith("tcp://") or not dask.config.get("dask-train.direct-push", True):
         return None
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    host = worker_host(worker.address)
     with _servers_lock:
         server = _servers.get(worker.address)
         if server is None:
