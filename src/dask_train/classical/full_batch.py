@@ -29,6 +29,7 @@ import numpy as np
 from distributed import Client
 
 from dask_train.data import BlockSet, persist_data
+from dask_train.data._inputs import is_collection
 from dask_train.errors import InvalidInput
 from dask_train.runtime import add_terms, default_client, send_params, tree_reduce
 
@@ -98,7 +99,7 @@ def _cached_blocks(X: Any, y: Any, client: Client) -> BlockSet:
     collected, the entry and its blocks on the cluster go too. In-memory arrays are not cached (a
     numpy array may be changed in place between calls).
     """
-    if not hasattr(X, "dask"):
+    if not is_collection(X):
         return persist_data(X, y, client=client)
     key = (id(X), id(y), id(client))
     with _CACHE_LOCK:

@@ -231,5 +231,4 @@ def to_numpy(part: Any, *, name: str = "X") -> Any:
         if problems:
             raise InvalidInput(problems)
         return pack(arrays)
-    compute = getattr(part, "compute", None)
-    return np.asarray(compute() if callable(compute) else part)
+    return np.asarray(part.compute() if is_collection(part) else part)
