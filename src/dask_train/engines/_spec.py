@@ -17,16 +17,13 @@ import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Placement
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
-
-if TYPE_CHECKING:
-    from dask_train.engines.run.context import RunSettings
 
 
 @dataclass(frozen=True)
@@ -85,8 +82,10 @@ class JobSpec:
     #: The model and how it is trained, for the engines that train a model they are given;
     #: None for ``dt.run``, whose function owns them.
     train: TrainSettings | None = None
-    #: What every rank of a ``dt.run`` job gets besides its function; None for the others.
-    run: RunSettings | None = None
+    #: What every rank of a ``dt.run`` job gets besides its function
+    #: (``engines.run.context.RunSettings``, not imported here: it imports this module);
+    #: None for the others.
+    run: Any = None
     progress: bool = False
     checkpoint: CheckpointConfig | None = None
     failure: FailureConfig = field(default_factory=FailureConfig)
