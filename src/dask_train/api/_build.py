@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dask_train.api._job_result import job_fields
+from dask_train.api._job_spec import build_spec
 from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult, scorer_record
 from dask_train.controller._controller import Outcome
@@ -23,6 +24,9 @@ from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import travelling
 from dask_train.policy._placement import Roles, plan_roles
 
+if TYPE_CHECKING:
+    from dask_train.runtime._devices import Devices
+
 
 def float_dtype(module: Any) -> Any:
     """The numpy dtype of a model's floating parameters (float32 unless it says otherwise)."""
@@ -34,14 +38,14 @@ def float_dtype(module: Any) -> Any:
     return np.dtype(str(params[0].dtype).removeprefix("torch.")) if params else np.float32
 
 
-def job_spec(plan: FitPlan, *, start: Any, devices: Any = None, n_params: int | None = None,
-             data_note: str = "") -> JobSpec:
+def job_spec(plan: FitPlan, *, start: Any, devices: Devices | None = None,
+             n_params: int | None = None, data_note: str = "") -> JobSpec:
     """The engines' view of a fit's plan, built once: ``start`` is the model the job starts
     from (a copy: the user's is never modified), ``devices`` the probed
     :class:`~dask_train.runtime._devices.Devices` (None: the CPU), ``data_note`` how the
     training data reaches the trainers, for the Training page."""
     s = plan.settings
-    m, data, scoring, recovery = s.model, s.data, s.scoring, s.recovery
+    m, scoring = s.model, s.scoring
     if n_params is None:
         n_params = param_count(plan.model)
     trainers = plan.trainers
@@ -51,20 +55,10 @@ def job_spec(plan: FitPlan, *, start: Any, devices: Any = None, n_params: int | 
         prefetch=m.prefetch_count(), grad_accumulation=int(m.grad_accumulation),
         ps=plan.servers, scorer=int(scoring.scorer), score_every=float(scoring.score_every),
         scorer_budget=scoring.budget(trainers), metrics=dict(m.metrics) if m.metrics else None)
-    ahead, most_ahead = data.read_ahead()
-    return JobSpec(
-        strategy=plan.strategy, workers=trainers, most_workers=s.cluster.most(),
-        placement=s.cluster.placement,
-        batch_size=plan.per_trainer_batch(),
-        epochs=int(data.epochs), shuffle=bool(data.shuffle), seed=int(data.seed),
-        blocks_ahead=ahead, blocks_ahead_max=most_ahead, timeout=float(s.cluster.timeout),
-        stop=list(s.stop), callbacks=list(s.callbacks), train=train, progress=bool(s.progress),
-        checkpoint=recovery.checkpoint_config(), failure=recovery.failure_config(),
-        on_nan=str(recovery.on_nan), data=data_note,
-        **({} if devices is None else {"device_kind": devices.kind,
-                                       "devices": dict(devices.by_worker),
-                                       "precision": devices.precision}),
-    )
+    return build_spec(s, strategy=engine_entry(plan.engine).strategy, workers=trainers,
+                      most_workers=s.cluster.most(), batch_size=plan.per_trainer_batch(),
+                      epochs=int(s.data.epochs or 1), devices=devices, train=train,
+                      progress=bool(s.progress), data_note=data_note)
 
 
 def param_count(model: Any) -> int:
@@ -85,7 +79,7 @@ def fit_roles(plan: FitPlan, client: Any, *, has_validation: bool) -> Roles:
     ensure_plugin(client)
     threads = worker_threads(client)
     cluster = plan.settings.cluster
-    if engine_entry(plan.strategy).one_rank_per_worker and plan.trainers > len(threads):
+    if engine_entry(plan.engine).one_rank_per_worker and plan.trainers > len(threads):
         # torch's default process group is one per process: one rank per Dask worker.
         workers = cluster.workers
         raise InvalidInput([
@@ -121,7 +115,7 @@ def replan_roles(plan: FitPlan, has_validation: bool, client: Any) -> Any:
     its resources hold, one for a rank); servers and the scorer anywhere."""
     from dask_train.data._cluster import declared_resources
 
-    entry = engine_entry(plan.strategy)
+    entry = engine_entry(plan.engine)
     scorer = int(plan.settings.scoring.scorer) if has_validation else 0
     cluster = plan.settings.cluster
     placement = cluster.placement

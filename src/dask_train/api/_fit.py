@@ -3,7 +3,8 @@ its data on the workers, its roles placed, run by the one controller.
 
 Every step takes the fit's :class:`~dask_train.api._plan.FitPlan` and its
 :class:`~dask_train.data._training.TrainingData`, built once by the Trainer; the numpy
-``ArrayModel``'s fit is :mod:`dask_train.api._fit_array`.
+``ArrayModel``'s fit is :mod:`dask_train.api._fit_array`. Both end in the one run of every job
+(:func:`~dask_train.api._drive.drive`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from dask_train.api._build import (
     replan_roles,
 )
 from dask_train.api._data import materialize, spread_validation
+from dask_train.api._drive import drive
 from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult
 from dask_train.api._validate import check_fit, check_label_range
-from dask_train.controller._controller import Controller
 from dask_train.controller._interrupt import interrupted_early
-from dask_train.controller._progress import Progress
 from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
 from dask_train.errors import InvalidInput
@@ -40,7 +40,6 @@ from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import is_classification
 from dask_train.policy._data_mode import check_data_mode
 from dask_train.policy._placement import Roles
-from dask_train.policy.callbacks import run_callbacks
 
 logger = logging.getLogger("dask_train.api._trainer")
 
@@ -125,23 +124,15 @@ def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, 
     if problems:
         raise InvalidInput(problems)
     # First: importing the engine's module registers its worker-side RPC handlers.
-    engine_cls = engine_entry(plan.strategy).engine_class()
+    engine_cls = engine_entry(plan.engine).engine_class()
     roles = fit_roles(plan, client, has_validation=validation is not None)
     if keras:
         prepare_keras(client, roles, timeout=spec.timeout)
-    run_callbacks(spec.callbacks, "on_fit_start", {"roles": roles, "rows": blocks.n_rows,
-                                                   "params": plan.tracked_params()})
 
     def make_engine(roles: Roles, job: str, restore: Any) -> Any:
         return engine_cls(client, spec, roles, blocks, validation, job=job, restore=restore)
 
-    with Progress(total=spec.epochs * blocks.n_rows, enabled=spec.progress) as progress:
-        started = time.time()
-        controller = Controller(client, spec, make_engine=make_engine,
-                                plan_roles=replan_roles(plan, validation is not None, client),
-                                roles=roles, rows=blocks.n_rows, progress=progress)
-        outcome = controller.run_sync(resume=resume)
-        progress.close(outcome.stopped_by)
-    result = fit_result(plan, outcome, wall_s=time.time() - started)
-    run_callbacks(spec.callbacks, "on_fit_end", result)
-    return result
+    return drive(client, spec, make_engine=make_engine,
+                 plan_roles=replan_roles(plan, validation is not None, client), roles=roles,
+                 rows=blocks.n_rows, params=plan.tracked_params(), resume=resume,
+                 result=lambda outcome, wall_s: fit_result(plan, outcome, wall_s=wall_s))

@@ -64,6 +64,15 @@ class FitPlan:
         return self.choice.strategy if self.choice is not None else str(self.settings.strategy)
 
     @property
+    def engine(self) -> str:
+        """The registry's name of the engine this fit runs (``engines._registry``): its
+        strategy's, or ``"array"``, numpy's one engine, for an ``ArrayModel`` (whose
+        ``strategy="sync"`` names what it does, not which engine does it)."""
+        from dask_train.models._array import ArrayModel
+
+        return "array" if isinstance(self.model, ArrayModel) else self.strategy
+
+    @property
     def trainers(self) -> int:
         """The trainers (ranks) this fit runs: ``workers``, or those chosen on the cluster
         (by ``"auto"``, or within ``workers=(least, most)``; the least before that)."""

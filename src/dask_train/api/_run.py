@@ -1,44 +1,30 @@
 """``dt.run``: the user's own training function on every rank, with the data, scores, stop
 conditions, checkpoints and recovery a ``Trainer`` job has (one controller for both). Its
-arguments become a :class:`RunJob` checked before any work; :func:`run_job` then puts the data
-on the workers, places the ranks and drives :class:`~dask_train.engines.run.engine.RunEngine`
-generations."""
+arguments become a :class:`~dask_train.api._run_job.RunJob` checked before any work;
+:func:`run_job` then puts the data on the workers, places the ranks and drives
+:class:`~dask_train.engines.run.engine.RunEngine` generations
+(:func:`~dask_train.api._drive.drive`, as every job)."""
 
 from __future__ import annotations
 
-import inspect
-import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from dask_train.api._drive import drive
 from dask_train.api._job_result import job_fields
+from dask_train.api._job_spec import build_spec
+from dask_train.api._run_checks import pickled
+from dask_train.api._run_job import RunJob, check_run  # noqa: F401 - the CLI checks with it
 from dask_train.api._run_result import RunResult
-from dask_train.api._settings import RecoverySettings
-from dask_train.controller._controller import Controller, Outcome
+from dask_train.api._run_sets import small_sets, streamed
+from dask_train.api._run_wait import wait_for_workers
+from dask_train.controller._controller import Outcome
 from dask_train.controller._interrupt import interrupted_early
-from dask_train.controller._wanted import placeholder, weigh_placeholders
-from dask_train.data._blocks import BlockSet
 from dask_train.data._cluster import declared_resources
-from dask_train.data._hf_datasets import as_arrays, kind_of
-from dask_train.data._inputs import is_lazy, writable
-from dask_train.data._training import TrainingData
 from dask_train.engines._registry import engine_entry
-from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput, release_frames
-from dask_train.policy._placement import Placement, Roles
-from dask_train.policy._scope import current_scope
-from dask_train.policy._settings import (
-    ClusterSettings,
-    DataSettings,
-    callback_problems,
-    stop_problems,
-)
-from dask_train.policy.callbacks import run_callbacks
+from dask_train.policy._placement import Roles
 from dask_train.runtime._roles import check_room, ensure_plugin, trainer_workers
 
 if TYPE_CHECKING:
@@ -46,11 +32,6 @@ if TYPE_CHECKING:
 
     from dask_train.checkpoint import CheckpointConfig
     from dask_train.policy import Callback, FailureConfig, StopCondition
-
-logger = logging.getLogger(__name__)
-
-#: Named data sets besides the streamed one go to every rank whole, inside its task, up to this.
-SMALL_BYTES = 64 << 20
 
 
 def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
@@ -130,12 +111,15 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     >>> result = dt.run(train, data={"train": (X, y)}, config={"lr": 3e-3})  # doctest: +SKIP
     """
     clock = {"fit": time.time(), "connect": 0.0, "persist": 0.0}
-    settings = {k: v for k, v in locals().items() if k not in ("clock", "client")}
-    job = RunJob.of(settings)
+    job = RunJob.of(fn, data=data, config=config, workers=workers, epochs=epochs,
+                    batch_size=batch_size, stop=stop, callbacks=callbacks, checkpoint=checkpoint,
+                    failure=failure, resume=resume, seed=seed, shuffle=shuffle,
+                    blocks_ahead=blocks_ahead, timeout=timeout, device=device,
+                    data_mode=data_mode, resources=resources)
     problems = job.problems()
     if problems:
         raise InvalidInput(problems)
-    fn_blob, small = _pickled(fn), _small_sets(job.sets)
+    fn_blob, small = pickled(fn), small_sets(job.sets)
     client = _connected(client, clock, fn)
     try:
         return run_job(client, job, fn_blob=fn_blob, small=small, clock=clock)
@@ -162,181 +146,6 @@ def _connected(client: Client | None, clock: dict[str, float], fn: Any) -> Clien
     return client
 
 
-@dataclass(frozen=True)
-class RunJob:
-    """``dt.run``'s arguments by concern: the function and its config, the named data sets,
-    and the same data, cluster and recovery records a Trainer's fit builds
-    (:mod:`dask_train.policy._settings`, :mod:`dask_train.api._settings`), so each value is
-    checked once, with one wording, whichever door it came through."""
-
-    fn: Any
-    config: Any
-    sets: Any
-    data: DataSettings
-    cluster: ClusterSettings
-    recovery: RecoverySettings
-    stop: Any = ()
-    callbacks: Any = ()
-    resume: bool = False
-    data_mode: Any = "auto"
-
-    @classmethod
-    def of(cls, s: Mapping[str, Any]) -> RunJob:
-        """The records of ``dt.run``'s keyword arguments ``s`` (by name, as given; the named
-        data sets as every later step reads them, see :func:`_data_sets`)."""
-        return cls(
-            fn=s["fn"], config=s["config"], sets=_data_sets(s["data"]),
-            data=DataSettings(batch_size=s["batch_size"], epochs=s["epochs"],
-                              shuffle=s["shuffle"], seed=s["seed"],
-                              blocks_ahead=s["blocks_ahead"]),
-            cluster=ClusterSettings(workers=s["workers"], device=s["device"],
-                                    timeout=s["timeout"], resources=s.get("resources")),
-            # A rank's non-finite metric is reported, never a reason to stop: the function
-            # decides what to do about its own loss.
-            recovery=RecoverySettings(checkpoint=s["checkpoint"], failure=s["failure"],
-                                      on_nan="skip"),
-            stop=s["stop"] or (), callbacks=s["callbacks"] or (), resume=bool(s["resume"]),
-            data_mode=s.get("data_mode", "auto"))
-
-    def problems(self) -> list[str]:
-        """Every problem with the arguments (nothing is sent anywhere)."""
-        from dask_train.policy._data_mode import check_data_mode
-
-        problems = _check_fn(self.fn, self.config)
-        problems += _check_data(self.sets)
-        sets = self.sets if isinstance(self.sets, Mapping) else {}
-        first = next(iter(sets.values()), None)
-        x = first[0] if isinstance(first, tuple) and len(first) == 2 else first
-        problems += check_data_mode(self.data_mode, full_batch=False, name="data_mode",
-                                    in_memory=x is not None and not is_lazy(x))
-        problems += self.cluster.problems(ranges=True)
-        problems += self.data.problems()
-        problems += stop_problems(self.stop)
-        problems += callback_problems(self.callbacks)
-        problems += self.recovery.problems()
-        if self.resume and self.recovery.checkpoint is None:
-            problems.append("resume=True needs checkpoint=dt.CheckpointConfig(path) (or a "
-                            "directory): it continues from the newest checkpoint under that path.")
-        return problems
-
-
-def check_run(s: Mapping[str, Any]) -> list[str]:
-    """Every problem with ``dt.run``'s keyword arguments ``s`` (nothing is sent anywhere)."""
-    return RunJob.of(s).problems()
-
-
-def _check_fn(fn: Any, config: Any) -> list[str]:
-    if not callable(fn):
-        return [f"fn={fn!r} is not callable: pass the training function, def train(ctx, ...)."]
-    if config is not None and not (isinstance(config, Mapping) and
-                                   all(isinstance(k, str) for k in config)):
-        return [f"config={config!r} is invalid: pass a dict of the function's keyword arguments."]
-    try:
-        inspect.signature(fn).bind(None, **dict(config or {}))
-    except TypeError as exc:
-        name = getattr(fn, "__name__", repr(fn))
-        return [f"{name}(ctx, **config) cannot be called with config={dict(config or {})!r} "
-                f"({exc}): the function takes ctx first, then the config's keys as arguments."]
-    except ValueError:  # a builtin without a signature: it is called as it is
-        pass
-    return []
-
-
-def _data_sets(data: Any) -> Any:
-    """``data=`` with each Hugging Face ``datasets.Dataset`` as its columns, one dask array of
-    records read in blocks on the workers (:func:`~dask_train.data._hf_datasets.as_arrays`):
-    from here on it is several inputs like any other, for the checks, the small sets and the
-    streamed set alike. A value that cannot be read so is kept as given, for
-    :func:`_check_data` to name its problems."""
-    if not isinstance(data, Mapping) or kind_of(data) is not None:
-        return data
-    sets = {}
-    for name, value in data.items():
-        try:
-            sets[name] = as_arrays(value, name=f"data[{name!r}]")
-        except InvalidInput:
-            sets[name] = value
-    return sets
-
-
-def _check_data(data: Any) -> list[str]:
-    if data is None:
-        return []
-    kind = kind_of(data)
-    if kind is not None:
-        return [f"data is a datasets.{kind}: pass its splits by name, data={{'train': "
-                "dd['train'], 'val': dd['test']} (the first is streamed to the ranks, the others "
-                "go whole to every rank)."]
-    if not isinstance(data, Mapping) or not data or not all(isinstance(k, str) for k in data):
-        return [f"data={type(data).__name__} is invalid: pass a dict of named data sets, "
-                "{'train': (X, y)} (the first is streamed to the ranks)."]
-    from dask_train.api._check_data import check_data
-    from dask_train.data._blocks import as_dask_array
-
-    problems = []
-    for name, value in data.items():
-        try:  # a datasets object _data_sets could not read: its problems
-            value = as_arrays(value, name=f"data[{name!r}]")
-        except InvalidInput as exc:
-            problems += exc.problems
-            continue
-        x, y = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-        if isinstance(value, (tuple, list)) and not (isinstance(value, tuple) and len(value) == 2):
-            problems.append(f"data[{name!r}] is a {type(value).__name__} of {len(value)}: pass "
-                            "(X, y), or X alone.")
-            continue
-        try:
-            X = as_dask_array(x, name=f"data[{name!r}] X")
-            Y = as_dask_array(y if y is not None else np.zeros(X.shape[0], dtype=np.int8))
-        except InvalidInput as exc:
-            problems += exc.problems
-            continue
-        problems += [f"data[{name!r}]: {p}" for p in check_data(X, Y)]
-    return problems
-
-
-def _pickled(fn: Any) -> bytes:
-    from dask_train.models._transport import dumps_by_value
-
-    try:
-        return dumps_by_value(fn)
-    except Exception as exc:
-        raise InvalidInput([f"the function {getattr(fn, '__name__', fn)!r} cannot be pickled "
-                            f"({type(exc).__name__}: {exc}): it travels to the workers; create "
-                            "what it closes over (a model, a lock, a file) inside it."]) from None
-
-
-def _small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The named sets after the first, in memory (every rank gets them whole)."""
-    if not data:
-        return {}
-    from dask_train.data._inputs import as_records
-
-    out: dict[str, Any] = {}
-    problems = []
-    for name, value in list(data.items())[1:]:
-        x, y = value if isinstance(value, tuple) else (value, None)
-        parts: list[Any] = []
-        for part in (x, y):
-            if part is None:
-                parts.append(None)
-                continue
-            part = as_records(part) if isinstance(part, Mapping) else part
-            compute = getattr(part, "compute", None)
-            nbytes = getattr(part, "nbytes", 0)
-            if nbytes and nbytes > SMALL_BYTES:
-                problems.append(f"data[{name!r}] is {nbytes / 2**20:.0f} MiB: the sets after the "
-                                f"first travel whole to every rank (at most {SMALL_BYTES >> 20} "
-                                "MiB); stream it as the first, or evaluate on a sample.")
-                break
-            parts.append(writable(compute() if callable(compute) else part))
-        else:
-            out[name] = tuple(parts)
-    if problems:
-        raise InvalidInput(problems)
-    return out
-
-
 #: The ledger's epoch bound when the function alone says how many epochs it trains.
 _UNBOUNDED_EPOCHS = 1_000_000_000
 
@@ -348,7 +157,7 @@ def run_job(client: Client, job: RunJob, *, fn_blob: bytes, small: dict[str, Any
     timeout = float(job.cluster.timeout)
     placement = job.cluster.placement
     least, most = job.cluster.bounds(len(trainer_workers(client, placement)))
-    alive, asked = _wait_for_workers(client, least, timeout=timeout, placement=placement)
+    alive, asked = wait_for_workers(client, least, timeout=timeout, placement=placement)
     try:
         # Before the data moves: workers with the resources whose slots others hold now.
         check_room(client, placement, need=least, what=f"workers={job.cluster.workers!r}",
@@ -371,25 +180,20 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
     placement = job.cluster.placement
     t = time.time()
     checkpoint = job.recovery.checkpoint_config()
-    blocks, labels, train = _stream(client, job.sets, ranks=min(most, len(alive)),
-                                    mode=str(job.data_mode), timeout=timeout,
-                                    written=_written_rows(checkpoint) if job.resume else None)
+    blocks, labels, train = streamed(client, job.sets, ranks=min(most, len(alive)),
+                                     mode=str(job.data_mode), timeout=timeout,
+                                     written=_written_rows(checkpoint) if job.resume else None)
     clock["persist"] = time.time() - t
-    devices = probe_devices(client, job.cluster.device,
+    devices = probe_devices(client, str(job.cluster.device),
                             workers=trainer_workers(client, placement) if placement else None)
-    ahead, most_ahead = job.data.read_ahead()
-    spec = JobSpec(
-        strategy="run", workers=most, batch_size=int(job.data.batch_size),
-        epochs=int(job.data.epochs or _UNBOUNDED_EPOCHS), shuffle=bool(job.data.shuffle),
-        seed=int(job.data.seed), blocks_ahead=ahead, blocks_ahead_max=most_ahead,
-        timeout=timeout, stop=list(job.stop), callbacks=list(job.callbacks),
-        checkpoint=checkpoint, failure=job.recovery.failure_config(),
-        on_nan=str(job.recovery.on_nan), device_kind=devices.kind,
-        devices=dict(devices.by_worker), placement=placement)
-    # The engine's own settings: what the user's function gets besides ctx's data.
+    # The engine's own part: what the user's function gets besides ctx's data.
     run = RunSettings(train=train, labels=labels, small=small,
                       checkpointing=checkpoint is not None, epochs=job.data.epochs,
                       batch_size=int(job.data.batch_size), sharded_root=_staging(checkpoint))
+    spec = build_spec(job, strategy=engine_entry("run").strategy, workers=most,
+                      most_workers=most, batch_size=int(job.data.batch_size),
+                      epochs=int(job.data.epochs or _UNBOUNDED_EPOCHS), devices=devices,
+                      run=run)
     user_config = dict(job.config or {})
     engine_cls = engine_entry("run").engine_class()
 
@@ -409,24 +213,13 @@ def _run_on(client: Client, job: RunJob, alive: dict[str, int], asked: list[Any]
         return engine_cls(client, spec, roles, blocks, job=job_id, restore=restore,
                           fn_blob=fn_blob, run=run, user_config=user_config)
 
-    roles = plan(alive)
     settings = {"workers": job.cluster.workers, "epochs": job.data.epochs,
                 "batch_size": job.data.batch_size, "seed": job.data.seed,
                 "stop": list(job.stop), "resume": job.resume}
-    run_callbacks(spec.callbacks, "on_fit_start", {
-        "roles": roles, "rows": blocks.n_rows, "params": {**user_config, "run": settings}})
-    started = time.time()
-    controller = Controller(client, spec, make_engine=make_engine, plan_roles=plan, roles=roles,
-                            rows=blocks.n_rows)
-    controller.wanted.adopt(asked)
-    asked.clear()
-    try:
-        outcome = controller.run_sync(resume=job.resume)
-    finally:
-        blocks.release()
-    result = _result(outcome, wall_s=time.time() - started, clock=clock)
-    run_callbacks(spec.callbacks, "on_fit_end", result)
-    return result
+    return drive(client, spec, make_engine=make_engine, plan_roles=plan, roles=plan(alive),
+                 rows=blocks.n_rows, params={**user_config, "run": settings},
+                 resume=job.resume, placeholders=asked, release=blocks.release,
+                 result=lambda outcome, wall_s: _result(outcome, wall_s=wall_s, clock=clock))
 
 
 def _staging(config: Any) -> str:
@@ -442,41 +235,6 @@ def _staging(config: Any) -> str:
     return StoragePath(path, config.storage_options) if config.storage_options else path
 
 
-def _wait_for_workers(client: Client, least: int, *, timeout: float,
-                      placement: Placement) -> tuple[dict[str, int], list[Any]]:
-    """The live workers, once there are at least ``least`` of them (up to ``timeout``), and the
-    placeholder tasks that asked for them, for the job's controller to hold until its ranks run.
-
-    While it waits, the scheduler holds ``least`` placeholder tasks, so that an adaptive cluster
-    grows to them (see :mod:`dask_train.controller._wanted`): not one per worker lacking, as a
-    running job holds, since the workers there are have no task yet and the scheduler's target
-    counts the tasks only. With resources, the workers counted are those that declare them."""
-    deadline = time.monotonic() + timeout
-    alive = trainer_workers(client, placement)
-    asked: list[Any] = []
-    if len(alive) < least and current_scope() is None:
-        token = uuid.uuid4().hex[:12]
-        client.run_on_scheduler(weigh_placeholders)
-        asked = [placeholder(client, token, n) for n in range(least)]
-    try:
-        while len(alive) < least:
-            if time.monotonic() > deadline:
-                if placement:
-                    raise InvalidInput([placement.too_few(
-                        need=least, what=f"workers={least} (after {timeout:g} s)",
-                        declared=declared_resources(client))])
-                raise InvalidInput([f"workers={least} or more are needed but the cluster has "
-                                    f"{len(alive)} Dask workers after {timeout:g} s: add "
-                                    "workers, or ask for fewer ranks."])
-            time.sleep(0.2)
-            alive = trainer_workers(client, placement)
-    except BaseException:
-        if asked:
-            client.cancel(asked)
-        raise
-    return alive, asked
-
-
 def _written_rows(config: Any) -> list[int] | None:
     """The rows of each data block the newest checkpoint under ``config`` was written for (its
     ledger's blocks); None without one."""
@@ -488,28 +246,6 @@ def _written_rows(config: Any) -> list[int] | None:
     newest = CheckpointStore(config).newest()
     ledger = None if newest is None else newest[1].get("ledger")
     return None if not ledger else written_rows(ledger)
-
-
-def _stream(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode: str = "auto",
-            timeout: float = 120.0, written: list[int] | None = None,
-            ) -> tuple[BlockSet, bool, str | None]:
-    """The streamed data set's blocks, whether it has targets, and its name: sent in blocks
-    when in memory, persisted on the workers, or read from storage each epoch (``mode``, as
-    ``Trainer.fit(data=...)``). A dask collection is cut into the blocks ``written`` (the rows
-    of each block a resumed checkpoint's ledger was written for) when it has as many rows,
-    whatever cut its job chose for its ranks; else into at least two blocks a rank."""
-    if not data:
-        return BlockSet([], []), False, None
-    name, value = next(iter(data.items()))
-    x, y = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-    train = TrainingData.of(x, y, name=f"data[{name!r}] X")
-    labels = train.y is not None
-    train = train.with_targets()
-    if not train.in_memory:
-        as_written = None if written is None else train.with_row_blocks(written)
-        train = as_written if as_written is not None else train.with_blocks_for(ranks)
-    blocks = train.blocks(client, mode=mode, labels=False, timeout=timeout)
-    return blocks, labels, name
 
 
 def _result(outcome: Outcome, *, wall_s: float, clock: Mapping[str, float]) -> RunResult:

@@ -3,8 +3,9 @@
 :class:`JobSpec` holds what every job has (its id, strategy, trainers, how the data is fed, stop
 conditions, callbacks, checkpoints, failures, devices). An engine that trains a model it is given
 (async-ps, sync torch, numpy) also gets :class:`TrainSettings`: the model, its loss, optimizer and
-scoring. A ``dt.run`` job has none, since the user's function owns its model and optimizer: its
-engine carries its own settings (:class:`~dask_train.engines.run.context.RunSettings`). What goes
+scoring. A ``dt.run`` job has none, since the user's function owns its model and optimizer: it
+has what its ranks get besides the function instead
+(:class:`~dask_train.engines.run.context.RunSettings`). What goes
 into a checkpoint's manifest is said by each part (:meth:`JobSpec.manifest_config`), so a
 ``dt.run`` manifest names no optimizer. :class:`RoleConfig` is the part of a spec every role on
 a worker receives.
@@ -81,6 +82,10 @@ class JobSpec:
     #: The model and how it is trained, for the engines that train a model they are given;
     #: None for ``dt.run``, whose function owns them.
     train: TrainSettings | None = None
+    #: What every rank of a ``dt.run`` job gets besides its function
+    #: (``engines.run.context.RunSettings``, not imported here: it imports this module);
+    #: None for the others.
+    run: Any = None
     progress: bool = False
     checkpoint: CheckpointConfig | None = None
     failure: FailureConfig = field(default_factory=FailureConfig)
