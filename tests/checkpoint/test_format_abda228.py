@@ -1,151 +1,37 @@
 """Checkpoints written by commit abda228 still resume with today's code.
 
-abda228 is an older commit of main (63 commits before f570c39); issue 58's restructuring of the
-controller by concern keeps the checkpoint format unchanged, and these fixtures hold it to that.
-The fixtures under ``fixtures/vabda228/`` were written by
-``fixtures/make_fixtures.py --out tests/checkpoint/fixtures/vabda228 --cases async_ps sync run``
-with that commit's code (its docstring says how): a 64-16-10 MLP with Adam on
-``dt.datasets.digits(2000)``, trained 12 steps by Trainer jobs with async parameter servers (2
-shards) and with sync all-reduce, and 2 epochs by a ``dt.run`` job of ``make_fixtures.run_train``
-that reports a checkpoint each epoch; each run's final checkpoint kept.
+abda228 is an older commit of main (63 commits before f570c39); issue 58's restructuring keeps
+the checkpoint format unchanged, and these fixtures hold it to that. The fixtures under
+``fixtures/vabda228/`` were written by ``fixtures/make_fixtures.py --out
+tests/checkpoint/fixtures/vabda228 --cases async_ps sync run`` with that commit's code (its
+docstring says how): the same jobs as test_format_339c3eb.py's fixtures (a 64-16-10 MLP with Adam,
+12 steps of async-ps with 2 shards and of sync, 2 epochs of a ``dt.run`` job).
 
-Resuming from a copy of each (``resume=True``) must start from its step and its saved tensors
-and train on from there; for the ``dt.run`` job, ``ctx.restore()`` must give every rank the state
-as it was reported, and the step, the epochs and the history must go on from the checkpoint's.
+The checks are test_format_339c3eb.py's, run here on these fixtures: a resume starts from the
+checkpoint's step and its tensors bit for bit and trains on; ``ctx.restore()`` gives every rank the
+state as reported; the step, the epochs, the history and the ledger go on from the checkpoint's.
 """
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from distributed import Client
+import test_format_339c3eb as base
 
-import dask_train as dt
-from dask_train.checkpoint import CheckpointStore, load_state, read_slice
-
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-import make_fixtures as fixtures  # noqa: E402
-
+fixtures = base.fixtures
 FIXTURES = fixtures.HERE / "vabda228"
 
-
-def _flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def _copy(name: str, tmp_path: Path) -> tuple[dt.CheckpointConfig, CheckpointStore, str,
-                                              dict[str, Any]]:
-    """A copy of the fixture (resume writes beside it), its store, checkpoint and manifest."""
-    shutil.copytree(FIXTURES / name, tmp_path / name)
-    config = dt.CheckpointConfig(str(tmp_path / name), every_seconds=None, every_steps=None,
-                                 keep=5)
-    store = CheckpointStore(config)
-    [directory] = store.complete()
-    return config, store, directory, store.read_manifest(directory)
+# test_format_339c3eb.py's tests, collected here, where fixture_root names abda228's fixtures.
+test_an_abda228_checkpoint_resumes_at_its_step_with_its_tensors = (
+    base.test_a_339c3eb_checkpoint_resumes_at_its_step_with_its_tensors)
+test_an_abda228_checkpoint_trains_on_from_its_step = (
+    base.test_a_339c3eb_checkpoint_trains_on_from_its_step)
+test_an_abda228_run_checkpoint_restores_its_state_and_goes_on = (
+    base.test_a_339c3eb_run_checkpoint_restores_its_state_and_goes_on)
 
 
-def _saved_tensors(store: CheckpointStore, directory: str, manifest: dict[str, Any]) -> Any:
-    files = [{"path": store.shard_path(directory, int(f["index"])), "start": f["start"],
-              "stop": f["stop"]} for f in manifest["files"]]
-    return read_slice(files, 0, int(manifest["n_params"]))
-
-
-def _resume(client: Client, name: str, config: dt.CheckpointConfig, stop_at: int) -> dt.FitResult:
-    settings, _ = fixtures.RUNS[name]
-    X, y = fixtures.data()
-    trainer = dt.Trainer(fixtures.mlp(), **fixtures.COMMON, **settings,
-                         stop=[dt.StopAtStep(stop_at)], checkpoint=config, client=client)
-    return trainer.fit(X, y, resume=True)
-
-
-def _same(a: Any, b: Any, where: str = "state") -> None:
-    """``a`` and ``b`` hold the same structure, values and tensors (bit for bit)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, a)),
-                                                          sorted(map(str, b)))
-        for key in a:
-            _same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
-@pytest.mark.parametrize("name", sorted(fixtures.RUNS))
-def test_a_abda228_checkpoint_resumes_at_its_step_with_its_tensors(client: Client, tmp_path: Path,
-                                                                   name: str) -> None:
-    config, store, directory, manifest = _copy(name, tmp_path)
-    saved = _saved_tensors(store, directory, manifest)
-    step = int(manifest["step"])
-    result = _resume(client, name, config, stop_at=step)  # resumed, then stopped at once
-    assert step == fixtures.RUNS[name][1] and manifest["format"] == 1
-    assert saved.optimizer_name == "Adam" and set(saved.optimizer_state) >= {"exp_avg", "exp_avg_sq"}
-    assert not torch.equal(saved.param, _flat(fixtures.mlp()))  # trained: not the initial model
-    assert result.steps == step and result.samples == int(manifest["samples"])
-    assert torch.equal(_flat(result.model), saved.param)
-
-
-@pytest.mark.parametrize("name", sorted(fixtures.RUNS))
-def test_a_abda228_checkpoint_trains_on_from_its_step(client: Client, tmp_path: Path,
-                                                      name: str) -> None:
-    config, store, directory, manifest = _copy(name, tmp_path)
-    saved = _saved_tensors(store, directory, manifest)
-    step = int(manifest["step"])
-    result = _resume(client, name, config, stop_at=step + 8)
-    assert result.steps == step + 8
-    assert result.samples > int(manifest["samples"])
-    assert not torch.equal(_flat(result.model), saved.param)
-    assert torch.isfinite(_flat(result.model)).all()
-    # The resumed run's own final checkpoint continues the old one's numbering.
-    assert [store.read_manifest(d)["step"] for d in store.complete()] == [step, step + 8]
-
-
-def test_a_abda228_run_checkpoint_restores_its_state_and_goes_on(client: Client,
-                                                                 tmp_path: Path) -> None:
-    config, store, directory, manifest = _copy(fixtures.RUN_CASE, tmp_path)
-    step, last_epoch = int(manifest["step"]), fixtures.RUN_EPOCHS - 1
-    saved = load_state(store.shard_path(directory, 0))  # the state as run_train reported it
-    assert manifest["strategy"] == "run" and manifest["format"] == 1
-    assert saved["epoch"] == last_epoch and saved["step"] == step > 0
-    assert set(saved["opt"]["state"]) and isinstance(saved["opt"]["param_groups"][0]["betas"],
-                                                     tuple)
-    initial = fixtures.mlp().state_dict()
-    assert not all(torch.equal(saved["model"][k], initial[k]) for k in initial)  # trained
-
-    result = fixtures.run_job(client, epochs=fixtures.RUN_EPOCHS + 1, checkpoint=config,
-                              resume=True)
-
-    assert [r["rank"] for r in result.returns] == [0, 1]
-    for r in result.returns:
-        # ctx.restore() gives each rank the state as it was reported, tensors bit for bit ...
-        _same(r["restored"], saved, f"rank {r['rank']}'s ctx.restore()")
-        _same(r["start"]["params"], saved["model"], f"rank {r['rank']}'s model after the restore")
-        # ... ctx.step and ctx.epochs() go on from the checkpoint's ...
-        assert r["start"]["step"] == step, r["start"]["step"]
-        assert r["epochs"] == [fixtures.RUN_EPOCHS]
-        # ... and the rank trains on from there.
-        assert r["step"] > step
-        assert not all(torch.equal(r["params"][k], saved["model"][k]) for k in saved["model"])
-        assert all(torch.isfinite(v).all() for v in r["params"].values())
-    # The history goes on from the checkpoint's records, and the new epoch reads every row once.
-    records = manifest["records"]
-    history = result.history
-    assert list(history["epoch"]) == [float(e) for e in range(1, fixtures.RUN_EPOCHS + 2)]
-    assert list(history["step"])[:len(records)] == [rec["step"] for rec in records]
-    consumed = result.ledger.groupby("epoch")["consumed"].sum()
-    assert consumed.get(fixtures.RUN_EPOCHS, 0) == fixtures.ROWS, consumed.to_dict()
-    # The resumed job's own checkpoint follows the old one, and holds the new epoch's state.
-    steps = [int(store.read_manifest(d)["step"]) for d in store.complete()]
-    assert steps[0] == step and len(steps) == 2 and steps[1] > step, steps
-    newest = result.load_checkpoint()
-    assert newest["epoch"] == fixtures.RUN_EPOCHS and newest["step"] == steps[1]
-    _same(newest["model"], result.returns[0]["params"], "the new checkpoint's model")
+@pytest.fixture
+def fixture_root() -> Path:
+    """abda228's fixtures, for the tests above."""
+    return FIXTURES
