@@ -33,14 +33,20 @@ import make_fixtures as fixtures  # noqa: E402
 FIXTURES = fixtures.HERE / "v339c3eb"
 
 
+@pytest.fixture
+def fixture_root() -> Path:
+    """The folder of the commit's fixtures (test_format_abda228.py reuses these tests with its own)."""
+    return FIXTURES
+
+
 def _flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def _copy(name: str, tmp_path: Path) -> tuple[dt.CheckpointConfig, CheckpointStore, str,
-                                              dict[str, Any]]:
+def _copy(root: Path, name: str, tmp_path: Path) -> tuple[dt.CheckpointConfig, CheckpointStore,
+                                                         str, dict[str, Any]]:
     """A copy of the fixture (resume writes beside it), its store, checkpoint and manifest."""
-    shutil.copytree(FIXTURES / name, tmp_path / name)
+    shutil.copytree(root / name, tmp_path / name)
     config = dt.CheckpointConfig(str(tmp_path / name), every_seconds=None, every_steps=None,
                                  keep=5)
     store = CheckpointStore(config)
@@ -81,8 +87,9 @@ def _same(a: Any, b: Any, where: str = "state") -> None:
 
 @pytest.mark.parametrize("name", sorted(fixtures.RUNS))
 def test_a_339c3eb_checkpoint_resumes_at_its_step_with_its_tensors(client: Client, tmp_path: Path,
+                                                                   fixture_root: Path,
                                                                    name: str) -> None:
-    config, store, directory, manifest = _copy(name, tmp_path)
+    config, store, directory, manifest = _copy(fixture_root, name, tmp_path)
     saved = _saved_tensors(store, directory, manifest)
     step = int(manifest["step"])
     result = _resume(client, name, config, stop_at=step)  # resumed, then stopped at once
@@ -95,8 +102,9 @@ def test_a_339c3eb_checkpoint_resumes_at_its_step_with_its_tensors(client: Clien
 
 @pytest.mark.parametrize("name", sorted(fixtures.RUNS))
 def test_a_339c3eb_checkpoint_trains_on_from_its_step(client: Client, tmp_path: Path,
+                                                      fixture_root: Path,
                                                       name: str) -> None:
-    config, store, directory, manifest = _copy(name, tmp_path)
+    config, store, directory, manifest = _copy(fixture_root, name, tmp_path)
     saved = _saved_tensors(store, directory, manifest)
     step = int(manifest["step"])
     result = _resume(client, name, config, stop_at=step + 8)
@@ -108,9 +116,9 @@ def test_a_339c3eb_checkpoint_trains_on_from_its_step(client: Client, tmp_path: 
     assert [store.read_manifest(d)["step"] for d in store.complete()] == [step, step + 8]
 
 
-def test_a_339c3eb_run_checkpoint_restores_its_state_and_goes_on(client: Client,
-                                                                 tmp_path: Path) -> None:
-    config, store, directory, manifest = _copy(fixtures.RUN_CASE, tmp_path)
+def test_a_339c3eb_run_checkpoint_restores_its_state_and_goes_on(client: Client, tmp_path: Path,
+                                                                 fixture_root: Path) -> None:
+    config, store, directory, manifest = _copy(fixture_root, fixtures.RUN_CASE, tmp_path)
     step, last_epoch = int(manifest["step"]), fixtures.RUN_EPOCHS - 1
     saved = load_state(store.shard_path(directory, 0))  # the state as run_train reported it
     assert manifest["strategy"] == "run" and manifest["format"] == 1
