@@ -43,8 +43,8 @@ def check_data_sets(data: Any) -> list[str]:
     if not isinstance(data, Mapping) or not data or not all(isinstance(k, str) for k in data):
         return [f"data={type(data).__name__} is invalid: pass a dict of named data sets, "
                 "{'train': (X, y)} (the first is streamed to the ranks)."]
-    from dask_train.api._check_data import check_data
     from dask_train.data._blocks import as_dask_array
+    from dask_train.data._checks import check_data
 
     problems = []
     for name, value in data.items():

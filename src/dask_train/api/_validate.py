@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dask_train.api._check_data import check_data, check_validation
 from dask_train.api._model import travel_problems
 from dask_train.api._probe import check_module_output, probe_module
 from dask_train.api._settings import Settings, job_metrics
 from dask_train.data._blocks import is_dask_array
+from dask_train.data._checks import check_data, check_validation
 from dask_train.models._array import ArrayModel
 from dask_train.models._frameworks import is_keras_model, keras_sparse_labels
 from dask_train.models._torch import is_classification, loss_name, primary_output, takes_weights

@@ -51,6 +51,7 @@ from dask_train.errors import WorkerLost
 from dask_train.policy._failure import memory_state
 from dask_train.policy._placement import KINDS
 from dask_train.runtime._calls import alive_workers, listens
+from dask_train.runtime._hosts import worker_host
 from dask_train.runtime._worker_files import PROTOCOL, holders_for, register_protocol, remove
 from dask_train.runtime._worker_files import url as worker_files_url
 
@@ -100,10 +101,6 @@ class _Awaited:
     deadline: float
 
 
-def _host(address: str) -> str:
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-
-
 def _what(leaving: set[str], joined: set[str]) -> str:
     parts = ([f"{', '.join(sorted(leaving))} is leaving"] if leaving else []) + \
         ([f"{', '.join(sorted(joined))} joined"] if joined else [])
@@ -113,7 +110,7 @@ def _what(leaving: set[str], joined: set[str]) -> str:
 def on_this_machine(addresses: Iterable[str]) -> bool:
     """Whether every worker address is on this machine (a directory here is theirs too)."""
     addresses = [a for a in addresses if not a.startswith("inproc://")]  # this process
-    return all(_host(a) in _local_addresses() for a in addresses)
+    return all(worker_host(a) in _local_addresses() for a in addresses)
 
 
 def memory_dir(prefix: str) -> str:

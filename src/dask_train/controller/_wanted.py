@@ -113,7 +113,7 @@ class WantedWorkers:
 
     def adopt(self, waiting: list[Future]) -> None:
         """Hold placeholders made before the job ran (``dt.run``'s wait for its least, see
-        :func:`dask_train.api._run._wait_for_workers`) until its trainers run: cancelled then,
+        :func:`dask_train.api._run_wait.wait_for_workers`) until its trainers run: cancelled then,
         an adaptive cluster could retire the new workers before the job's tasks reach them."""
         self.waiting.extend(waiting)
         self._weighed = True
