@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +83,9 @@ class Checkpoints:
 
     async def write(self, engine: Engine, state: JobState | CheckpointTimes,
                     manifest: dict[str, Any], *, step: int,
-                    generation: int, pause_s: float,
-                    version: int | None = None) -> dict[str, Any] | None:
+                    generation: int, pause_s: float, version: int | None = None,
+                    written: Callable[[], Awaitable[None]] | None = None,
+                    ) -> dict[str, Any] | None:
         """Have the engine write its files, then write the manifest; None when the parameters
         were not finite, or when a holder wrote another ``version`` than the one given (its
         state moved on while it was written: the files are not the manifest's), and the last
@@ -93,6 +95,10 @@ class Checkpoints:
         records = await engine.save(
             directory=directory, paths=lambda index: self.store.shard_path(directory, index),
             metadata={"step": str(step)})
+        if written is not None:
+            # The holders' files are written and their counts taken: the trainers need not
+            # wait for the manifest and the pruning (a copy every 5 s paused them for both).
+            await written()
         state.last_checkpoint_time, state.last_checkpoint_step = time.time(), step
         if not all(r["finite"] for r in records):
             logger.warning("checkpoint at step %d skipped: the parameters are not finite", step)
