@@ -20,6 +20,7 @@ from dask_train.api._fit_array import fit_array
 from dask_train.api._model import build_from, is_factory
 from dask_train.api._plan import FitPlan
 from dask_train.api._result import FitResult
+from dask_train.api._settings import Settings
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.data._training import TrainingData
 from dask_train.errors import InvalidInput, release_frames
@@ -265,9 +266,7 @@ class Trainer:
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """Hyper-parameters by name, as scikit-learn estimators report them."""
-        code = Trainer.__init__.__code__
-        names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in Settings.names()}
 
     def set_params(self, **params: Any) -> Trainer:
         """Set hyper-parameters by name; unknown names raise :class:`InvalidInput`."""
