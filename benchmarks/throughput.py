@@ -63,6 +63,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -508,14 +509,20 @@ def trainer_cell(make: Callable[[], torch.nn.Module], X: da.Array, y: da.Array,
             "other_load": load.foreign, **waits}
 
 
-def models_table(seconds: float, n_samples: int, *, attempts: int, max_wait_s: float) -> int:
+def models_table(seconds: float, n_samples: int, *, attempts: int, max_wait_s: float,
+                 models: str = "") -> int:
     """Every model x runner x flag, plain loops first (before the cluster exists); each cell
     measured again (up to ``attempts`` times) while other programs took a core, after waiting
-    up to ``max_wait_s`` for them to leave it idle."""
+    up to ``max_wait_s`` for them to leave it idle. ``models``: comma-separated substrings of
+    the models' names to run (all when empty)."""
     env = environment()
     from models import side_by_side  # benchmarks/models.py: the CNN and the transformer
 
-    chosen = side_by_side()
+    wanted = [m.strip() for m in models.split(",") if m.strip()]
+    chosen = {k: v for k, v in side_by_side().items()
+              if not wanted or any(m in k for m in wanted)}
+    if not chosen:
+        raise SystemExit(f"--models {models!r} names none of {', '.join(side_by_side())}")
     X, y = dt.datasets.digits(n_samples, seed=0, chunks=math.ceil(n_samples / 16))
     x_np, y_np = dask.compute(X, y)
     rows: list[dict[str, Any]] = []
@@ -546,7 +553,9 @@ def models_table(seconds: float, n_samples: int, *, attempts: int, max_wait_s: f
         client.close()
     markdown = render_models_table(env, rows, seconds)
     print(markdown)
-    paths = write_results("throughput-models", markdown,
+    # A run of some models only is kept beside the whole table, not over it.
+    name = "-".join(["throughput-models", *(re.sub(r"\W+", "", m).lower() for m in wanted)])
+    paths = write_results(name, markdown,
                           {"environment": env, "seconds": seconds, "rows": rows})
     _log("wrote " + ", ".join(os.path.relpath(p) for p in paths))
     return 0
@@ -615,9 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.add_argument("--n-samples", type=int, default=200_000)
         table.add_argument("--attempts", type=int, default=2)
         table.add_argument("--max-wait", type=float, default=60.0)
+        table.add_argument("--models", default="", help="comma-separated substrings of the "
+                           "models' names (MLP, CNN, transformer); default: all three")
         options = table.parse_args(argv)
         return models_table(options.seconds, options.n_samples, attempts=options.attempts,
-                            max_wait_s=options.max_wait)
+                            max_wait_s=options.max_wait, models=options.models)
     settings = parse_args(argv)
     env = environment()
     data = make_data(settings)
