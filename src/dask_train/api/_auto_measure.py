@@ -33,7 +33,8 @@ def candidate_shapes(plan: FitPlan, n_workers: int) -> dict[str, tuple[int, int]
     workers (several in one process share its interpreter, which this measurement does not
     run): the candidates are then all predicted, never some measured and some predicted. The
     rows are as ``choose_strategy`` counts them."""
-    data, workers = plan.settings.data, int(plan.settings.cluster.workers)
+    # strategy="auto" takes a count of workers only: its bounds are (count, count).
+    data, workers = plan.settings.data, plan.settings.cluster.bounds(n_workers)[1]
     rows = data.per_trainer_batch  # the one rule: batch_size, or the global batch split
 
     if workers > n_workers:

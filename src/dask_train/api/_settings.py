@@ -13,9 +13,10 @@ raising, so a fit reports all of them at once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_train.policy._settings import (
     ClusterSettings,
@@ -26,6 +27,14 @@ from dask_train.policy._settings import (
     positive,
     stop_problems,
 )
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from dask_train.checkpoint import CheckpointConfig
+    from dask_train.policy._failure import FailureConfig
+    from dask_train.policy.callbacks import Callback
+    from dask_train.policy.stop import StopCondition
 
 #: ``strategy=`` values of a Trainer.
 STRATEGIES = ("async-ps", "sync", "auto")
@@ -40,14 +49,14 @@ class ModelSettings:
     ``module`` is the model itself (what a factory built, for a Trainer given one).
     """
 
-    module: Any
-    loss: Any = "cross_entropy"
-    metrics: Any = None
-    optimizer: Any = "adam"
-    lr: Any = 1e-3
-    optimizer_options: Any = field(default_factory=dict)
-    grad_accumulation: Any = 1
-    prefetch: Any = True
+    module: Any  # a torch.nn.Module, a Keras model, or what a Trainer's factory built
+    loss: str | Callable[..., Any] = "cross_entropy"
+    metrics: Mapping[str, Any] | None = None
+    optimizer: str | type = "adam"
+    lr: float = 1e-3
+    optimizer_options: Mapping[str, Any] = field(default_factory=dict)
+    grad_accumulation: int = 1
+    prefetch: bool | int | str = True  # on, off, pushes in flight, or "auto"
 
     @property
     def keras(self) -> bool:
@@ -129,9 +138,9 @@ class RecoverySettings:
     ``checkpoint`` may be a path or URL: it stands for ``CheckpointConfig(path)``.
     """
 
-    checkpoint: Any = None
-    failure: Any = None
-    on_nan: Any = "stop"
+    checkpoint: str | os.PathLike[str] | CheckpointConfig | None = None
+    failure: FailureConfig | None = None
+    on_nan: str = "stop"
 
     def problems(self) -> list[str]:
         """What is wrong with these values."""
@@ -153,13 +162,13 @@ class RecoverySettings:
                 "good checkpoint) or 'skip' (leave the batch or score out and go on).")
         return problems
 
-    def checkpoint_config(self) -> Any:
+    def checkpoint_config(self) -> CheckpointConfig | None:
         """The :class:`~dask_train.checkpoint.CheckpointConfig` (None without checkpoints)."""
         from dask_train.checkpoint import CheckpointConfig
 
         return CheckpointConfig.of(self.checkpoint)
 
-    def failure_config(self) -> Any:
+    def failure_config(self) -> FailureConfig:
         """The :class:`~dask_train.policy.FailureConfig`, the default one when none was given."""
         from dask_train.policy._failure import FailureConfig
 
@@ -196,12 +205,12 @@ class Settings:
     cluster: ClusterSettings
     scoring: ScoringSettings
     recovery: RecoverySettings
-    strategy: Any = "async-ps"
-    ps: Any = 1
-    stop: list[Any] = field(default_factory=list)
-    callbacks: list[Any] = field(default_factory=list)
-    progress: Any = True
-    client: Any = None
+    strategy: str = "async-ps"
+    ps: int = 1
+    stop: list[StopCondition] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)
+    progress: bool = True
+    client: Client | None = None
 
     @classmethod
     def of(cls, params: Mapping[str, Any], *, module: Any = None) -> Settings:

@@ -13,9 +13,9 @@ or the checkpoint layer are built on these in :mod:`dask_train.api._settings`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from dask_train.policy._data_mode import read_ahead
 from dask_train.policy._placement import Placement, resource_problems
@@ -28,7 +28,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = (False, True, "bf16", "fp16")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (numpy integers included)."""
     import numbers
 
@@ -75,12 +75,12 @@ class DataSettings:
     ``epochs=None`` is ``dt.run``'s "the function says" (``ctx.epochs(n)``).
     """
 
-    batch_size: Any = 128
-    global_batch_size: Any = None
-    epochs: Any = 1
-    shuffle: Any = True
-    seed: Any = 0
-    blocks_ahead: Any = "auto"
+    batch_size: int = 128
+    global_batch_size: int | None = None
+    epochs: int | None = 1
+    shuffle: bool = True
+    seed: int = 0
+    blocks_ahead: int | str = "auto"  # a count, or "auto"
 
     def problems(self, *, trainers: Any = None) -> list[str]:
         """What is wrong with these values; ``trainers``: the count ``global_batch_size`` must
@@ -145,12 +145,12 @@ class ClusterSettings:
     trainers as there are workers within the bounds, and takes in workers that join up to most.
     """
 
-    workers: Any = 2
-    device: Any = "auto"
-    mixed_precision: Any = False
-    timeout: Any = 60.0
+    workers: int | tuple[int, int] | None = 2
+    device: str = "auto"
+    mixed_precision: bool | str = False
+    timeout: float = 60.0
     #: Dask worker resources each trainer (rank) holds, ``{"GPU": 1}``; None: any worker.
-    resources: Any = None
+    resources: Mapping[str, float] | None = None
 
     def problems(self, *, ranges: bool = False) -> list[str]:
         """What is wrong with these values; ``ranges``: ``(least, most)`` and None are allowed."""
@@ -204,9 +204,9 @@ class ClusterSettings:
 class ScoringSettings:
     """The scorer: whether there is one, how often it scores, the share of a core it may take."""
 
-    scorer: Any = 1
-    score_every: Any = 1.0
-    scorer_budget: Any = "auto"
+    scorer: int = 1
+    score_every: float = 1.0
+    scorer_budget: float | str | None = "auto"  # a share of a core, "auto", None
 
     def problems(self) -> list[str]:
         """What is wrong with these values."""
