@@ -84,6 +84,7 @@ def local_run(runner: str, X: torch.Tensor, y: torch.Tensor, *, steps: int, ever
     """One loop of ``steps`` steps; its counts every ``every`` steps, and the FlatOptimizer of
     dask-train's runner (None for the others)."""
     from dask_train.engines.holders.optim import FlatOptimizer
+    from dask_train.policy._settings import OptimizerSettings
 
     net = build_mlp(HIDDEN)
     params = list(net.parameters())
@@ -91,7 +92,7 @@ def local_run(runner: str, X: torch.Tensor, y: torch.Tensor, *, steps: int, ever
     flat: FlatOptimizer | None = None
     if runner == "dask-train FlatOptimizer":
         vector = torch.nn.utils.parameters_to_vector(params).detach().numpy()
-        flat = FlatOptimizer(vector, optimizer="adam", lr=1e-3, options={})
+        flat = FlatOptimizer(vector, OptimizerSettings("adam", 1e-3))
         # The module's parameters become views of the shard's, as a sync rank's are.
         torch.nn.utils.vector_to_parameters(flat.param.detach(), params)
         for p, view in zip(params, _views(flat.grad, params)):

@@ -34,6 +34,7 @@ from _common import environment, markdown_table, write_results
 
 import dask_train as dt
 from dask_train.models import build_optimizer
+from dask_train.policy._settings import OptimizerSettings
 
 BATCHES = (1, 1024, 16_384)
 
@@ -43,7 +44,7 @@ def one_process(x: np.ndarray, y: np.ndarray, batch: int, steps: int) -> tuple[i
     model = dt.softmax_regression(64, 10)
     param = torch.nn.Parameter(torch.from_numpy(model.params.copy()))
     param.grad = torch.zeros_like(param)
-    opt = build_optimizer("adam", [param], lr=0.01, options={})
+    opt = build_optimizer(OptimizerSettings("adam", 0.01), [param])
     rng = np.random.default_rng(0)
     x = x.astype(np.float64)
     started = time.perf_counter()

@@ -15,6 +15,7 @@ import dask_train as dt
 from dask_train.api._auto_ps import probe_arguments
 from dask_train.api._plan import FitPlan
 from dask_train.engines.measure.ps_costs import probe_costs
+from dask_train.policy._settings import OptimizerSettings
 
 
 def _data(n: int = 8000):
@@ -34,8 +35,8 @@ def _net() -> torch.nn.Module:
 
 def test_probe_measures_the_jobs_costs_on_the_cluster(client: Client) -> None:
     _, _, (x, y) = _data()
-    model = probe_costs(client, _net(), x[:64], y[:64], loss="cross_entropy", optimizer="adam",
-                        lr=1e-3, prefetch=1, grad_accumulation=2)
+    model = probe_costs(client, _net(), x[:64], y[:64], loss="cross_entropy",
+                        optim=OptimizerSettings("adam", 1e-3), prefetch=1, grad_accumulation=2)
     assert model.n_params == 8 * 32 + 32 + 32 * 3 + 3
     assert model.batch_size == 128  # two batches of 64 a push
     assert 0 < model.compute_s < 1 and 0 < model.update_s_per_param < 1e-3

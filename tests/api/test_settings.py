@@ -17,7 +17,7 @@ from dask_train.api._run import check_run
 from dask_train.api._settings import Settings
 from dask_train.engines._registry import ENGINES, engine_entry
 from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
-from dask_train.policy._settings import DataSettings, per_trainer_batch
+from dask_train.policy._settings import DataSettings, OptimizerSettings, per_trainer_batch
 
 
 def _plan(trainer: dt.Trainer) -> FitPlan:
@@ -105,12 +105,15 @@ def test_the_job_spec_is_frozen_and_the_worker_config_typed() -> None:
     spec = job_spec(plan, start=plan.model)
     assert isinstance(spec, JobSpec) and spec.batch_size == 32  # the per-trainer batch
     assert isinstance(spec.train, TrainSettings) and spec.n_params == 10
+    # The optimizer travels as one frozen record, the Trainer's three parameters in it.
+    assert spec.train.optim == OptimizerSettings(torch.optim.SGD, 1e-3, {})
+    assert spec.train.optim.label == "SGD" and spec.train.manifest()["optimizer"] == "SGD"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.train.lr = 1.0  # type: ignore[misc]
+        spec.train.optim.lr = 1.0  # type: ignore[misc]
     config = RoleConfig.from_spec(spec, topic="t", restore={"rng": {"0": "abc"}})
     assert config.batch_size == 32 and config.max_step == 10 and config.rng == {"0": "abc"}
     assert config.trains.module is None  # the module reaches each worker once, not per role
-    assert config.trains.optimizer is torch.optim.SGD and config.device_for("tcp://w:1") is None
+    assert config.trains.optim.name is torch.optim.SGD and config.device_for("tcp://w:1") is None
     gpu = dataclasses.replace(config, device_kind="cuda", devices={"tcp://w:1": "cuda:1"})
     # A worker that joined after the start: its current CUDA device, its CPU where it has none
     # (a CPU worker beside the GPU ones of a job with resources=).

@@ -16,6 +16,7 @@ import torch
 from dask_train.checkpoint import ShardState, load_metadata, load_shard, restore_optimizer, save_shard
 from dask_train.errors import InvalidInput
 from dask_train.models import OPTIMIZERS, build_optimizer
+from dask_train.policy._settings import OptimizerSettings
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("sgd", {}),
@@ -60,7 +61,7 @@ def test_resumed_optimizer_continues_identically(
     name: str, options: dict[str, Any], where: str, tmp_path: Path, memory_dir: str
 ) -> None:
     param = torch.nn.Parameter(torch.randn(SIZE))
-    optimizer = build_optimizer(name, [param], lr=0.05, options=options)
+    optimizer = build_optimizer(OptimizerSettings(name, 0.05, options), [param])
     for grad in _grads(3, seed=1):
         _step(param, optimizer, grad)
     base = str(tmp_path) if where == "local" else memory_dir
@@ -72,7 +73,7 @@ def test_resumed_optimizer_continues_identically(
     assert state.metadata == {"shard": "0", "step": "3"}
     assert torch.equal(state.param, param.detach())
     restored_param = torch.nn.Parameter(state.param.clone())
-    restored = build_optimizer(name, [restored_param], lr=0.05, options=options)
+    restored = build_optimizer(OptimizerSettings(name, 0.05, options), [restored_param])
     restore_optimizer(restored, state)
 
     for grad in _grads(5, seed=2):

@@ -24,6 +24,7 @@ from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, TrainSettings
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._calls import alive_workers
 
 N_PARAMS = 4
@@ -222,8 +223,8 @@ class Run:
 
 
 def _spec(**kw: Any) -> JobSpec:
-    train: dict[str, Any] = dict(module=None, n_params=N_PARAMS, loss="mse", optimizer="adam",
-                                 lr=0.01, prefetch=1, score_every=0.1)
+    train: dict[str, Any] = dict(module=None, n_params=N_PARAMS, loss="mse",
+                                 optim=OptimizerSettings("adam", 0.01), prefetch=1, score_every=0.1)
     train.update({k: kw.pop(k) for k in list(kw) if k in TrainSettings.__dataclass_fields__})
     settings: dict[str, Any] = dict(
         batch_size=10, epochs=1, shuffle=False, seed=0, blocks_ahead=1, timeout=5.0, stop=[],

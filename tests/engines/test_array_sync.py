@@ -18,6 +18,7 @@ from dask_train.data._cluster import live_workers
 from dask_train.engines._spec import JobSpec, TrainSettings
 from dask_train.engines.array.engine import ArrayEngine
 from dask_train.policy import FailureConfig, Roles
+from dask_train.policy._settings import OptimizerSettings
 
 
 def _least_squares(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
@@ -26,7 +27,7 @@ def _least_squares(params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[fl
 
 
 def _job(**overrides: object) -> JobSpec:
-    train: dict = dict(module=None, n_params=3, loss="", optimizer="sgd", lr=0.01,
+    train: dict = dict(module=None, n_params=3, loss="", optim=OptimizerSettings("sgd", 0.01),
                        grad_accumulation=1, prefetch=0, score_every=1e9, scorer=0)
     train.update({k: overrides.pop(k) for k in list(overrides)
                   if k in TrainSettings.__dataclass_fields__})
@@ -118,7 +119,7 @@ def test_two_workers_equal_one_process_sgd_on_the_concatenated_batches(
                 xs.append(x[idx])
                 ys.append(y[idx])
             X, Y = np.concatenate(xs), np.concatenate(ys)
-            params = params - job.train.lr * _least_squares(params, X, Y)[1] / len(X)
+            params = params - job.train.optim.lr * _least_squares(params, X, Y)[1] / len(X)
             steps += 1
     assert len(groups) == 2 * threads
     longest = max(len(x) for x, _ in group_xy)

@@ -11,6 +11,7 @@ from distributed import Client
 
 import dask_train as dt
 from dask_train.checkpoint import CheckpointStore, load_shard
+from dask_train.policy._settings import OptimizerSettings
 
 
 def bn_mlp(seed: int = 0) -> torch.nn.Module:
@@ -118,6 +119,6 @@ def test_a_model_without_buffers_sends_and_keeps_nothing() -> None:
 
     linear = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
     assert not BufferSet(linear) and BufferSet(linear).gather() is None
-    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="sgd", lr=0.1, options={})
+    server = ShardServer(np.zeros(10, dtype=np.float32), OptimizerSettings("sgd", 0.1, {}))
     server.apply(np.ones(10, dtype=np.float32), 1, None, BufferSet(linear).gather())
     assert server.pull()[3] is None

@@ -28,6 +28,7 @@ import dask_train as dt
 from dask_train.data._cluster import live_workers
 from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.shard import ShardServer
+from dask_train.policy._settings import OptimizerSettings
 
 
 def _path(tmp_name: str) -> str:
@@ -124,9 +125,9 @@ def test_updates_from_other_processes_equal_one_optimizer_in_order(
             param.grad = torch.from_numpy(g)
             reference.step()
         references[name] = param.detach().numpy()
-        server = ShardServer(start.copy(), optimizer=name, lr=1e-2, options=options)
+        server = ShardServer(start.copy(), OptimizerSettings(name, 1e-2, options))
         server.apply(grads[0], 2, (0, 0, 0, 2))  # state made in this process, then moved
-        assert server.to_host_memory(_path(name), optimizer=name, lr=1e-2, options=options)
+        assert server.to_host_memory(_path(name), OptimizerSettings(name, 1e-2, options))
         servers[name] = server
     paths = [_path(name) for name in servers]
     for trainer, part in ((1, grads[1:5]), (2, grads[5:8])):
@@ -158,8 +159,8 @@ def test_a_process_killed_inside_updates_leaves_readers_whole(
     reader sees finite values, counters that never go back, and can update further."""
     n = 4_000_000  # an Adam step of ~10 ms or more: a random kill lands inside most updates
     path = _path("killed")
-    server = ShardServer(np.zeros(n, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
-    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    server = ShardServer(np.zeros(n, dtype=np.float32), OptimizerSettings("adam", 1e-3, {}))
+    assert server.to_host_memory(path, OptimizerSettings("adam", 1e-3, {}))
     seg = server.host
     assert seg is not None
     last_version, torn = 0, 0
@@ -246,8 +247,8 @@ def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded
     The chaos search once counted one batch twice: the count was written before the position,
     and the kill fell between them (about one kill in 30 here did, before the fix)."""
     path = _path("positions")
-    server = ShardServer(np.zeros(1000, dtype=np.float32), optimizer="adam", lr=1e-3, options={})
-    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    server = ShardServer(np.zeros(1000, dtype=np.float32), OptimizerSettings("adam", 1e-3, {}))
+    assert server.to_host_memory(path, OptimizerSettings("adam", 1e-3, {}))
     # About a third of the kills land inside a push (97 of 300 once): more kills until 100
     # have, rather than a count that chance decides.
     wrong, inside = helper.submit(_kill_pushers, path, 300, 1, inside_at_least=100,
@@ -260,10 +261,9 @@ def test_a_trainer_killed_in_a_push_leaves_its_rows_counted_as_often_as_recorded
 
 
 def test_a_shard_stays_in_its_process_when_its_optimizer_state_cannot_be_laid_out() -> None:
-    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="sgd", lr=0.1,
-                         options={"momentum": 0.9, "dampening": 0.5})
-    assert not server.to_host_memory(_path("dampening"), optimizer="sgd", lr=0.1,
-                                     options={"momentum": 0.9, "dampening": 0.5})
+    damped = OptimizerSettings("sgd", 0.1, {"momentum": 0.9, "dampening": 0.5})
+    server = ShardServer(np.zeros(10, dtype=np.float32), damped)
+    assert not server.to_host_memory(_path("dampening"), damped)
     assert not server.in_host_memory
 
 
@@ -277,8 +277,8 @@ def test_stale_segments_of_dead_servers_are_removed(
 
 
 def _create_and_die(path: str) -> None:
-    server = ShardServer(np.zeros(10, dtype=np.float32), optimizer="adam", lr=0.1, options={})
-    assert server.to_host_memory(path, optimizer="adam", lr=0.1, options={})
+    server = ShardServer(np.zeros(10, dtype=np.float32), OptimizerSettings("adam", 0.1, {}))
+    assert server.to_host_memory(path, OptimizerSettings("adam", 0.1, {}))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -427,9 +427,9 @@ def test_a_trainer_killed_in_its_own_unlocked_step_leaves_counts_and_values_whol
     arithmetic outside the lock, Hogwild's way): a kill in the arithmetic leaves its rows
     counted once with part of the step written, every value finite, the counters together."""
     path = _path("own")
-    server = ShardServer(np.zeros(100_000, dtype=np.float32), optimizer="adam", lr=1e-3,
-                         options={})
-    assert server.to_host_memory(path, optimizer="adam", lr=1e-3, options={})
+    server = ShardServer(np.zeros(100_000, dtype=np.float32),
+                         OptimizerSettings("adam", 1e-3, {}))
+    assert server.to_host_memory(path, OptimizerSettings("adam", 1e-3, {}))
     wrong, _ = helper.submit(_kill_pushers, path, 150, 2, True).result(timeout=240)
     assert not wrong, wrong[:5]
     params, version, samples, _ = server.pull()

@@ -26,6 +26,7 @@ from dask_train.engines.harness.control import drop_job
 from dask_train.engines.holders.optim import OFF_LOOP_MIN_ELEMENTS
 from dask_train.engines.holders.params import PSClient, ShardRef
 from dask_train.engines.ps.server import start_shard_task
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 
@@ -40,8 +41,8 @@ def _start_shard(job: str, shard: ShardRef) -> str:
     """Task: build the module here (sending 64 MiB through the scheduler would be slow)."""
     torch.manual_seed(0)
     return start_shard_task(
-        torch.nn.Linear(N_IN, N_OUT), job=job, shard=shard, optimizer="adam", lr=1e-3,
-        options={}, max_step=None, secret=bytes(range(32)),
+        torch.nn.Linear(N_IN, N_OUT), job=job, shard=shard,
+        optim=OptimizerSettings("adam", 1e-3), max_step=None, secret=bytes(range(32)),
     )
 
 

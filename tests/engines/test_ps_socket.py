@@ -27,6 +27,7 @@ from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.engines.holders.params import DIRECT_MAX_ELEMENTS, PSClient, ShardRef
 from dask_train.engines.holders.push_socket import push_endpoint
 from dask_train.engines.ps.server import start_shard_task
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin
 
@@ -41,7 +42,7 @@ SECRET = bytes(range(32))
 def _start(job: str, shard: ShardRef, n_in: int = N_IN, n_out: int = N_OUT) -> str:
     torch.manual_seed(0)
     address = start_shard_task(torch.nn.Linear(n_in, n_out), job=job, shard=shard,
-                               optimizer="adam", lr=0.01, options={}, max_step=None,
+                               optim=OptimizerSettings("adam", 0.01), max_step=None,
                                secret=SECRET)
     # As for a model with one buffer value (a BatchNorm counter): the pushes carry it.
     worker_state(get_worker()).job(job).params[shard.index].buffers = np.zeros(1)
@@ -83,7 +84,7 @@ def _expected(count: int) -> np.ndarray:
     """The same updates applied in this process."""
     torch.manual_seed(0)
     flat = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(N_IN, N_OUT).parameters()])
-    opt = FlatOptimizer(flat.numpy(), optimizer="adam", lr=0.01, options={})
+    opt = FlatOptimizer(flat.numpy(), OptimizerSettings("adam", 0.01, {}))
     for g in _grads(N_PARAMS, count):
         opt.grad.copy_(torch.from_numpy(g))
         opt.step(64)

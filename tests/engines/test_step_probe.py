@@ -15,6 +15,7 @@ import dask_train as dt
 from dask_train.data._cluster import live_workers
 from dask_train.engines.holders import host_memory
 from dask_train.engines.measure.step import candidate_rate_task, segment_path
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._roles import ensure_plugin
 
 
@@ -38,7 +39,7 @@ def _run(client: Client, mode: str, world: int, *, module: torch.nn.Module | Non
     workers = sorted(live_workers(client))
     path, start = segment_path(), time.time() + 0.3
     futures = [client.submit(candidate_rate_task, net, x, t, mode=mode, loss="cross_entropy",
-                             optimizer="adam", lr=1e-3, options={}, rank=r, world=world,
+                             optim=OptimizerSettings("adam", 1e-3), rank=r, world=world,
                              path=path, start_at=start, duration_s=duration_s, timeout=20,
                              workers=[workers[r]], pure=False) for r in range(world)]
     return [float(f.result(60)) for f in futures]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dask_train.models import FlatModel, build_optimizer, evaluate, flatten_parameters, split_shards
+from dask_train.policy._settings import OptimizerSettings
 
 
 @pytest.mark.parametrize("n,k", [(10, 3), (7510, 2), (5, 5), (3, 8), (1_000_003, 4)])
@@ -61,8 +62,8 @@ def test_evaluate_reports_accuracy_and_loss() -> None:
 def test_optimizers_with_a_fused_kernel_use_it_and_match_the_default(name: str) -> None:
     options = {"momentum": 0.9} if name == "sgd" else {}
     params = [torch.nn.Parameter(torch.linspace(-1, 1, 50)) for _ in range(2)]
-    fused = build_optimizer(name, [params[0]], lr=0.01, options=options)
-    plain = build_optimizer(name, [params[1]], lr=0.01, options={**options, "foreach": False})
+    fused = build_optimizer(OptimizerSettings(name, 0.01, options), [params[0]])
+    plain = build_optimizer(OptimizerSettings(name, 0.01, {**options, "foreach": False}), [params[1]])
     assert fused.defaults["fused"] is True
     assert not plain.defaults.get("fused")  # an implementation chosen in the options is kept
     for step in range(5):

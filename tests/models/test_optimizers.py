@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from dask_train.policy._settings import OptimizerSettings
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 _NO_DYNAMO = textwrap.dedent(
     """
@@ -21,8 +23,9 @@ _NO_DYNAMO = textwrap.dedent(
     import numpy as np
     from dask_train.engines.holders.optim import FlatOptimizer
     from dask_train.models import OPTIMIZERS
+    from dask_train.policy._settings import OptimizerSettings
     for name in sorted(OPTIMIZERS):
-        f = FlatOptimizer(np.zeros(8, dtype=np.float32), optimizer=name, lr=0.01, options={})
+        f = FlatOptimizer(np.zeros(8, dtype=np.float32), OptimizerSettings(name, 0.01, {}))
         f.grad.fill_(1.0)
         f.step(1)
         f.optimizer.load_state_dict(f.optimizer.state_dict())
@@ -93,7 +96,7 @@ def test_the_fused_adam_fast_path_steps_bitwise_as_torch_fused(
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(7510, generator=gen)
     a, b = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    ours = build_optimizer(name, [a], lr=0.01, options=options)
+    ours = build_optimizer(OptimizerSettings(name, 0.01, options), [a])
     ref = OPTIMIZERS[name]([b], lr=0.01, fused=True, **options)
     assert ours.param_groups[0]["fused"], "the engines' Adam should be the fused one on a CPU"
     for i in range(30):
@@ -117,9 +120,10 @@ def test_the_fused_adam_fast_path_leaves_other_cases_to_torch() -> None:
 
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.ones(4)
-    opt = build_optimizer("adam", [p], lr=0.1, options={})
+    opt = build_optimizer(OptimizerSettings("adam", 0.1, {}), [p])
     assert _fused_adam_step(opt) is False  # the first step creates the state
-    two = build_optimizer("adam", [p, torch.nn.Parameter(torch.zeros(2))], lr=0.1, options={})
+    two = build_optimizer(OptimizerSettings("adam", 0.1, {}),
+                          [p, torch.nn.Parameter(torch.zeros(2))])
     assert _fused_adam_step(two) is False
     opt.step()
     assert opt.step(lambda: torch.tensor(1.0)) is not None  # a closure's loss comes back

@@ -25,6 +25,7 @@ import dask_train as dt
 from dask_train.checkpoint import CheckpointConfig, CheckpointStore, load_tensors, save_tensors
 from dask_train.data._cluster import live_workers
 from dask_train.errors import InvalidInput
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._plugin import PLUGIN_NAME, DaskTrainPlugin
 from dask_train.runtime._worker_files import holders_for, register_protocol, url
 
@@ -160,7 +161,7 @@ def test_a_shard_written_to_a_slow_holder_goes_on_training_meanwhile(client3: Cl
     stuck = sorted(live_workers(client3))[0]
     options = {"holders": [stuck], "skip_instance_cache": True}
     path = StoragePath(url("job-f") + "/shard-0.safetensors", options)
-    shard = FlatOptimizer(np.zeros(4, np.float32), optimizer="adam", lr=0.1, options={})
+    shard = FlatOptimizer(np.zeros(4, np.float32), OptimizerSettings("adam", 0.1, {}))
     client3.run(_block_the_loop, 3.0, workers=[stuck], wait=False)
     time.sleep(0.2)
     saved: list[dict[str, object]] = []

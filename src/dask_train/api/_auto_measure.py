@@ -60,9 +60,9 @@ def measure_candidates(plan: FitPlan, client: Client, X: Any, y: Any, *,
     m = plan.settings.model
     if int(m.grad_accumulation) != 1 or not isinstance(m.optimizer, str):
         return {}
-    options = dict(m.optimizer_options or {})
+    optim = m.optim()
     shapes = candidate_shapes(plan, len(workers))
-    if not shapes or not shareable(m.optimizer, float(m.lr), options):
+    if not shapes or not shareable(optim):
         return {}
     most = max(rows for rows, _ in shapes.values())
     xs, ys = (np.asarray(a) for a in client.compute([X[:most], y[:most]], sync=True))
@@ -75,8 +75,7 @@ def measure_candidates(plan: FitPlan, client: Client, X: Any, y: Any, *,
             path, start = segment_path(), time.time() + 0.05 + 0.02 * world
             futures = [client.submit(
                 candidate_rate_task, modules[workers[r]], xs[:rows], ys[:rows], mode=mode,
-                loss=m.loss, optimizer=m.optimizer, lr=float(m.lr),
-                options=options, rank=r, world=world, path=path, start_at=start,
+                loss=m.loss, optim=optim, rank=r, world=world, path=path, start_at=start,
                 duration_s=DURATION_S, timeout=timeout, workers=[workers[r]], pure=False)
                 for r in range(world)]
             try:

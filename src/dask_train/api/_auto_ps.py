@@ -123,7 +123,6 @@ def probe_arguments(plan: FitPlan, *, n_rows: int) -> tuple[int, dict[str, Any]]
     # Measured for the trainers asked for: strategy="auto" scales it to each candidate's batch.
     prefetch = m.prefetch if isinstance(m.prefetch, (int, bool)) else 1
     rows = min(int(n_rows), int(plan.per_trainer_batch()))
-    return rows, {"loss": m.loss, "optimizer": m.optimizer, "lr": float(m.lr),
-                  "options": dict(m.optimizer_options or {}), "prefetch": int(prefetch),
+    return rows, {"loss": m.loss, "optim": m.optim(), "prefetch": int(prefetch),
                   "grad_accumulation": int(m.grad_accumulation),
                   "timeout": float(plan.settings.cluster.timeout)}

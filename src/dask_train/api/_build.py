@@ -51,8 +51,7 @@ def job_spec(plan: FitPlan, *, start: Any, devices: Devices | None = None,
     trainers = plan.trainers
     train = TrainSettings(
         module=travelling(start, factory=plan.factory), n_params=n_params, loss=m.loss,
-        optimizer=m.optimizer, lr=float(m.lr), optimizer_options=dict(m.optimizer_options or {}),
-        prefetch=m.prefetch_count(), grad_accumulation=int(m.grad_accumulation),
+        optim=m.optim(), prefetch=m.prefetch_count(), grad_accumulation=int(m.grad_accumulation),
         ps=plan.servers, scorer=int(scoring.scorer), score_every=float(scoring.score_every),
         scorer_budget=scoring.budget(trainers), metrics=dict(m.metrics) if m.metrics else None)
     return build_spec(s, strategy=engine_entry(plan.engine).strategy, workers=trainers,

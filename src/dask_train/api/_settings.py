@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from dask_train.policy._settings import (
     ClusterSettings,
     DataSettings,
+    OptimizerSettings,
     ScoringSettings,
     callback_problems,
     int_at_least,
@@ -125,6 +126,10 @@ class ModelSettings:
             return [f"optimizer={optimizer!r} is unknown: use one of {sorted(OPTIMIZERS)} or a "
                     "torch.optim.Optimizer subclass such as torch.optim.SGD."]
         return optimizer_options_problems(optimizer, self.lr, self.optimizer_options)
+
+    def optim(self) -> OptimizerSettings:
+        """The optimizer as the engines take it (call after :meth:`problems` found none)."""
+        return OptimizerSettings(self.optimizer, float(self.lr), dict(self.optimizer_options or {}))
 
     def prefetch_count(self) -> int:
         """Pushes in flight: ``-1`` for ``"auto"`` (the trainers adapt it)."""

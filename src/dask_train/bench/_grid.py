@@ -221,9 +221,10 @@ def _steps_for(group: GroupResult, workers: int, ps: int, seconds: float) -> int
 def _probe(client: Client, widths: Sequence[int], xb: np.ndarray, yb: np.ndarray,
            grid: Grid) -> CostModel:
     from dask_train.engines.measure.ps_costs import probe_costs
+    from dask_train.policy._settings import OptimizerSettings
 
     return probe_costs(client, build_mlp(widths), xb, yb, loss="cross_entropy",
-                       optimizer="adam", lr=1e-3, prefetch=grid.prefetch)
+                       optim=OptimizerSettings("adam", 1e-3), prefetch=grid.prefetch)
 
 
 def _predict(group: GroupResult, grid: Grid) -> None:

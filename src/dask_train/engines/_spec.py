@@ -22,6 +22,7 @@ from typing import Any
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Placement
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.policy.callbacks import Callback
 from dask_train.policy.stop import StopCondition
 
@@ -36,9 +37,7 @@ class TrainSettings:
     module: Any  # a torch.nn.Module, a Keras model or an ArrayModel; None in a RoleConfig
     n_params: int
     loss: Any  # a name, an nn.Module or a callable (models._torch.resolve_loss)
-    optimizer: Any  # a name ("adam") or a torch.optim.Optimizer subclass
-    lr: float
-    optimizer_options: dict[str, Any] = field(default_factory=dict)
+    optim: OptimizerSettings
     prefetch: int = 0  # pushes in flight; -1: adapted by the trainers ("auto")
     grad_accumulation: int = 1
     ps: int = 0  # parameter servers (async-ps); 0 for sync engines
@@ -51,16 +50,16 @@ class TrainSettings:
     @property
     def optimizer_name(self) -> str:
         """The optimizer as a manifest or a page names it."""
-        return self.optimizer if isinstance(self.optimizer, str) else self.optimizer.__name__
+        return self.optim.label
 
     def manifest(self) -> dict[str, Any]:
         """What a checkpoint records of these settings (JSON-able)."""
-        return {"optimizer": self.optimizer_name, "lr": self.lr,
+        return {"optimizer": self.optimizer_name, "lr": self.optim.lr,
                 "grad_accumulation": self.grad_accumulation}
 
     def summary(self) -> dict[str, Any]:
         """What the Training page shows of them."""
-        return {"optimizer": self.optimizer_name, "lr": self.lr, "n_params": self.n_params,
+        return {"optimizer": self.optimizer_name, "lr": self.optim.lr, "n_params": self.n_params,
                 "score_every": self.score_every}
 
 
@@ -166,7 +165,8 @@ class RoleConfig:
                   restore: Mapping[str, Any] | None = None) -> RoleConfig:
         """The roles' view of ``spec``; ``restore`` is the checkpoint the generation starts from."""
         train = None if spec.train is None else dataclasses.replace(
-            spec.train, module=None, optimizer_options=dict(spec.train.optimizer_options))
+            spec.train, module=None, optim=dataclasses.replace(
+                spec.train.optim, options=dict(spec.train.optim.options)))
         return cls(
             batch_size=spec.batch_size, timeout=spec.timeout, topic=topic,
             max_step=spec.max_step, seed=spec.seed, on_nan=spec.on_nan, train=train,

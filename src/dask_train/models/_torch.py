@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dask_train.policy._settings import OptimizerSettings
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Losses by name; classification losses also report accuracy.
@@ -366,11 +368,12 @@ def _fused_adam_step(opt: Any) -> bool:
     return True
 
 
-def build_optimizer(
-    name: Any, params: Sequence[torch.Tensor], *, lr: float, options: Mapping[str, Any]
-) -> torch.optim.Optimizer:
-    """Build the optimizer ``name`` (a name, or a ``torch.optim.Optimizer`` subclass) over
-    ``params`` (a server's flat shard)."""
+def build_optimizer(optim: OptimizerSettings, params: Sequence[torch.Tensor]
+                    ) -> torch.optim.Optimizer:
+    """Build ``optim`` (its name, or a ``torch.optim.Optimizer`` subclass, with its lr and
+    options) over ``params`` (a server's flat shard)."""
+    name: Any = optim.name
+    lr, options = optim.lr, optim.options
     cls: Any = OPTIMIZERS[name] if isinstance(name, str) else name
     name = name if isinstance(name, str) else \
         {c: n for n, c in OPTIMIZERS.items()}.get(cls, cls.__name__)

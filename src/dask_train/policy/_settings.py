@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from dask_train.policy._data_mode import read_ahead
@@ -66,6 +66,23 @@ def per_trainer_batch(batch_size: int, global_batch_size: int | None, trainers: 
     if global_batch_size is None:
         return int(batch_size)
     return max(1, int(global_batch_size) // max(1, int(trainers)))
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer that steps a job's parameters, as one record wherever it travels (a
+    server's shard, a sync rank, a measurement): ``name`` is a name from
+    ``dask_train.models.OPTIMIZERS`` or a ``torch.optim.Optimizer`` subclass, ``options`` its
+    other keyword arguments (momentum, betas, weight_decay, ...)."""
+
+    name: str | type = "adam"
+    lr: float = 1e-3
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The optimizer as a manifest or a page names it."""
+        return self.name if isinstance(self.name, str) else self.name.__name__
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,7 @@ class ArrayEngine(Engine):
         self.rows_per_step = spec.batch_size * self.train.grad_accumulation
         self.steps_per_epoch = max(math.ceil(r / self.rows_per_step) for r in self.group_rows)
         self.opt = FlatOptimizer(torch.from_numpy(np.array(self.model.params, dtype=np.float64)),
-                                 optimizer=self.train.optimizer, lr=self.train.lr,
-                                 options=self.train.optimizer_options, max_step=spec.max_step)
+                                 self.train.optim, max_step=spec.max_step)
         self.epoch, self.next_step, self.epochs_done = 0, 0, 0
         self.ledger: list[dict[str, Any]] = []
         if restore is not None:

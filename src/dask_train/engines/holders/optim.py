@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dask_train.models._torch import build_optimizer
+from dask_train.policy._settings import OptimizerSettings
 
 T = TypeVar("T")
 
@@ -40,11 +41,8 @@ class FlatOptimizer:
     params : numpy.ndarray or torch.Tensor
         Initial values of the slice: an array is copied, a float32 tensor is updated in place (a
         sync rank updates its own model's flat parameters).
-    optimizer : str
-        A name from :data:`dask_train.models.OPTIMIZERS`.
-    lr : float
-    options : mapping
-        Extra optimizer keyword arguments (momentum, betas, weight_decay, ...).
+    optim : OptimizerSettings
+        The optimizer, its learning rate and its other keyword arguments.
     max_step : int or None
         Updates beyond this many are refused, so a step limit is exact however many trainers
         push at once.
@@ -56,10 +54,8 @@ class FlatOptimizer:
     def __init__(
         self,
         params: np.ndarray | torch.Tensor,
+        optim: OptimizerSettings,
         *,
-        optimizer: str,
-        lr: float,
-        options: Mapping[str, Any],
         max_step: int | None = None,
         grad: torch.Tensor | None = None,
     ) -> None:
@@ -69,7 +65,7 @@ class FlatOptimizer:
         self.param = torch.nn.Parameter(values)
         self.grad = torch.zeros_like(self.param) if grad is None else grad
         self.param.grad = self.grad
-        self.optimizer = build_optimizer(optimizer, [self.param], lr=lr, options=options)
+        self.optimizer = build_optimizer(optim, [self.param])
         self.max_step = max_step
         # The model's trained buffers (a float64 vector, see models._buffers) on the one holder
         # that keeps them, else None: handed out with the parameters by pull, saved with them.

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.host_memory import HostSegment
 from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.models._torch import OPTIMIZERS, build_optimizer
+from dask_train.policy._settings import OptimizerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +36,17 @@ class _NotShareable(Exception):
     """This optimizer's state cannot live in host memory (the shard stays in its process)."""
 
 
-def _state_template(optimizer: str, lr: float, options: Mapping[str, Any]
-                    ) -> dict[str, tuple[str, str]]:
+def _state_template(optim: OptimizerSettings) -> dict[str, tuple[str, str]]:
     """The optimizer's state entries: key -> (dtype, "param" or "scalar"), learned by one step
     of a two-element copy. Only built-ins whose fresh state is zeros (or made in ``__init__``,
     as Adagrad's) qualify: a state the first step fills otherwise could not be laid out ahead."""
-    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
-        raise _NotShareable(f"optimizer {optimizer!r} is not a built-in")
-    if optimizer == "sgd" and float(options.get("dampening", 0)) != 0:
+    if not isinstance(optim.name, str) or optim.name not in OPTIMIZERS:
+        raise _NotShareable(f"optimizer {optim.name!r} is not a built-in")
+    if optim.name == "sgd" and float(optim.options.get("dampening", 0)) != 0:
         raise _NotShareable("SGD with dampening starts its momentum from the first gradient")
     probe = torch.nn.Parameter(torch.zeros(2))
     probe.grad = torch.zeros(2)
-    opt = build_optimizer(optimizer, [probe], lr=lr, options=options)
+    opt = build_optimizer(optim, [probe])
     opt.step()
     template = {}
     for key, value in opt.state[probe].items():
@@ -59,11 +59,11 @@ def _state_template(optimizer: str, lr: float, options: Mapping[str, Any]
     return template
 
 
-def shareable(optimizer: Any, lr: float, options: Mapping[str, Any]) -> bool:
+def shareable(optim: OptimizerSettings) -> bool:
     """Whether this optimizer's state can live in host memory (else a shard stays in its
     server's process and trainers push to it)."""
     try:
-        _state_template(optimizer, lr, options)
+        _state_template(optim)
     except _NotShareable:
         return False
     return True
@@ -82,11 +82,12 @@ class ShardServer(FlatOptimizer):
 
     host: HostSegment | None = None
 
-    def __init__(self, params: np.ndarray | torch.Tensor, **kwargs: Any) -> None:
+    def __init__(self, params: np.ndarray | torch.Tensor, optim: OptimizerSettings,
+                 **kwargs: Any) -> None:
         self._version = self._samples = 0
         self._buffers: np.ndarray | None = None
         self._positions: dict[int, dict[tuple[int, int], int]] = {}
-        super().__init__(params, **kwargs)
+        super().__init__(params, optim, **kwargs)
         self.push_secret = b""  # what a direct push connection must present
         self.stats: StatsReporter | None = None  # reports its updates once a second
         self.attached = False  # mapped from another process's segment
@@ -256,13 +257,12 @@ class ShardServer(FlatOptimizer):
 
     # -- host memory -------------------------------------------------------------------------------
 
-    def to_host_memory(self, path: str, *, optimizer: str, lr: float,
-                       options: Mapping[str, Any]) -> bool:
+    def to_host_memory(self, path: str, optim: OptimizerSettings) -> bool:
         """Move this shard's state into a new segment at ``path``; False (and the shard stays
         here) where that cannot be: an optimizer whose state cannot be laid out ahead, or no
         room in ``/dev/shm``."""
         try:
-            template = _state_template(optimizer, lr, options)
+            template = _state_template(optim)
         except _NotShareable as exc:
             logger.debug("shard stays in its process: %s", exc)
             return False
@@ -274,7 +274,8 @@ class ShardServer(FlatOptimizer):
         try:
             seg = HostSegment.create_shard(
                 path, n=n, n_buffers=None if buffers is None else int(buffers.size),
-                state=shapes, extra={"optimizer": optimizer, "lr": lr, "options": dict(options),
+                state=shapes, extra={"optimizer": optim.name, "lr": optim.lr,
+                                         "options": dict(optim.options),
                        "max_step": self.max_step})
         except OSError as exc:
             logger.info("shard %s stays in its process: no room in host memory (%s)", path, exc)
@@ -318,8 +319,8 @@ class ShardServer(FlatOptimizer):
         if seg is None:
             return None
         layout = seg.layout
-        shard = cls(torch.from_numpy(seg.array("params")), optimizer=layout["optimizer"],
-                    lr=float(layout["lr"]), options=layout["options"],
+        optim = OptimizerSettings(layout["optimizer"], float(layout["lr"]), layout["options"])
+        shard = cls(torch.from_numpy(seg.array("params")), optim,
                     max_step=layout["max_step"])
         shard.optimizer.state[shard.param] = _state_views(seg)
         shard.host, shard.attached = seg, True

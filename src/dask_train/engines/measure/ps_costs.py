@@ -21,7 +21,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ try:  # where FlatModel lives on main since the device work
 except ImportError:  # before it: drop this fallback once the branches are merged
     from dask_train.models._torch import FlatModel  # type: ignore[attr-defined,no-redef]
 from dask_train.policy._cost import CostModel
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._roles import ensure_plugin, worker_threads
 
@@ -70,8 +71,7 @@ def _time(fn: Callable[[], object], *, repeats: int, budget_s: float,
 
 
 def time_step_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, loss: Any,
-                   optimizer: Any, lr: float, options: Mapping[str, Any],
-                   budget_s: float = 2.0) -> dict[str, float]:
+                   optim: OptimizerSettings, budget_s: float = 2.0) -> dict[str, float]:
     """Dask task: seconds of one batch's gradient, and of an optimizer step per parameter."""
     worker_state(get_worker()).configure_torch()
     model = FlatModel(copy.deepcopy(module))
@@ -81,8 +81,7 @@ def time_step_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, los
     xb, yb = model_inputs(x), model_inputs(y)  # several inputs: a dict or tuple
     compute = _time(lambda: model.gradient(xb, yb, loss_fn, out=out), repeats=5,
                     budget_s=budget_s)
-    server = FlatOptimizer(model.flat.detach().numpy(), optimizer=optimizer, lr=lr,
-                           options=options)
+    server = FlatOptimizer(model.flat.detach().numpy(), optim)
     server.grad.normal_()
     update = _time(lambda: server.step(1), repeats=5, budget_s=budget_s)
     return {"compute_s": compute, "update_s_per_param": update / model.n_params,
@@ -115,7 +114,7 @@ def _machine(dask_worker: Any = None) -> tuple[str, int]:
 
 def probe_costs(
     client: Client, module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, loss: Any,
-    optimizer: Any, lr: float, options: Mapping[str, Any] | None = None, prefetch: int = 1,
+    optim: OptimizerSettings, prefetch: int = 1,
     grad_accumulation: int = 1, timeout: float = 60.0,
 ) -> CostModel:
     """Measure a job's per-step costs on ``client``'s cluster; return the cost model.
@@ -127,8 +126,10 @@ def probe_costs(
         The model (copied on the worker).
     x, y : numpy.ndarray
         One batch of real inputs and targets (its length is the batch size).
-    loss, optimizer, lr, options
-        As the Trainer takes them.
+    loss
+        As the Trainer takes it.
+    optim : OptimizerSettings
+        The optimizer, its learning rate and options.
     prefetch, grad_accumulation : int
         As the Trainer takes them: a step is ``grad_accumulation`` batches and one push.
     timeout : float
@@ -147,8 +148,8 @@ def probe_costs(
     workers = sorted(worker_threads(client))
     machines = {w: tuple(m) for w, m in client.run(_machine).items()}  # (host name, cores)
     first = workers[0]
-    step = client.submit(time_step_task, module, x, y, loss=loss, optimizer=optimizer, lr=lr,
-                         options=dict(options or {}), workers=[first], pure=False
+    step = client.submit(time_step_task, module, x, y, loss=loss, optim=optim,
+                         workers=[first], pure=False
                          ).result(timeout)
     n_params = int(step["n_params"])
     # The peer: another machine when there is one (a host's link), else another worker.

@@ -36,6 +36,7 @@ from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.engines.measure.cores import prepared_step
 from dask_train.models._flat import FlatModel
 from dask_train.models._torch import batch_rows
+from dask_train.policy._settings import OptimizerSettings
 
 #: The ways of running a job this module measures (see the module's description).
 MODES = ("one", "async", "sync")
@@ -47,9 +48,8 @@ def segment_path() -> str:
 
 
 def candidate_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *, mode: str,
-                        loss: Any, optimizer: str, lr: float, options: dict[str, Any],
-                        rank: int, world: int, path: str, start_at: float,
-                        duration_s: float, timeout: float) -> float:
+                        loss: Any, optim: OptimizerSettings, rank: int, world: int,
+                        path: str, start_at: float, duration_s: float, timeout: float) -> float:
     """Dask task: steps per second of ``mode``'s step on this worker (rank ``rank`` of
     ``world`` started together at ``start_at``, a ``time.time()`` every worker of one machine
     shares), for about ``duration_s``. Rank 0 creates the segment at ``path``; the others map
@@ -57,17 +57,16 @@ def candidate_rate_task(module: torch.nn.Module, x: np.ndarray, y: np.ndarray, *
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: use one of {MODES}")
     model, loss_fn, xb, yb, grad = prepared_step(module, x, y, loss=loss)
-    settings = {"optimizer": optimizer, "lr": lr, "options": options}
     with contextlib.ExitStack() as held:
         # Created first by rank 0, so a peer that maps it finds the step's segment made too.
         ready = _Barrier(path + "-ready", rank=rank, world=world, timeout=timeout, held=held)
         if mode == "one":
-            after: _After = _OwnStep(model, grad, settings)
+            after: _After = _OwnStep(model, grad, optim)
         elif mode == "async":
-            after = _SharedShard(model, grad, settings, rank=rank, path=path,
+            after = _SharedShard(model, grad, optim, rank=rank, path=path,
                                  start_at=start_at, timeout=timeout, held=held)
         else:
-            after = _HostSumStep(model, grad, settings, rank=rank, world=world, path=path,
+            after = _HostSumStep(model, grad, optim, rank=rank, world=world, path=path,
                                  start_at=start_at, timeout=timeout, held=held)
         rows = batch_rows(yb)  # several targets: a dict, whose len is its keys
         if mode != "sync":  # warm: the first step allocates (sync's rounds must match)
@@ -99,8 +98,8 @@ class _After:
 class _OwnStep(_After):
     """One process: the optimizer steps the model's own parameters (as a one-rank sync job)."""
 
-    def __init__(self, model: FlatModel, grad: torch.Tensor, settings: dict[str, Any]) -> None:
-        self.own = FlatOptimizer(model.flat, grad=grad, **settings)
+    def __init__(self, model: FlatModel, grad: torch.Tensor, optim: OptimizerSettings) -> None:
+        self.own = FlatOptimizer(model.flat, optim, grad=grad)
 
     def step(self, rows: int) -> None:
         self.own.step(rows)
@@ -110,14 +109,14 @@ class _SharedShard(_After):
     """Async-ps on one machine: every trainer applies its push to one shard in host memory and
     copies the parameters back (as ``run_trainer`` does with a shard of its host)."""
 
-    def __init__(self, model: FlatModel, grad: torch.Tensor, settings: dict[str, Any], *,
+    def __init__(self, model: FlatModel, grad: torch.Tensor, optim: OptimizerSettings, *,
                  rank: int, path: str, start_at: float, timeout: float,
                  held: contextlib.ExitStack) -> None:
         from dask_train.engines.holders.shard import ShardServer
 
         if rank == 0:
-            shard = ShardServer(model.read_params(), **settings)
-            if not shard.to_host_memory(path, **settings):
+            shard = ShardServer(model.read_params(), optim)
+            if not shard.to_host_memory(path, optim):
                 raise RuntimeError("the probe's shard could not be put in host memory")
         else:
             shard = _wait_for(lambda: ShardServer.attach(path), start_at, timeout)
@@ -134,7 +133,7 @@ class _HostSumStep(_After):
     the whole optimizer step on each. Every rank stops at the same round: rank 0, its time up,
     names the next round, which no peer can have passed (each round needs every rank)."""
 
-    def __init__(self, model: FlatModel, grad: torch.Tensor, settings: dict[str, Any], *,
+    def __init__(self, model: FlatModel, grad: torch.Tensor, optim: OptimizerSettings, *,
                  rank: int, world: int, path: str, start_at: float, timeout: float,
                  held: contextlib.ExitStack) -> None:
         from dask_train.engines.collectives.host_sum import HostSum
@@ -151,7 +150,7 @@ class _HostSumStep(_After):
         self.group.pids[rank] = os.getpid()
         held.push(self._abort_on_error)
         self.stop_at = seg.array("stop")
-        self.own = FlatOptimizer(model.flat, grad=grad, **settings)
+        self.own = FlatOptimizer(model.flat, optim, grad=grad)
         self.grad, self.rank, self.world = grad, rank, world
 
     def _abort_on_error(self, kind: Any, *_: Any) -> bool:

@@ -53,8 +53,7 @@ class AsyncPSEngine(RoleEngine):
         starts = [
             self.pinned(start_shard_task, self.module_f, address=ref.address,
                         key=f"dt-ps-{ref.index}", job=self.job, shard=ref,
-                        optimizer=train.optimizer, lr=train.lr, options=train.optimizer_options,
-                        max_step=self.spec.max_step, restore=server_restore,
+                        optim=train.optim, max_step=self.spec.max_step, restore=server_restore,
                         secret=self.push_secret)
             for ref in self.shards
         ]

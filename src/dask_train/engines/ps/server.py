@@ -26,6 +26,7 @@ from dask_train.models._buffers import BufferSet
 from dask_train.models._frameworks import is_keras_model
 from dask_train.models._torch import flatten_parameters
 from dask_train.models._transport import unwrap
+from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._denormals import call_flushed
 from dask_train.runtime._plugin import worker_state
 
@@ -35,9 +36,7 @@ def start_shard_task(
     *,
     job: str,
     shard: ShardRef,
-    optimizer: str,
-    lr: float,
-    options: Mapping[str, Any],
+    optim: OptimizerSettings,
     max_step: int | None,
     restore: Mapping[str, Any] | None = None,
     secret: bytes = b"",
@@ -59,8 +58,7 @@ def start_shard_task(
     else:
         flat, held = flatten_parameters(module).numpy(), BufferSet(module)
     server = ShardServer(
-        flat[shard.start : shard.stop], optimizer=optimizer, lr=lr, options=options,
-        max_step=max_step,
+        flat[shard.start : shard.stop], optim, max_step=max_step,
     )
     server.push_secret = secret
     if shard.index == BUFFER_SHARD:
@@ -77,8 +75,7 @@ def start_shard_task(
             server.buffers = None
     if shard.segment and host_memory.enabled():
         # Trainers of this host update it themselves (see engines.holders.host_memory).
-        server.to_host_memory(os.path.join(host_memory.SEGMENT_DIR, shard.segment),
-                              optimizer=optimizer, lr=lr, options=options)
+        server.to_host_memory(os.path.join(host_memory.SEGMENT_DIR, shard.segment), optim)
     # Counted from here: a restored shard's earlier updates are not this generation's.
     server.stats = StatsReporter(worker, topic=topic_of(job), role="ps", index=shard.index,
                                  start={"updates": server.version, "samples": server.samples})

@@ -136,8 +136,7 @@ def run_rank(
     model.train_mode()
     dist.broadcast(model.flat, src=0)  # identical start on every rank, whatever each unpickled
     reducer = GradientReducer(model)
-    server = FlatOptimizer(model.flat, optimizer=config.trains.optimizer, lr=config.trains.lr,
-                           options=config.trains.optimizer_options, max_step=config.max_step,
+    server = FlatOptimizer(model.flat, config.trains.optim, max_step=config.max_step,
                            grad=reducer.grad)
     restore = config.restore
     if restore is not None:
