@@ -45,8 +45,9 @@ logger = logging.getLogger("dask_train.api._trainer")
 
 
 def check_plan(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bool,
-               mode: str) -> None:
-    """Every problem with a fit of ``plan`` on ``data`` at once, before any work.
+               mode: str, typed: TrainingData | None = None) -> None:
+    """Every problem with a fit of ``plan`` on ``data`` at once, before any work; ``typed``:
+    ``data`` cast to the model's float dtype (cast here when not given).
 
     Raises
     ------
@@ -55,10 +56,9 @@ def check_plan(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bo
     """
     s, model = plan.settings, plan.model
     array = isinstance(model, ArrayModel)
+    cast = data if array else typed or data.cast(float_dtype(model))
     problems = check_fit(s, data.X, data.y, validation, resume=resume,
-                         sample_weight=data.weights,
-                         typed=lambda: data.X if array else cast_quietly(data, model),
-                         factory=plan.factory)
+                         sample_weight=data.weights, typed=lambda: cast.X, factory=plan.factory)
     problems += check_data_mode(mode, in_memory=data.in_memory and not array, full_batch=array)
     if array and s.cluster.resources:
         # The numpy engine places its groups on every worker itself (engines.array).
@@ -68,27 +68,26 @@ def check_plan(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bo
         raise InvalidInput(problems)
 
 
-def cast_quietly(data: TrainingData, model: Any) -> Any:
-    """``data``'s X as the model will see it (the checks' view: nothing logged)."""
-    from dask_train.data._inputs import cast_floats
-
-    return cast_floats(data.X, float_dtype(model))
-
-
 def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: bool, start: Any,
               mode: str, client: Callable[[], Client]) -> FitResult:
     """Run one fit of a torch or Keras model; ``start`` is the model it starts from (a copy),
     ``client()`` the cluster (called once the arguments are checked)."""
     # A dask validation set stays on the cluster, scored where its blocks live.
-    validation = materialize(validation, dtype=float_dtype(plan.model), keep_dask=True)
-    check_plan(plan, data, validation, resume=resume, mode=mode)
+    dtype = float_dtype(plan.model)
+    validation = materialize(validation, dtype=dtype, keep_dask=True)
+    # X cast once: the checks, the strategy's choice and the blocks all read this one.
+    typed = data.cast(dtype)
+    check_plan(plan, data, validation, resume=resume, mode=mode, typed=typed)
+    if typed is not data:
+        logger.info("X is %s and the module's parameters are %s: X is converted to %s",
+                    data.X.dtype, dtype, typed.X.dtype)
     cluster = client()
     check_trainer_room(plan, cluster)
     t = time.time()
     spread = spread_validation(cluster, validation)
     plan.took("persist", t)
     try:
-        return _run(plan, cluster, data, spread or validation, resume=resume, start=start,
+        return _run(plan, cluster, typed, spread or validation, resume=resume, start=start,
                     mode=mode)
     except KeyboardInterrupt as exc:  # before the controller ran: one line, no traceback
         raise interrupted_early(exc) from None
@@ -99,6 +98,7 @@ def fit_torch(plan: FitPlan, data: TrainingData, validation: Any, *, resume: boo
 
 def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, resume: bool,
          start: Any, mode: str) -> FitResult:
+    """The fit on the cluster; ``data`` already cast to the model's float dtype."""
     from dask_train.runtime._devices import probe_devices
     from dask_train.runtime._roles import trainer_workers
 
@@ -108,12 +108,10 @@ def _run(plan: FitPlan, client: Client, data: TrainingData, validation: Any, *, 
                             mixed_precision=s.cluster.mixed_precision,
                             workers=trainer_workers(client, s.cluster.placement)
                             if s.cluster.placement else None)
-    plan = plan.chose(choose(plan, client, cast_quietly(data, plan.model), data.y,
-                             device_kind=devices.kind))
+    plan = plan.chose(choose(plan, client, data.X, data.y, device_kind=devices.kind))
     if devices.kind == "cuda" or devices.precision:
         logger.info("training on %s (%s)%s", devices.kind, devices.by_worker or "",
                     f", autocast {devices.precision}" if devices.precision else "")
-    data = data.cast(float_dtype(plan.model))
     t = time.time()
     loss = s.model.loss
     labels = is_classification(loss) or keras_sparse_labels(loss)

@@ -73,12 +73,10 @@ class TrainingData:
 
     def cast(self, dtype: Any) -> TrainingData:
         """The data with its floating inputs in ``dtype`` (the model's parameters'); integer
-        inputs (token ids) kept."""
+        inputs (token ids) kept. Itself when nothing changes; lazy (a dask ``astype``)."""
         converted = cast_floats(self.X, dtype)
         if converted is self.X:
             return self
-        logger.info("X is %s and the module's parameters are %s: X is converted to %s",
-                    self.X.dtype, dtype, converted.dtype)
         return dataclasses.replace(self, X=converted)
 
     def with_targets(self) -> TrainingData:
