@@ -5,7 +5,9 @@ the engine's events (scores, non-finite losses, epochs, progress) into the histo
 conditions and the callbacks; ask the engine for periodic work; take checkpoints through the
 engine's pause/snapshot/save; every second, look for lost or failed roles and act as the pure
 failure policy decides (continue, replace the scorer, restart a new generation from the newest
-checkpoint, or raise). Phases live in one explicit :class:`~._state.JobState`.
+checkpoint, or raise). The job moves between the states of :mod:`._states` (starting, running,
+restarting, handing over, finishing, finished, errored), each state's step doing its work through
+the methods here; phases live in one explicit :class:`~._state.JobState`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -37,6 +38,7 @@ from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
+from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
 from dask_train.controller._wanted import WantedWorkers
 from dask_train.data._stall import schedule_stranded
 from dask_train.engines._events import (
@@ -61,7 +63,6 @@ from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
 
-_LIVENESS_EVERY_S = 1.0
 #: How often a job without ``checkpoint=`` keeps a copy of its state in memory (see
 #: ``Controller._copies``): a killed parameter server costs at most this much training. The
 #: Dask config ``dask-train.copy-every`` (seconds; 0: no copies) sets it.
@@ -71,19 +72,6 @@ COPY_EVERY_S = 5.0
 MakeEngine = Callable[[Roles, str, "Mapping[str, Any] | None"], Engine]
 #: Places a new generation's roles on the live workers.
 PlanRoles = Callable[[Mapping[str, int]], Roles]
-
-
-@dataclass
-class Outcome:
-    """What ``run`` hands back: the engine's ending, the job's log, and where things ran."""
-
-    ending: Ending
-    log: JobLog
-    stopped_by: str
-    roles: Roles
-    ledger: list[dict[str, Any]]
-    epochs_completed: int
-    model_step: int = -1  # the step of the parameters returned (the scored one, or the last)
 
 
 class Controller:
@@ -201,112 +189,105 @@ class Controller:
             logger.debug("job %s: the scheduler keeps its event topics", self.spec.job_id)
 
     async def _generations(self, *, resume: bool) -> Outcome:
+        """Run the job's states (:mod:`._states`) from its first generation's start until it
+        finished (its outcome is returned) or errored (its error is raised)."""
         if resume and self.checkpoints is not None:
             self.restore = self.checkpoints.load(n_params=self.spec.n_params,
                                                  strategy=self.spec.strategy)
             self.resumed = self.restore is not None
             if self.restore is not None:
                 self._continue_from(self.restore)
-        while True:
-            engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
-                                      self.restore.engine_state() if self.restore else None)
-            self.engine = engine
-            self.log.generations = self.state.generation + 1
-            await self._copies(engine)
+        state: State = Starting()
+        while not state.terminal:
+            state = await state.step(self)
+        if isinstance(state, Errored):
             try:
-                failure: Failure | Departure | None = await self._start(engine)
-                if failure is None:
-                    self.log.roles_up_at = self.log.roles_up_at or time.time()
-                    self.state.enter(Phase.RUNNING)
-                    failure = await self._run_generation(engine)
-                finished = await self._finish(engine) if failure is None else failure
-                if isinstance(finished, Departure):
-                    await self._hand_over_restart(engine, finished)
-                    continue
-                if isinstance(finished, Failure):
-                    await self._restart(engine, finished)
-                    continue
-                ending = finished
-            except BaseException as exc:
-                self.state.enter(Phase.ERRORED)
-                self.publisher.publish({"kind": "end", "error": "interrupted (Ctrl-C)" if
-                                        isinstance(exc, asyncio.CancelledError) else
-                                        f"{type(exc).__name__}: {exc}"})
-                self.callbacks.close()
-                await engine.close()
-                raise
-            await engine.close()
-            await self.callbacks.finish(self.spec.timeout)  # on_fit_end comes after every hook
-            error = no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
-            if error is not None:
-                # Nothing was trained: parameters as they started are no result. Raised once the
-                # engine is closed, so the job leaves nothing behind; callbacks hear on_fit_error.
-                self.state.enter(Phase.ERRORED)
-                self.publisher.publish({"kind": "end", "error": f"NonFiniteLoss: {error}"})
-                raise error
-            self.state.enter(Phase.FINISHED)
-            await self.publisher.end(stopped_by=self.state.stopped_by)
-            kept = ending.final is not None and ending.final.get("params") is not None
-            return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
-                           roles=engine.roles, ledger=engine.ledger_records(),
-                           epochs_completed=engine.epochs_completed(),
-                           model_step=int(self.state.stop_step) if kept and
-                           self.state.stop_step is not None else ending.steps)
+                raise state.error
+            finally:
+                del state  # the error's traceback holds this frame: no cycle through the state
+        assert isinstance(state, Finished)
+        return state.outcome
 
-    async def _run_generation(self, engine: Engine) -> Failure | Departure | None:
-        """Drive a generation until it stops (None) or must restart (the failure that caused
-        it, or the departure of a worker that left with notice)."""
-        next_liveness = 0.0
-        while not self.state.stopped_by:
-            try:
-                # A pause ends when its last trainer says so, which is no event here: look
-                # again soon, the trainers wait meanwhile (an async-ps job's copies every 5 s,
-                # each such a pause, cost it about 12% of its samples/s in one run).
-                wait = 0.01 if self.state.phase is Phase.CHECKPOINTING else 0.2
-                event = await asyncio.wait_for(self.events.get(), timeout=wait)
-            except asyncio.TimeoutError:
-                event = None
-            if event is not None:
-                self._on_event(event)
-            if self.callbacks.stop_asked() or self.callback_stop:
-                self.callback_stop = False
-                self._stop("callback")
-            now = time.time()
-            if not self.state.stopped_by:
-                self._check_time(now)
-                ended = await engine.tick(now)
-                # Only with no event left to read: a last score or NaN may say why it ended.
-                if ended and not self.state.stopped_by and self.events.empty():
-                    self._stop(self._natural_end(engine))
-                await self._checkpoint_step(engine, now)
-                departure = await self._report_step(engine)
-                if departure is not None:
-                    return departure
-            if self.state.phase is Phase.RUNNING and not self.state.stopped_by:
-                if self.hand_overs.pending(engine):
-                    departure = await self.hand_overs.hand_over(
-                        engine, await alive_workers(self.client), manifest=self._manifest)
-                    if departure is not None:
-                        return departure
-                await self.hand_overs.overdue(engine)
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_EVERY_S
-                failure = await self._check_roles(engine)
-                if failure is not None:
-                    withdrawn = self._withdraw_stop()
-                    if withdrawn:
-                        # Decided in this same pass: the parameters it stands for (a scored
-                        # snapshot, the last epoch) may be gone with the lost role.
-                        logger.info("the stop (%s) waits for the next generation: %s was lost "
-                                    "in the same moment", withdrawn, failure.role)
-                    return failure
-                arrival = await self._take_arrivals(engine)
-                if arrival is not None:
-                    return arrival
-                if self.wanted.most is not None or self.wanted.waiting:
-                    await self.wanted.update(engine.live_trainers(),
-                                             running=not self.state.stopped_by)
+    # -- a generation's start, its passes, its end (the work of the states in _states) -------------
+    async def _new_engine(self) -> Engine:
+        """The engine of the generation whose roles were placed last, from the state to
+        restore; with the in-memory copies it needs (see _copies)."""
+        engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
+                                  self.restore.engine_state() if self.restore else None)
+        self.engine = engine
+        self.log.generations = self.state.generation + 1
+        await self._copies(engine)
+        return engine
+
+    async def _take_event(self) -> None:
+        """Wait a little for the engine's next event and take it in."""
+        try:
+            # A pause ends when its last trainer says so, which is no event here: look
+            # again soon, the trainers wait meanwhile (an async-ps job's copies every 5 s,
+            # each such a pause, cost it about 12% of its samples/s in one run).
+            wait = 0.01 if self.state.phase is Phase.CHECKPOINTING else 0.2
+            event = await asyncio.wait_for(self.events.get(), timeout=wait)
+        except asyncio.TimeoutError:
+            event = None
+        if event is not None:
+            self._on_event(event)
+
+    def _callback_stop(self) -> None:
+        """A callback asked to stop (or its stop, withdrawn with a lost role, is made again)."""
+        if self.callbacks.stop_asked() or self.callback_stop:
+            self.callback_stop = False
+            self._stop("callback")
+
+    async def _tick(self, engine: Engine, now: float) -> None:
+        """The engine's periodic work; a stop when its trainers ended on their own."""
+        ended = await engine.tick(now)
+        # Only with no event left to read: a last score or NaN may say why it ended.
+        if ended and not self.state.stopped_by and self.events.empty():
+            self._stop(self._natural_end(engine))
+
+    async def _hand_over_step(self, engine: Engine) -> Departure | None:
+        """Hand the job over from a worker that gave notice; the departure that ends the
+        generation, if the hand-over took its state."""
+        if self.hand_overs.pending(engine):
+            departure = await self.hand_overs.hand_over(
+                engine, await alive_workers(self.client), manifest=self._manifest)
+            if departure is not None:
+                return departure
+        await self.hand_overs.overdue(engine)
         return None
+
+    async def _liveness(self, engine: Engine) -> Failure | Departure | None:
+        """Look at the roles, the workers that joined and the workers the job wants: the
+        failure that needs a new generation, or the regroup onto joined workers, if any."""
+        failure = await self._check_roles(engine)
+        if failure is not None:
+            withdrawn = self._withdraw_stop()
+            if withdrawn:
+                # Decided in this same pass: the parameters it stands for (a scored
+                # snapshot, the last epoch) may be gone with the lost role.
+                logger.info("the stop (%s) waits for the next generation: %s was lost "
+                            "in the same moment", withdrawn, failure.role)
+            return failure
+        arrival = await self._take_arrivals(engine)
+        if arrival is not None:
+            return arrival
+        if self.wanted.most is not None or self.wanted.waiting:
+            await self.wanted.update(engine.live_trainers(),
+                                     running=not self.state.stopped_by)
+        return None
+
+    def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
+        """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
+        return no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
+
+    def _outcome(self, engine: Engine, ending: Ending) -> Outcome:
+        """What the job hands back once it finished."""
+        kept = ending.final is not None and ending.final.get("params") is not None
+        return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
+                       roles=engine.roles, ledger=engine.ledger_records(),
+                       epochs_completed=engine.epochs_completed(),
+                       model_step=int(self.state.stop_step) if kept and
+                       self.state.stop_step is not None else ending.steps)
 
     async def _start(self, engine: Engine) -> Failure | None:
         """Start a generation; None once it runs. A role's worker lost while it starts (a
@@ -665,7 +646,7 @@ class Controller:
         gone = {f.worker for f in failures if f.worker not in alive}
         if gone - engine.leaving():
             await self.hand_overs.wait_for_notices(engine, gone)
-        # A worker leaving with notice is handed over (see _run_generation), not lost; once its
+        # A worker leaving with notice is handed over (see _hand_over_step), not lost; once its
         # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
         leaving = engine.leaving()
         failures = [f for f in failures if f.worker not in leaving]

@@ -1,0 +1,258 @@
+"""The controller's states: one small object per phase, each carrying its data, whose ``step``
+does that phase's work (through the controller's methods) and returns the next state.
+
+:class:`~._controller.Controller` runs them, and only that: from :class:`Starting` until
+:class:`Finished` (its :class:`Outcome` is returned) or :class:`Errored` (its error is raised).
+A state's possible successors are its ``step``'s return annotation; every move still goes through
+:meth:`JobState.enter <._state.JobState.enter>`, whose ``_NEXT`` table stays the one list of legal
+moves (``tests/controller/test_states.py`` checks the annotations against it). The move into a
+state is made as its step begins, by the controller method that does its work where that method
+enters its phase itself (``_restart``, ``_hand_over_restart``, ``_finish``); a generation's
+STARTING is entered as its roles are placed (``_next_generation``, the restarts' last act), the
+first generation's is the job's first phase; a terminal state's is entered by the step that
+decides it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from dask_train.controller._departures import Departure
+from dask_train.controller._hook_thread import CallbackThread
+from dask_train.controller._publish import JobEvents
+from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.engines._protocol import Ending, Engine
+from dask_train.engines._spec import JobSpec
+from dask_train.errors import NonFiniteLoss
+from dask_train.policy._failure import Failure
+from dask_train.policy._placement import Roles
+
+#: How often a generation's loop looks for lost roles, joined workers and wanted workers.
+_LIVENESS_EVERY_S = 1.0
+
+
+@dataclass
+class Outcome:
+    """What ``run`` hands back: the engine's ending, the job's log, and where things ran."""
+
+    ending: Ending
+    log: JobLog
+    stopped_by: str
+    roles: Roles
+    ledger: list[dict[str, Any]]
+    epochs_completed: int
+    model_step: int = -1  # the step of the parameters returned (the scored one, or the last)
+
+
+class Job(Protocol):
+    """What the states use of the controller: its state and log, and the methods doing the work
+    (:class:`~._controller.Controller` is the one implementation)."""
+
+    state: JobState
+    log: JobLog
+    spec: JobSpec
+    callbacks: CallbackThread
+    publisher: JobEvents
+
+    # Starting
+    async def _new_engine(self) -> Engine: ...
+    async def _start(self, engine: Engine) -> Failure | None: ...
+    # Running: one pass's handlers, in the order they run
+    async def _take_event(self) -> None: ...
+    def _callback_stop(self) -> None: ...
+    def _check_time(self, now: float) -> None: ...
+    async def _tick(self, engine: Engine, now: float) -> None: ...
+    async def _checkpoint_step(self, engine: Engine, now: float) -> None: ...
+    async def _report_step(self, engine: Engine) -> Departure | None: ...
+    async def _hand_over_step(self, engine: Engine) -> Departure | None: ...
+    async def _liveness(self, engine: Engine) -> Failure | Departure | None: ...
+    # Restarting, HandingOver, Finishing
+    async def _restart(self, engine: Engine, failure: Failure) -> None: ...
+    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None: ...
+    async def _finish(self, engine: Engine) -> Ending | Failure: ...
+    def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
+    def _outcome(self, engine: Engine, ending: Ending) -> Outcome: ...
+
+
+class State:
+    """A state of the job: ``phases`` are those the job is in during its step (the first one the
+    phase a move into it enters); a terminal state has no step."""
+
+    phases: ClassVar[tuple[Phase, ...]]
+    terminal: ClassVar[bool] = False
+
+    async def step(self, job: Job) -> State:
+        """Do this state's work; the state the job moves to."""
+        raise NotImplementedError
+
+
+@dataclass
+class Starting(State):
+    """A generation's engine is made, from the roles and the state to restore the controller
+    holds, and started. Its roles were placed before: the job's first, or a restart's."""
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.STARTING,)
+
+    async def step(self, job: Job) -> Running | Restarting | Errored:
+        # Made outside the guard below, as it always was: an error here is raised as it is.
+        engine = await job._new_engine()
+        try:
+            failure = await job._start(engine)
+        except BaseException as exc:
+            return await errored(job, exc, engine)
+        if failure is not None:  # a role's worker lost while it started: the policy restarts
+            return Restarting(engine, failure)
+        job.log.roles_up_at = job.log.roles_up_at or time.time()
+        return Running(engine)
+
+
+@dataclass
+class Running(State):
+    """One generation's loop: pass after pass until a stop is decided (then
+    :class:`Finishing`), a role is lost (:class:`Restarting`), or the job is handed over or
+    regrouped (:class:`HandingOver`). A checkpoint's pause is a part of it (CHECKPOINTING)."""
+
+    engine: Engine
+    next_liveness: float = field(default=0.0)  # when the next pass looks at the roles
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.RUNNING, Phase.CHECKPOINTING)
+
+    async def step(self, job: Job) -> Finishing | Restarting | HandingOver | Errored:
+        try:
+            job.state.enter(Phase.RUNNING)
+            while not job.state.stopped_by:
+                ended = await self.one_pass(job)
+                if isinstance(ended, Failure):
+                    return Restarting(self.engine, ended)
+                if ended is not None:
+                    return HandingOver(self.engine, ended)
+        except BaseException as exc:
+            return await errored(job, exc, self.engine)
+        return Finishing(self.engine)
+
+    async def one_pass(self, job: Job) -> Failure | Departure | None:
+        """One pass over the generation's concerns, in order; the failure or departure that
+        ends the generation, if one does."""
+        engine = self.engine
+        await job._take_event()
+        job._callback_stop()
+        now = time.time()
+        if not job.state.stopped_by:
+            job._check_time(now)
+            await job._tick(engine, now)
+            await job._checkpoint_step(engine, now)
+            departure = await job._report_step(engine)
+            if departure is not None:
+                return departure
+        if job.state.phase is Phase.RUNNING and not job.state.stopped_by:
+            departure = await job._hand_over_step(engine)
+            if departure is not None:
+                return departure
+        if now >= self.next_liveness:
+            self.next_liveness = now + _LIVENESS_EVERY_S
+            return await job._liveness(engine)
+        return None
+
+
+@dataclass
+class Restarting(State):
+    """A lost role: this generation ends, the next one's roles are placed (``_restart``)."""
+
+    engine: Engine
+    failure: Failure
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.RESTARTING,)
+
+    async def step(self, job: Job) -> Starting | Errored:
+        try:
+            await job._restart(self.engine, self.failure)
+        except BaseException as exc:
+            return await errored(job, exc, self.engine)
+        return Starting()
+
+
+@dataclass
+class HandingOver(State):
+    """A worker left with notice, or joined: this generation ends, the next one's roles are
+    placed from the state just handed over (``_hand_over_restart``)."""
+
+    engine: Engine
+    departure: Departure
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.RESTARTING,)
+
+    async def step(self, job: Job) -> Starting | Errored:
+        try:
+            await job._hand_over_restart(self.engine, self.departure)
+        except BaseException as exc:
+            return await errored(job, exc, self.engine)
+        return Starting()
+
+
+@dataclass
+class Finishing(State):
+    """A stop was decided: the roles stop, the final score and checkpoint (``_finish``); then
+    the engine closes and the callbacks finish."""
+
+    engine: Engine
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.FINISHING,)
+
+    async def step(self, job: Job) -> Finished | Restarting | Errored:
+        engine = self.engine
+        try:
+            finished = await job._finish(engine)
+        except BaseException as exc:
+            return await errored(job, exc, engine)
+        if isinstance(finished, Failure):
+            return Restarting(engine, finished)
+        # Outside the guard, as they always were: the job's own end.
+        await engine.close()
+        await job.callbacks.finish(job.spec.timeout)  # on_fit_end comes after every hook
+        error = job._untrained(finished)
+        if error is not None:
+            # Nothing was trained: parameters as they started are no result. Raised once the
+            # engine is closed, so the job leaves nothing behind; callbacks hear on_fit_error.
+            return await errored(job, error, None)
+        job.state.enter(Phase.FINISHED)
+        await job.publisher.end(stopped_by=job.state.stopped_by)
+        return Finished(job._outcome(engine, finished))
+
+
+@dataclass
+class Finished(State):
+    """The job ended: its outcome."""
+
+    outcome: Outcome
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.FINISHED,)
+    terminal: ClassVar[bool] = True
+
+
+@dataclass
+class Errored(State):
+    """The job raised: its error, raised by the controller once the job's end is published and
+    its callbacks and engine are closed (:func:`errored`)."""
+
+    error: BaseException
+
+    phases: ClassVar[tuple[Phase, ...]] = (Phase.ERRORED,)
+    terminal: ClassVar[bool] = True
+
+
+async def errored(job: Job, error: BaseException, engine: Engine | None) -> Errored:
+    """The move to :class:`Errored`: ERRORED entered, the job's "end" published with its error,
+    and, with ``engine`` (None: the job's end closed them already), the callbacks and the
+    engine closed. Awaited in the handler of ``error``, so that an error closing the engine
+    chains to it."""
+    job.state.enter(Phase.ERRORED)
+    job.publisher.publish({"kind": "end", "error": "interrupted (Ctrl-C)" if
+                           isinstance(error, asyncio.CancelledError) else
+                           f"{type(error).__name__}: {error}"})
+    if engine is not None:
+        job.callbacks.close()
+        await engine.close()
+    return Errored(error)
