@@ -144,9 +144,10 @@ class FitResult(JobResult):
         ``predict(params, X)``. For predictions over a large dask collection on the cluster, see
         the prediction API.
         """
-        compute = getattr(X, "compute", None)
-        x = np.asarray(compute() if callable(compute) else X)
+        from dask_train.data._inputs import is_collection
         from dask_train.models._frameworks import is_keras_model
+
+        x = np.asarray(X.compute() if is_collection(X) else X)
 
         if is_keras_model(self.model):
             from dask_train.models._frameworks import keras_float_dtype

@@ -45,9 +45,14 @@ def check_data_sets(data: Any) -> list[str]:
                 "{'train': (X, y)} (the first is streamed to the ranks)."]
     from dask_train.data._blocks import as_dask_array
     from dask_train.data._checks import check_data
+    from dask_train.data._training import TrainingData
 
     problems = []
     for name, value in data.items():
+        if isinstance(value, TrainingData):  # the streamed set, read once (data_sets)
+            paired = value.with_targets()  # zeros for a set given without targets
+            problems += [f"data[{name!r}]: {p}" for p in check_data(paired.X, paired.y)]
+            continue
         try:  # a datasets object data_sets could not read: its problems
             value = as_arrays(value, name=f"data[{name!r}]")
         except InvalidInput as exc:

@@ -12,6 +12,7 @@ from dask_train.api._run_checks import check_data_sets, check_fn
 from dask_train.api._run_sets import data_sets
 from dask_train.api._settings import RecoverySettings
 from dask_train.data._inputs import is_lazy
+from dask_train.data._training import TrainingData
 from dask_train.policy._settings import (
     ClusterSettings,
     DataSettings,
@@ -75,9 +76,13 @@ class RunJob:
         problems += check_data_sets(self.sets)
         sets = self.sets if isinstance(self.sets, Mapping) else {}
         first = next(iter(sets.values()), None)
-        x = first[0] if isinstance(first, tuple) and len(first) == 2 else first
+        if isinstance(first, TrainingData):
+            in_memory = first.in_memory
+        else:  # not readable: its problems are listed above
+            x = first[0] if isinstance(first, tuple) and len(first) == 2 else first
+            in_memory = x is not None and not is_lazy(x)
         problems += check_data_mode(self.data_mode, full_batch=False, name="data_mode",
-                                    in_memory=x is not None and not is_lazy(x))
+                                    in_memory=in_memory)
         problems += self.cluster.problems(ranges=True)
         problems += self.data.problems()
         problems += stop_problems(self.stop)

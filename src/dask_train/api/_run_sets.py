@@ -23,16 +23,23 @@ def data_sets(data: Any) -> Any:
     """``data=`` with each Hugging Face ``datasets.Dataset`` as its columns, one dask array of
     records read in blocks on the workers (:func:`~dask_train.data._hf_datasets.as_arrays`):
     from here on it is several inputs like any other, for the checks, the small sets and the
-    streamed set alike. A value that cannot be read so is kept as given, for
+    streamed set alike. The first, the set the ranks stream, becomes its
+    :class:`~dask_train.data._training.TrainingData` here, once, for the checks and the blocks.
+    A value that cannot be read so is kept as given, for
     :func:`~dask_train.api._run_checks.check_data_sets` to name its problems."""
     if not isinstance(data, Mapping) or kind_of(data) is not None:
         return data
-    sets = {}
+    sets: dict[Any, Any] = {}
     for name, value in data.items():
+        sets[name] = value
         try:
-            sets[name] = as_arrays(value, name=f"data[{name!r}]")
+            sets[name] = value = as_arrays(value, name=f"data[{name!r}]")
+            pair = isinstance(value, tuple) and len(value) == 2
+            if len(sets) == 1 and (pair or not isinstance(value, (tuple, list))):
+                x, y = value if pair else (value, None)
+                sets[name] = TrainingData.of(x, y, name=f"data[{name!r}] X")
         except InvalidInput:
-            sets[name] = value
+            pass  # kept as read so far, for the checks to name its problems
     return sets
 
 
@@ -40,7 +47,7 @@ def small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
     """The named sets after the first, in memory (every rank gets them whole)."""
     if not data:
         return {}
-    from dask_train.data._inputs import as_records
+    from dask_train.data._inputs import as_records, is_collection
 
     out: dict[str, Any] = {}
     problems = []
@@ -52,14 +59,13 @@ def small_sets(data: Mapping[str, Any] | None) -> dict[str, Any]:
                 parts.append(None)
                 continue
             part = as_records(part) if isinstance(part, Mapping) else part
-            compute = getattr(part, "compute", None)
             nbytes = getattr(part, "nbytes", 0)
             if nbytes and nbytes > SMALL_BYTES:
                 problems.append(f"data[{name!r}] is {nbytes / 2**20:.0f} MiB: the sets after the "
                                 f"first travel whole to every rank (at most {SMALL_BYTES >> 20} "
                                 "MiB); stream it as the first, or evaluate on a sample.")
                 break
-            parts.append(writable(compute() if callable(compute) else part))
+            parts.append(writable(part.compute() if is_collection(part) else part))
         else:
             out[name] = tuple(parts)
     if problems:
@@ -77,9 +83,7 @@ def streamed(client: Client, data: Mapping[str, Any] | None, *, ranks: int, mode
     whatever cut its job chose for its ranks; else into at least two blocks a rank."""
     if not data:
         return BlockSet([], []), False, None
-    name, value = next(iter(data.items()))
-    x, y = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-    train = TrainingData.of(x, y, name=f"data[{name!r}] X")
+    name, train = next(iter(data.items()))  # a TrainingData since data_sets
     labels = train.y is not None
     train = train.with_targets()
     if not train.in_memory:
