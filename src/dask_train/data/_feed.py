@@ -116,6 +116,7 @@ class FeedReader:
         self.held_blocks_max = 0  # and the most blocks
         self.starved = False  # waited for a block since take_starved() was last asked
         self.block_bytes = 0  # bytes of the last block read
+        self.wait_s = 0.0  # seconds next() waited: a trainer's or rank's feed_wait_s
 
     def take_starved(self) -> bool:
         """Whether the trainer waited for a block (not its first) since the last call: its
@@ -125,6 +126,13 @@ class FeedReader:
 
     def next(self) -> FeedItem | None:
         """The next block; None when the job was stopped. Raises after ``timeout`` seconds."""
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.wait_s += time.perf_counter() - started
+
+    def _next(self) -> FeedItem | None:
         asked = time.monotonic()
         deadline = asked + self.timeout
         while not self.stop.is_set():

@@ -129,7 +129,7 @@ class TrainerRole:
         """The role's model adapter: a copy of ``module`` on its device, in the job's precision."""
         return model_for(module, self.address, self.config, device)
 
-    def feed(self, on_idle: Callable[[], None] | None = None) -> Any:
+    def feed(self, on_idle: Callable[[], None] | None = None) -> FeedReader:
         """The reader of this trainer's feed queue (blocks granted by the engine)."""
         self.reader = FeedReader(self.state.feed(self.index), self.state.stop,
                                  timeout=self.config.timeout, role=self.name, on_idle=on_idle)

@@ -65,7 +65,7 @@ def run_trainer(
         ps.close()  # connections and mapped shards, also when the trainer fails or is lost
     loop.report_stats(force=True)
     role.exit(steps=pusher.pushes)
-    return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed_wait,
+    return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed.wait_s,
                        ps_wait_s=pusher.wait_s, prefetch=pusher.depth,
                        host_memory_shards=host_shards)
 
@@ -79,13 +79,13 @@ class _TrainerLoop:
         self.stats = role.stats()
         self.stopped = False
         self.samples = 0
-        self.feed_wait = 0.0
+        self.feed = role.feed(on_idle=self._pause_idle)
 
     def report_stats(self, *, samples: int | None = None, force: bool = False) -> None:
         """Publish this trainer's last second (``samples``: the total so far, block included)."""
         self.stats.report(step=self.pusher.version, force=force,
                           samples=self.samples if samples is None else samples,
-                          steps=self.pusher.pushes, feed_wait_s=self.feed_wait,
+                          steps=self.pusher.pushes, feed_wait_s=self.feed.wait_s,
                           server_wait_s=self.pusher.wait_s)
 
     def _pause_idle(self) -> None:
@@ -97,11 +97,8 @@ class _TrainerLoop:
 
     def run(self) -> None:
         """Train on every block the feed brings, until it ends or the job stops."""
-        feed = self.role.feed(on_idle=self._pause_idle)
         while not self.stopped:
-            t0 = time.perf_counter()
-            item = feed.next()
-            self.feed_wait += time.perf_counter() - t0
+            item = self.feed.next()
             if item is None or item.x is None:
                 break
             consumed = self._block(item)

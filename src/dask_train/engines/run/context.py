@@ -19,7 +19,6 @@ import contextlib
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +79,6 @@ class _Cursor:
         self.ended = False  # the end marker came (or the job stopped)
         self.samples = 0
         self.steps = 0
-        self.wait_s = 0.0
 
     def position(self) -> list[int] | None:
         """[epoch, block, rows consumed] of the block being read, None between blocks."""
@@ -97,6 +95,7 @@ class _Cursor:
     def next_block(self, upto: int) -> FeedItem | None:
         """The next block of epoch ``upto`` or an earlier one, or None once the rank's share of
         it is read (a block of a later epoch waits for its turn)."""
+        item: FeedItem | None
         if self.ahead is not None:
             if self.ahead.epoch > upto:
                 return None
@@ -104,9 +103,7 @@ class _Cursor:
         elif self.ended:
             return None
         else:
-            t0 = time.perf_counter()
             item = self.reader.next()
-            self.wait_s += time.perf_counter() - t0
         if item is None or item.x is None:
             self.ended = True
             return None
@@ -339,7 +336,7 @@ class RunContext:
         """This rank's rows, batches and time waiting for data, once a second."""
         if self._stats is not None:
             self._stats.report(step=self.step, force=force, samples=cursor.samples,
-                               steps=self.step, feed_wait_s=cursor.wait_s, server_wait_s=0.0)
+                               steps=self.step, feed_wait_s=cursor.reader.wait_s, server_wait_s=0.0)
 
     def steps_per_epoch(self, batch_size: int | None = None) -> int:
         """The batches every rank takes in one epoch of ``ctx.batches(batch_size=...,

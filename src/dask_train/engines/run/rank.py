@@ -92,7 +92,7 @@ def _run_fn(fn_blob: bytes, *, role: TrainerRole, run: RunSettings, config: Role
     role.exit(steps=ctx.step)
     cursor = ctx._cursor
     return {**role.result(steps=ctx.step, samples=0 if cursor is None else cursor.samples,
-                          feed_wait_s=0.0 if cursor is None else cursor.wait_s),
+                          feed_wait_s=0.0 if cursor is None else cursor.reader.wait_s),
             "returned": returned}
 
 

@@ -69,7 +69,6 @@ class _RankFeed:
         self.ahead: tuple[int, Any] | object | None = None
         self.consumed = 0
         self.ended = False
-        self.wait_s = 0.0  # time spent waiting for blocks
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The next batch, or None once the feed has ended (or the job was stopped)."""
@@ -83,9 +82,7 @@ class _RankFeed:
                     self.consumed += rows
                     return out  # type: ignore[no-any-return]
                 self.close_block()
-            t0 = time.perf_counter()
             item = self.reader.next()
-            self.wait_s += time.perf_counter() - t0
             if item is None or item.x is None:
                 self.ended = True
                 return None
@@ -226,7 +223,7 @@ class _RankLoop:
     def report_stats(self, *, force: bool = False) -> None:
         """Publish this rank's last second."""
         self.stats.report(step=self.server.version, force=force, samples=self.samples,
-                          steps=self.server.version, feed_wait_s=self.feed.wait_s,
+                          steps=self.server.version, feed_wait_s=self.feed.reader.wait_s,
                           server_wait_s=self.comm_s)
 
     def run(self) -> None:
