@@ -7,6 +7,7 @@ arguments become a :class:`~dask_train.api._run_job.RunJob` checked before any w
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from dask_train.api._drive import drive
 from dask_train.api._job_result import job_fields
 from dask_train.api._job_spec import build_spec
 from dask_train.api._run_checks import pickled
-from dask_train.api._run_job import RunJob, check_run  # noqa: F401 - the CLI checks with it
+from dask_train.api._run_job import RunJob
 from dask_train.api._run_result import RunResult
 from dask_train.api._run_sets import small_sets, streamed
 from dask_train.api._run_wait import wait_for_workers
@@ -129,6 +130,17 @@ def run(fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
     except BaseException as exc:
         release_frames(exc)  # the job's futures, held by the frames below (see Trainer.fit)
         raise
+
+
+def check_run(s: Mapping[str, Any]) -> list[str]:
+    """Every problem with ``dt.run``'s keyword arguments ``s`` (``fn`` among them, the others
+    :func:`run`'s defaults where left out; ``client``, which holds no setting, is left aside):
+    nothing is sent anywhere. The CLI checks its job with it."""
+    args = {name: p.default for name, p in inspect.signature(run).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    args.update(s)
+    args.pop("client", None)
+    return RunJob.of(**args).problems()
 
 
 def _connected(client: Client | None, clock: dict[str, float], fn: Any) -> Client:

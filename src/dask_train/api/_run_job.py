@@ -47,16 +47,16 @@ class RunJob:
     data_mode: str = "auto"
 
     @classmethod
-    def of(cls, fn: Callable[..., Any], *, data: Mapping[str, Any] | None = None,
-           config: Mapping[str, Any] | None = None, workers: int | tuple[int, int] | None = None,
-           epochs: int | None = None, batch_size: int = 64,
-           stop: Sequence[StopCondition] | None = (), callbacks: Sequence[Callback] | None = (),
-           checkpoint: CheckpointConfig | str | os.PathLike[str] | None = None,
-           failure: FailureConfig | None = None, resume: bool = False, seed: int = 0,
-           shuffle: bool = True, blocks_ahead: int | str = "auto", timeout: float = 120.0,
-           device: str = "auto", data_mode: str = "auto",
-           resources: Mapping[str, float] | None = None) -> RunJob:
-        """The record of ``dt.run``'s arguments (the same names and defaults)."""
+    def of(cls, fn: Callable[..., Any], *, data: Mapping[str, Any] | None,
+           config: Mapping[str, Any] | None, workers: int | tuple[int, int] | None,
+           epochs: int | None, batch_size: int, stop: Sequence[StopCondition] | None,
+           callbacks: Sequence[Callback] | None,
+           checkpoint: CheckpointConfig | str | os.PathLike[str] | None,
+           failure: FailureConfig | None, resume: bool, seed: int, shuffle: bool,
+           blocks_ahead: int | str, timeout: float, device: str, data_mode: str,
+           resources: Mapping[str, float] | None) -> RunJob:
+        """The record of ``dt.run``'s arguments, every one given: their defaults are
+        ``dt.run``'s signature's alone (:func:`~dask_train.api._run.check_run` reads them)."""
         return cls(
             fn=fn, config=config, sets=data_sets(data),
             data=DataSettings(batch_size=batch_size, epochs=epochs, shuffle=shuffle, seed=seed,
@@ -93,8 +93,3 @@ class RunJob:
                             "directory): it continues from the newest checkpoint under that path.")
         return problems
 
-
-def check_run(s: Mapping[str, Any]) -> list[str]:
-    """Every problem with ``dt.run``'s keyword arguments ``s`` (``fn`` among them; ``client``,
-    which holds no setting, is left aside): nothing is sent anywhere."""
-    return RunJob.of(**{k: v for k, v in s.items() if k != "client"}).problems()
