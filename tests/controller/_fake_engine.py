@@ -59,6 +59,7 @@ class FakeEngine(Engine):
         self.script = sorted(script, key=lambda entry: entry[0])
         self.ends_at, self.faults, self.final_score = ends_at, list(faults), final_score
         self.strategy, self.answers_pauses, self.pause_polls = strategy, answers_pauses, pause_polls
+        self.independent_trainers = strategy == "async-ps"  # as the async-ps engine's trainers
         self.start_error, self.stop_error = start_error, stop_error
         # Workers that announced they leave, as ``leaving()`` says once the start failed or
         # the stop began: a notice while the engine runs is a hand-over (test_departures.py).

@@ -19,10 +19,20 @@ ADDR = "tcp://10.1.2.3:40001"
 C, RP, RS, X = Action.CONTINUE, Action.REPLACE, Action.RESTART, Action.RAISE
 
 
+# What each engine says it can do, as the controller passes it (the engines' flags): async-ps
+# trainers go on alone, dt.run's ranks report their state, sync ranks hold it.
+INDEPENDENT = {"async-ps"}
+REPORTS = {"run"}
+HOLD = {"sync", "run"}
+
+
 def _status(strategy: str = "async-ps", kind: str = "trainer", *, failures: int = 1, live_trainers: int = 2,
-            live_workers: int = 3, has_checkpoint: bool = True, index: int = 0) -> JobStatus:
+            live_workers: int = 3, has_checkpoint: bool = True, index: int = 0,
+            survivors_hold_state: bool = False) -> JobStatus:
     return JobStatus(strategy, Failure(kind, index, ADDR, "removed from the scheduler"), failures,
-                     live_trainers, live_workers, has_checkpoint)
+                     live_trainers, live_workers, has_checkpoint,
+                     survivors_hold_state=survivors_hold_state,
+                     independent_trainers=strategy in INDEPENDENT, reports_state=strategy in REPORTS)
 
 
 TABLE = [
@@ -120,3 +130,42 @@ def test_decision_is_a_plain_record() -> None:
     decision = decide(_status(kind="scorer"), FailureConfig())
     assert decision == Decision(Action.REPLACE, decision.reason)
     assert Action("restart") is Action.RESTART
+
+
+SURVIVORS = [
+    # strategy, kind, live_trainers, has_checkpoint -> words in the reason
+    ("sync", "trainer", 1, True, "the last step all applied (from the last checkpoint if"),
+    ("sync", "trainer", 2, False, "(from the initial parameters if"),
+    ("run", "trainer", 1, False, "state the surviving ranks hold at its last report"),
+]
+
+
+@pytest.mark.parametrize(("strategy", "kind", "live_trainers", "has_checkpoint", "words"), SURVIVORS)
+def test_restart_from_the_survivors(strategy: str, kind: str, live_trainers: int, has_checkpoint: bool,
+                                    words: str) -> None:
+    status = _status(strategy, kind, live_trainers=live_trainers, has_checkpoint=has_checkpoint,
+                     survivors_hold_state=strategy in HOLD)
+    decision = decide(status, FailureConfig())
+    assert decision.action is Action.RESTART
+    assert "a new generation goes on from the state the surviving ranks hold" in decision.reason
+    assert words in decision.reason
+
+
+@pytest.mark.parametrize(("kind", "live_trainers"), [("ps", 2), ("trainer", 0)])
+def test_no_survivors_state_without_a_surviving_rank_or_after_a_server(kind: str, live_trainers: int) -> None:
+    # A lost server's shard is no rank's to give; with no rank left, none holds anything.
+    status = _status("sync", kind, live_trainers=live_trainers, survivors_hold_state=True)
+    decision = decide(status, FailureConfig())
+    assert decision.action is Action.RESTART
+    assert "surviving ranks" not in decision.reason
+
+
+def test_the_capabilities_decide_not_the_name() -> None:
+    lost = Failure("trainer", 0, ADDR, "removed from the scheduler")
+    alone = JobStatus("custom", lost, 1, 2, 3, True, independent_trainers=True)
+    assert decide(alone, FailureConfig()).action is Action.CONTINUE
+    grouped = JobStatus("async-ps", lost, 1, 2, 3, True)
+    decision = decide(grouped, FailureConfig())
+    assert decision.action is Action.RESTART and "async-ps group needs every rank" in decision.reason
+    reporting = JobStatus("custom", lost, 1, 2, 3, True, reports_state=True)
+    assert "dt.run job's ranks form one process group" in decide(reporting, FailureConfig()).reason

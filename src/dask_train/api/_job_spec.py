@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from dask_train.api._job_config import copy_every_s, memory_state
 from dask_train.engines._spec import JobSpec, TrainSettings
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ def build_spec(settings: JobSettings, *, strategy: str, workers: int, most_worke
     and ``most_workers`` the most that joining workers may bring it to; ``batch_size`` the rows
     of one trainer's batch; ``devices`` the probed devices (None: the CPU); ``train`` the model
     a Trainer's engine trains, ``run`` what ``dt.run``'s ranks get; ``data_note`` how the data
-    reaches the trainers, for the Training page.
+    reaches the trainers, for the Training page. The Dask config of the job's in-memory
+    state (``dask-train.copy-every``, ``dask-train.memory-state``) is read here, once.
     """
     data, cluster, recovery = settings.data, settings.cluster, settings.recovery
     ahead, most_ahead = data.read_ahead()
@@ -67,4 +69,5 @@ def build_spec(settings: JobSettings, *, strategy: str, workers: int, most_worke
         on_nan=str(recovery.on_nan), data=data_note,
         device_kind=devices.kind if devices is not None else "cpu",
         devices=dict(devices.by_worker) if devices is not None else {},
-        precision=devices.precision if devices is not None else None)
+        precision=devices.precision if devices is not None else None,
+        copy_every_s=copy_every_s(), memory_state=memory_state())

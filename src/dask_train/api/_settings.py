@@ -149,11 +149,16 @@ class RecoverySettings:
 
     def problems(self) -> list[str]:
         """What is wrong with these values."""
+        from dask_train.api._job_config import memory_state
         from dask_train.checkpoint import CheckpointConfig
         from dask_train.errors import InvalidInput
-        from dask_train.policy._failure import FailureConfig, memory_state_problems
+        from dask_train.policy._failure import FailureConfig
 
-        problems = memory_state_problems()
+        problems: list[str] = []
+        try:
+            memory_state()
+        except InvalidInput as exc:
+            problems += list(exc.problems)
         try:
             CheckpointConfig.of(self.checkpoint)
         except InvalidInput as exc:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import dask
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
@@ -53,8 +52,10 @@ from dask_train.engines._events import (
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost, release_frames
+from dask_train.policy._copies import copies_wanted
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
+from dask_train.policy._restore import Candidate, Source, Store, choose_restart, restart_store
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
@@ -63,10 +64,6 @@ from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
 
-#: How often a job without ``checkpoint=`` keeps a copy of its state in memory (see
-#: ``Controller._copies``): a killed parameter server costs at most this much training. The
-#: Dask config ``dask-train.copy-every`` (seconds; 0: no copies) sets it.
-COPY_EVERY_S = 5.0
 
 #: Builds a generation's engine: (roles, job key, restore mapping or None) -> Engine.
 MakeEngine = Callable[[Roles, str, "Mapping[str, Any] | None"], Engine]
@@ -417,25 +414,24 @@ class Controller:
         """Keep copies of the state in memory for a job that could otherwise only restart from
         its initial parameters: an engine the controller pauses for checkpoints whose trainers
         do not hold the state themselves (async-ps: a server's shard is its only copy), every
-        :data:`COPY_EVERY_S`, without ``checkpoint=`` or until its first checkpoint is written
-        (a server killed before it would otherwise cost more with checkpoints on than off).
-        Where: memory that a worker's death does not take (:func:`memory_store`): ``/dev/shm``
-        when every worker is on this machine, else two live workers' memory, chosen again at
-        each generation."""
-        every = float(dask.config.get("dask-train.copy-every", COPY_EVERY_S) or 0)
-        # Not a sync Trainer job: every rank holds the same state. A dt.run job's copies are of
-        # its reports, written after its ranks went on (see _copy_report); with checkpoint=
-        # each report's state is written there.
-        if every <= 0 or engine.schedules_checkpoints and engine.recovers_from_survivors:
-            return
-        if self.checkpoints is not None and (not engine.schedules_checkpoints or
-                                             self._checkpointed):
+        ``JobSpec.copy_every_s``, without ``checkpoint=`` or until its first checkpoint is
+        written (decided by :func:`~dask_train.policy._copies.copies_wanted`). Where: memory
+        that a worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every
+        worker is on this machine, else two live workers' memory, chosen again at each
+        generation."""
+        every = self.spec.copy_every_s
+        # A dt.run job's copies are of its reports, written after its ranks went on (see
+        # _copy_report).
+        if not copies_wanted(every, schedules_checkpoints=engine.schedules_checkpoints,
+                             recovers_from_survivors=engine.recovers_from_survivors,
+                             has_checkpoint_store=self.checkpoints is not None,
+                             checkpointed=self._checkpointed):
             return
         if self.copies is None:
             self.copies = memory_store(
                 f"dask-train-copies-{self.spec.job_id}-", workers=self.roles.addresses,
                 alive=await alive_workers(self.client), timeout=self.spec.timeout,
-                every_seconds=every, keep=1)
+                memory_state=self.spec.memory_state, every_seconds=every, keep=1)
         elif in_workers(self.copies):
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=self.roles.addresses)
@@ -694,33 +690,21 @@ class Controller:
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=set(engine.roles.addresses) - lost)
         # The copies in memory until checkpoint= holds one (see _copies), then the checkpoints.
-        store = self.copies if self.copied and not self._checkpointed else \
-            self.checkpoints or self.copies
+        which = restart_store(copied=self.copied, checkpointed=self._checkpointed,
+                              has_checkpoint_store=self.checkpoints is not None)
+        store = self.copies if which is Store.COPIES else self.checkpoints
         stored = None if store is None else store.load(n_params=self.spec.n_params,
                                                        strategy=self.spec.strategy)
-        # The state this generation started from may be newer than the store's newest: a
-        # hand-over's, written to its own store, then its next generation's worker lost too.
         started = self.restore
-        newest: Restore | None
-        if survived is not None:
-            newest = survived
-        elif stored is not None and (started is None or stored.step >= started.step):
-            newest = stored
-        else:
-            newest = started
-        self.restore = newest
-        # What the ledger had seen applied since then, to be applied again (once: the next
-        # generation's ledger starts from the checkpoint's, or from nothing).
-        kept = int(self.restore.manifest.get("samples", 0)) if self.restore else 0
-        redone = max(0, applied - kept)
+        choice = choose_restart(survivors=_candidate(survived), stored=_candidate(stored),
+                                started=_candidate(started), store=which, applied=applied)
+        self.restore = {Source.SURVIVORS: survived, Source.STORED: stored,
+                        Source.GENERATION: started, Source.INITIAL: None}[choice.source]
+        redone = choice.redone
         # The restarting loss's record: others of its pass may come after it.
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
-        # Newer than the store's, the state the generation started from was written to the
-        # hand-overs' own store (a hand-over's, or the survivors' after a loss before).
-        record["from"] = "survivors" if survived else "start" if newest is None else \
-            "generation" if newest is not stored else \
-            "checkpoint" if store is self.checkpoints else "copy"
+        record["from"] = choice.label
         deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client, placeable=True)
         # The most workers seen alive: not the lost roles' addresses plus the live ones, which
@@ -864,6 +848,13 @@ class Controller:
         for condition, saved in zip(self.spec.stop, manifest.get("stop") or []):
             if saved.get("type") == type(condition).__name__:
                 condition.load_state_dict(saved.get("state") or {})
+
+
+def _candidate(restore: Restore | None) -> Candidate | None:
+    """A state a restart could start from, as the restart policy reads it."""
+    if restore is None:
+        return None
+    return Candidate(step=restore.step, samples=int(restore.manifest.get("samples", 0)))
 
 
 def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,

@@ -48,7 +48,7 @@ from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.engines._protocol import Engine, Snapshot
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
-from dask_train.policy._failure import memory_state
+from dask_train.policy._copies import MemoryPlace, memory_place, on_one_machine
 from dask_train.policy._placement import KINDS
 from dask_train.runtime._calls import alive_workers, listens
 from dask_train.runtime._hosts import worker_host
@@ -107,10 +107,14 @@ def _what(leaving: set[str], joined: set[str]) -> str:
     return " and ".join(parts)
 
 
+def worker_hosts(addresses: Iterable[str]) -> list[str]:
+    """The hosts of worker addresses, those of workers in this process left out."""
+    return [worker_host(a) for a in addresses if not a.startswith("inproc://")]
+
+
 def on_this_machine(addresses: Iterable[str]) -> bool:
     """Whether every worker address is on this machine (a directory here is theirs too)."""
-    addresses = [a for a in addresses if not a.startswith("inproc://")]  # this process
-    return all(worker_host(a) in _local_addresses() for a in addresses)
+    return on_one_machine(worker_hosts(addresses), _local_addresses())
 
 
 def memory_dir(prefix: str) -> str:
@@ -119,14 +123,21 @@ def memory_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
 
+def memory_place_of(memory_state: str, workers: Iterable[str]) -> MemoryPlace:
+    """Where state kept in memory for ``workers`` goes
+    (:func:`~dask_train.policy._copies.memory_place`, over their hosts and this machine's)."""
+    return memory_place(memory_state, hosts=worker_hosts(workers), here=_local_addresses())
+
+
 def memory_store(prefix: str, *, workers: Iterable[str], alive: Iterable[str], timeout: float,
-                 **config: Any) -> Checkpoints | None:
+                 memory_state: str, **config: Any) -> Checkpoints | None:
     """A store for state kept in memory, that no single worker's death takes (where:
-    :data:`~dask_train.policy._failure.MEMORY_STATE`). In the workers' memory, each file is
+    :func:`memory_place_of`, ``memory_state`` being
+    :data:`~dask_train.policy._copies.MEMORY_STATE`'s). In the workers' memory, each file is
     kept by two live workers (:func:`~dask_train.runtime._worker_files.holders_for`: workers
     without a role first). None: in the workers' memory, with no live worker."""
     workers = list(workers)
-    if memory_state() == "auto" and on_this_machine(workers):
+    if memory_place_of(memory_state, workers) is MemoryPlace.MACHINE:
         return Checkpoints(CheckpointConfig(path=memory_dir(prefix), **config), timeout=timeout)
     register_protocol()
     holders = holders_for(alive, roles=workers)
@@ -244,7 +255,7 @@ class HandOvers:
         if self._scratch is None:
             self._scratch = memory_store(f"dask-train-hand-over-{self.spec.job_id}-",
                                          workers=workers, alive=alive, timeout=self.spec.timeout,
-                                         keep=1)
+                                         memory_state=self.spec.memory_state, keep=1)
         else:
             self._scratch = rehold(self._scratch, alive=alive, workers=engine.roles.addresses)
         return self._scratch
@@ -420,8 +431,8 @@ class HandOvers:
     def _outlives_workers(self, engine: Engine) -> bool:
         """Whether the hand-over's state can be written where no worker holds it (the job's
         store, or this machine's memory), for workers that come later."""
-        return self.checkpoints is not None or memory_state() == "auto" and \
-            on_this_machine(engine.roles.addresses)
+        return self.checkpoints is not None or memory_place_of(
+            self.spec.memory_state, engine.roles.addresses) is MemoryPlace.MACHINE
 
     async def _still_there(self, engine: Engine, workers: Iterable[str]) -> None:
         """Raise WorkerLost when one of the held ``workers`` no longer answers, or when no

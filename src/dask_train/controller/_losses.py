@@ -72,7 +72,9 @@ class Losses:
             strategy=engine.strategy, failure=failure, failures=loss,
             live_trainers=max(0, live), live_workers=len(alive),
             has_checkpoint=has_checkpoint,
-            survivors_hold_state=engine.recovers_from_survivors, notice=notice)
+            survivors_hold_state=engine.recovers_from_survivors, notice=notice,
+            independent_trainers=engine.independent_trainers,
+            reports_state=not engine.schedules_checkpoints)
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,

@@ -83,6 +83,9 @@ class Engine(ABC):
     #: True for an engine whose surviving trainers hold the state to go on from after a trainer
     #: is killed (:meth:`survivors`): sync ranks.
     recovers_from_survivors: ClassVar[bool] = False
+    #: True for an engine whose trainers go on without a lost one (async-ps: the servers hold
+    #: the state, each trainer reads its own blocks): the failure policy continues the job.
+    independent_trainers: bool = False
     #: True for an engine whose result, after a score stopped the job, holds the parameters that
     #: score was taken of (``stop(keep_step=...)``); the scores of later steps still queued then
     #: describe parameters the result does not hold. False for ``dt.run``: its ranks' final

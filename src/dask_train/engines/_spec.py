@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_train.checkpoint import CheckpointConfig
+from dask_train.policy._copies import COPY_EVERY_S
 from dask_train.policy._failure import FailureConfig
 from dask_train.policy._placement import Placement
 from dask_train.policy._settings import OptimizerSettings
@@ -101,6 +102,12 @@ class JobSpec:
     most_workers: int | None = -1
     #: Where the trainers (ranks) may run: the Dask worker resources each holds.
     placement: Placement = field(default_factory=Placement)
+    #: Seconds between the in-memory copies of a job's state (``dask-train.copy-every``; 0:
+    #: none), see :func:`~dask_train.policy._copies.copies_wanted`.
+    copy_every_s: float = COPY_EVERY_S
+    #: Where state kept in memory goes (``dask-train.memory-state``:
+    #: :data:`~dask_train.policy._copies.MEMORY_STATE`).
+    memory_state: str = "auto"
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property

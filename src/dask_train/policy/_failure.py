@@ -12,40 +12,6 @@ from dataclasses import dataclass
 from dask_train.errors import InvalidInput, ParameterServerLost, WorkerLost
 from dask_train.policy._placement import KINDS, SEED_TRAINER
 
-#: Where a job without ``checkpoint=`` keeps the state it may need after a loss or a regroup
-#: (Dask config ``dask-train.memory-state``): ``"auto"``, a directory of this machine's
-#: ``/dev/shm`` when every worker of the job runs on this machine, else the memory of two live
-#: workers; ``"workers"``, always the workers' memory (for workers in containers of one host
-#: that do not share ``/dev/shm``).
-MEMORY_STATE = ("auto", "workers")
-
-
-def memory_state() -> str:
-    """The Dask config ``dask-train.memory-state`` (:data:`MEMORY_STATE`).
-
-    Raises
-    ------
-    InvalidInput
-        For another value, naming it and the choices.
-    """
-    import dask
-
-    value = dask.config.get("dask-train.memory-state", "auto")
-    if value not in MEMORY_STATE:
-        raise InvalidInput([f"dask config dask-train.memory-state={value!r} is invalid: use "
-                            "'auto' (this machine's /dev/shm when every worker is on it, else "
-                            "the workers' memory) or 'workers' (always the workers' memory)."])
-    return str(value)
-
-
-def memory_state_problems() -> list[str]:
-    """What is wrong with ``dask-train.memory-state`` (empty when valid)."""
-    try:
-        memory_state()
-    except InvalidInput as exc:
-        return list(exc.problems)
-    return []
-
 
 class Action(enum.Enum):
     """What the controller does about a lost role."""
@@ -134,8 +100,9 @@ class JobStatus:
     Parameters
     ----------
     strategy : str
-        ``"async-ps"``; any other (``"sync"``, ``"run"`` for a ``dt.run`` job) needs every
-        rank, so it is treated as synchronous.
+        The engine's name (``"async-ps"``, ``"sync"``, ``"run"`` for a ``dt.run`` job), as the
+        reasons name it; what the job can do is said by ``independent_trainers`` and
+        ``reports_state``.
     failure : Failure
         The loss being decided.
     failures : int
@@ -155,6 +122,12 @@ class JobStatus:
         Whether the worker left with notice (no hand-over could be made: the job was starting
         or stopping). Acted on as a loss, it is not one of ``failures`` and ``max_failures``
         does not count it.
+    independent_trainers : bool
+        Whether the trainers go on without a lost one (async-ps: the servers hold the state,
+        each trainer its own blocks); False: the ranks form a group that needs every rank.
+    reports_state : bool
+        Whether the ranks say when their state is checkpointed, at their reports (``dt.run``:
+        the engine's ``schedules_checkpoints`` is False), rather than being paused for it.
     """
 
     strategy: str
@@ -165,6 +138,8 @@ class JobStatus:
     has_checkpoint: bool
     survivors_hold_state: bool = False
     notice: bool = False
+    independent_trainers: bool = False
+    reports_state: bool = False
 
     def __post_init__(self) -> None:
         problems = [
@@ -192,9 +167,9 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
     """Decide what to do about a lost role.
 
     Rules, first match wins: more than ``max_failures`` losses (one with notice is not
-    counted), or no live worker, raise; a lost scorer is replaced; an async trainer with other
-    trainers still running is dropped and the job continues; otherwise (the last async
-    trainer, a parameter server, any synchronous rank) the job restarts from the state its
+    counted), or no live worker, raise; a lost scorer is replaced; an independent (async)
+    trainer with other trainers still running is dropped and the job continues; otherwise (the
+    last async trainer, a parameter server, any rank of a group) the job restarts from the state its
     surviving sync ranks hold, else from its last checkpoint, else from the initial
     parameters.
 
@@ -211,7 +186,7 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
     --------
     >>> lost = Failure("ps", 0, "tcp://10.0.0.5:4000", "removed from the scheduler")
     >>> status = JobStatus("async-ps", lost, failures=1, live_trainers=2, live_workers=3,
-    ...                    has_checkpoint=True)
+    ...                    has_checkpoint=True, independent_trainers=True)
     >>> decide(status, FailureConfig()).action
     <Action.RESTART: 'restart'>
     """
@@ -229,22 +204,22 @@ def decide(status: JobStatus, config: FailureConfig) -> Decision:
         )
     if failure.kind == "scorer":
         return Decision(Action.REPLACE, "the scorer holds no training state: it is started on another worker")
-    if status.strategy == "async-ps" and failure.kind == "trainer" and status.live_trainers >= 1:
+    if status.independent_trainers and failure.kind == "trainer" and status.live_trainers >= 1:
         return Decision(
             Action.CONTINUE,
             f"{status.live_trainers} trainer(s) go on and read the blocks {failure.role} had not consumed",
         )
     if failure.kind == "ps":
         what = "the parameter server's shard of the parameters and optimizer state was lost"
-    elif status.strategy == "async-ps":
+    elif status.independent_trainers:
         what = "no trainer is left"
-    elif status.strategy == "run":
+    elif status.reports_state:
         what = "the dt.run job's ranks form one process group, which needs every rank"
     else:
         what = f"the {status.strategy} group needs every rank"
     if status.survivors_hold_state and failure.kind == "trainer" and status.live_trainers >= 1:
         fallback = "the last checkpoint" if status.has_checkpoint else "the initial parameters"
-        held = "its last report" if status.strategy == "run" else "the last step all applied"
+        held = "its last report" if status.reports_state else "the last step all applied"
         return Decision(Action.RESTART, f"{what}: a new generation goes on from the state the "
                                         f"surviving ranks hold at {held} (from {fallback} if "
                                         "they cannot give it)")
