@@ -13,7 +13,6 @@ the methods here; phases live in one explicit :class:`~._state.JobState`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -36,6 +35,7 @@ from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._losses import Losses
 from dask_train.controller._publish import JobEvents
+from dask_train.controller._reports import Reports
 from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
 from dask_train.controller._wanted import WantedWorkers
@@ -100,8 +100,6 @@ class Controller:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
-        # A report every rank of a dt.run job made and waits on (its checkpoint, then resume).
-        self.pending_report: ReportReady | None = None
         self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
         self.seen_workers: set[str] = set(roles.addresses)  # a worker not in it joined
         self.stranded_watch = False  # blocks may wait in no-worker (see _schedule_stranded)
@@ -111,6 +109,9 @@ class Controller:
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
                                     publisher=self.publisher, checkpoints=self.checkpoints)
+        # A dt.run job's reports: the checkpoint each carries, then its ranks go on.
+        self.reports = Reports(client, state=self.state, log=self.log,
+                               checkpoints=self.checkpoints, hand_overs=self.hand_overs)
         # A job whose servers hold the only copy of its state keeps a copy of it in memory
         # every few seconds (see _copies) while it has no checkpoint: a killed server costs
         # seconds, not the run, with checkpoint= set or not. Made at the first generation,
@@ -120,7 +121,6 @@ class Controller:
         self.copy_times = self.state if self.checkpoints is None else CheckpointTimes()
         self.pausing_for: Checkpoints | None = None  # the store the current pause writes to
         self.resumed = False  # the job went on from checkpoint='s newest
-        self.report_copy: asyncio.Task[None] | None = None  # a dt.run report's copy being written
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
         self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
@@ -172,7 +172,7 @@ class Controller:
                 await self.wanted.close()
             except Exception:  # noqa: BLE001 - a closed client: the scheduler drops them itself
                 logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
-            await self._drop_report_copy()
+            await self.reports.drop()
             if self.copies is not None:
                 await asyncio.to_thread(drop_store, self.copies)
             await self._forget_topics()
@@ -253,6 +253,12 @@ class Controller:
         await self.hand_overs.overdue(engine)
         return None
 
+    async def _report_step(self, engine: Engine) -> Departure | None:
+        """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
+        checkpoint written, or the hand-over at it; the departure that ends the generation."""
+        return await self.reports.step(engine, manifest=self._manifest, copies=self.copies,
+                                       copied=self._copied)
+
     async def _liveness(self, engine: Engine) -> Failure | Departure | None:
         """Look at the roles, the workers that joined and the workers the job wants: the
         failure that needs a new generation, or the regroup onto joined workers, if any."""
@@ -328,7 +334,14 @@ class Controller:
         elif isinstance(event, Stats):
             self.callbacks.call("on_stats", event.message())
         elif isinstance(event, ReportReady):
-            self.pending_report = event
+            self.reports.take(event)
+
+    def _next_event(self) -> bool:
+        """Take the next queued event, if any; False when none is queued."""
+        if self.events.empty():
+            return False
+        self._on_event(self.events.get_nowait())
+        return True
 
     def _on_nan(self, event: NonFinite) -> None:
         role = f"trainer-{event.trainer}" if event.trainer >= 0 else "trainer"
@@ -421,7 +434,7 @@ class Controller:
         generation."""
         every = self.spec.copy_every_s
         # A dt.run job's copies are of its reports, written after its ranks went on (see
-        # _copy_report).
+        # Reports._copy).
         if not copies_wanted(every, schedules_checkpoints=engine.schedules_checkpoints,
                              recovers_from_survivors=engine.recovers_from_survivors,
                              has_checkpoint_store=self.checkpoints is not None,
@@ -436,45 +449,9 @@ class Controller:
             self.copies = rehold(self.copies, alive=await alive_workers(self.client),
                                  workers=self.roles.addresses)
 
-    def _copy_report(self, engine: Engine) -> None:
-        """Start writing a copy of the newest report's state when one worker alone holds it (a
-        ``dt.run`` job without ``checkpoint=`` whose state only rank 0 passes): its worker's
-        loss then costs what was trained since that report, not the run. Written while the
-        ranks go on (written at the report, with the ranks waiting there, a worker retired
-        meanwhile was gone before the hand-over could take the next report); one at a time,
-        a report that comes while one is written is copied at the next."""
-        if self.copies is None or engine.schedules_checkpoints or \
-                self.report_copy is not None and not self.report_copy.done():
-            return
-        held = engine.report_copy()
-        if held is None:
-            return
-        snapshot, version = held
-        manifest = self._manifest(snapshot.ledger, snapshot.rng)
-        manifest["records"] = list(manifest["records"])  # as at the report, not at the write
-        store = self.copies
-
-        async def write() -> None:
-            try:
-                info = await store.write(engine, self.state, manifest, step=snapshot.step,
-                                         generation=self.state.generation, pause_s=0.0,
-                                         version=version)
-            except Exception as exc:  # noqa: BLE001 - the copy before stays the newest
-                logger.info("the copy of the report at step %d was not kept: %s: %s",
-                            snapshot.step, type(exc).__name__, exc)
-                return
-            self.copied = self.copied or info is not None
-
-        self.report_copy = asyncio.get_running_loop().create_task(write())
-
-    async def _drop_report_copy(self) -> None:
-        """Cancel a report's copy still being written (its files without a manifest are not
-        a checkpoint, and go with the store)."""
-        task, self.report_copy = self.report_copy, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    def _copied(self) -> None:
+        """A report's copy was written to the in-memory copies (see :class:`Reports`)."""
+        self.copied = True
 
     @property
     def _checkpointed(self) -> bool:
@@ -554,47 +531,6 @@ class Controller:
             copies, self.copies, self.copied = self.copies, None, False
             await asyncio.to_thread(drop_store, copies)
 
-    async def _report_step(self, engine: Engine) -> Departure | None:
-        """Every rank reported (its score is in): write the checkpoint it carries, let them go
-        on; or, when a worker is leaving, hand the job over from it (the ranks stay at their
-        report until the generation ends)."""
-        report, self.pending_report = self.pending_report, None
-        if report is None:
-            return None
-        if report.checkpoint and self.hand_overs.awaiting is None and \
-                not await self._write_report(engine, report) and self.hand_overs.pending(engine):
-            # A rank's worker gave notice while the report was written: hand over from this
-            # report, which the ranks still hold (by the next one the worker may be gone).
-            await self.hand_overs.hand_over(engine, await alive_workers(self.client),
-                                            manifest=self._manifest)
-        if report.checkpoint and self.hand_overs.awaiting is not None:
-            departure = await self.hand_overs.at_report(engine, report.id,
-                                                        manifest=self._manifest)
-            if departure is not None:
-                return departure
-        await engine.resume(report.id)
-        if report.checkpoint:
-            self._copy_report(engine)
-        return None
-
-    async def _write_report(self, engine: Engine, report: ReportReady) -> bool:
-        """Write the checkpoint the ranks reported to ``checkpoint=``'s store (they wait,
-        paused, until it is written). False: not written because a rank's worker left."""
-        snapshot = engine.paused(report.id)
-        if self.checkpoints is None or snapshot is None:
-            return True
-        try:
-            info = await self.checkpoints.write(
-                engine, self.state, self._manifest(snapshot.ledger, snapshot.rng),
-                step=snapshot.step, generation=self.state.generation, pause_s=0.0)
-        except WorkerLost as exc:
-            # The next look at the roles acts on the loss, from the checkpoint before.
-            logger.warning("checkpoint at step %d abandoned: %s", snapshot.step, exc)
-            return False
-        if info is not None:
-            self.log.checkpoints.append(info)
-        return True
-
     async def _end_pause(self, engine: Engine) -> None:
         if self.state.phase is Phase.CHECKPOINTING:
             await engine.resume(self.state.pause_id)
@@ -672,7 +608,7 @@ class Controller:
         does not come back: a sync job stopped as rank 0 retired waited the 10 s for it).
         """
         self.state.enter(Phase.RESTARTING)
-        self.pending_report = None  # its ranks are gone with their generation
+        self.reports.forget()  # its ranks are gone with their generation
         t0 = time.time()
         applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
         lost = set(engine.roles.addresses) - set(await alive_workers(self.client))
@@ -682,7 +618,7 @@ class Controller:
         # again what was lost with them.
         # A report's copy being written is given up first: it would write through the engine
         # as the survivors' state does, and a live writer's state is the survivors' anyway.
-        await self._drop_report_copy()
+        await self.reports.drop()
         survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
         if in_workers(self.copies):  # read from the holders still alive
@@ -747,8 +683,8 @@ class Controller:
         """End this generation (the leaving workers' roles stop, their hold ends) and place the
         next on the live workers, from the state just handed over."""
         self.state.enter(Phase.RESTARTING)
-        self.pending_report = None
-        await self._drop_report_copy()
+        self.reports.forget()
+        await self.reports.drop()
         await engine.close()
         self.restore = departure.restore
         alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
@@ -796,14 +732,7 @@ class Controller:
         """Stop the engine, close the history with the final score, write the final checkpoint;
         a role lost while stopping that needs a new generation is returned instead."""
         self.state.enter(Phase.FINISHING)
-        if not engine.schedules_checkpoints:
-            # A stop decided while every rank waits on a report (its score stopped the job):
-            # the checkpoint it carries is the job's last.
-            while self.pending_report is None and not self.events.empty():
-                self._on_event(self.events.get_nowait())
-            report, self.pending_report = self.pending_report, None
-            if report is not None and report.checkpoint:
-                await self._write_report(engine, report)
+        await self.reports.at_finish(engine, drain=self._next_event, manifest=self._manifest)
         ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
                                         has_checkpoint=self.has_checkpoint,
                                         notices=self.hand_overs.wait_for_notices)

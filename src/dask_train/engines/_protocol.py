@@ -15,7 +15,8 @@ gradients move. It talks back through one stream of typed events (``emit``), eac
 * :class:`~._events.Stats`: a trainer's or server's last second (for ``Callback.on_stats``).
 
 The trainers' own bookkeeping events (:class:`~._events.Block`, :class:`~._events.Paused`,
-:class:`~._events.Exit`) stay inside the role engines.
+:class:`~._events.Exit`) stay inside the role engines. An engine whose ranks report
+(``dt.run``'s, :class:`~._events.ReportReady`) is a :class:`Reporting` too.
 """
 
 from __future__ import annotations
@@ -156,13 +157,6 @@ class Engine(ABC):
         default: the job restarts from its stored checkpoint)."""
         return None
 
-    def report_copy(self) -> tuple[Snapshot, int] | None:
-        """The newest report's state when one worker alone holds it (a ``dt.run`` job whose
-        state only rank 0 passes), as its snapshot and the step its holder must still be at;
-        the controller keeps a copy on another worker, written while the ranks go on. None
-        (the default) when the state is held twice already or kept otherwise."""
-        return None
-
     # -- checkpoints ------------------------------------------------------------------------------
     @abstractmethod
     def running(self) -> bool:
@@ -195,3 +189,16 @@ class Engine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release everything the generation holds on the cluster (never raises)."""
+
+
+class Reporting(ABC):
+    """What an engine whose ranks report (``dt.run``'s, :class:`~._events.ReportReady`) answers
+    beside :class:`Engine`; the controller's reports (``controller._reports``) ask an engine
+    that is one."""
+
+    @abstractmethod
+    def report_copy(self) -> tuple[Snapshot, int] | None:
+        """The newest report's state when one worker alone holds it (a ``dt.run`` job whose
+        state only rank 0 passes), as its snapshot and the step its holder must still be at;
+        the controller keeps a copy on another worker, written while the ranks go on. None
+        when the state is held twice already or kept otherwise."""

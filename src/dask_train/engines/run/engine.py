@@ -31,7 +31,7 @@ from dask_train.engines._events import (
     ShareDone,
     from_message,
 )
-from dask_train.engines._protocol import Emit, Ending, Snapshot
+from dask_train.engines._protocol import Emit, Ending, Reporting, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.ref import ShardRef
@@ -50,7 +50,7 @@ _COMBINE: dict[str, Callable[[list[float]], float]] = {
     "mean": lambda v: sum(v) / len(v), "sum": sum, "min": min, "max": max}
 
 
-class RunEngine(TorchSyncEngine):
+class RunEngine(TorchSyncEngine, Reporting):
     """One generation of a ``dt.run`` job (see the module docstring).
 
     Parameters
