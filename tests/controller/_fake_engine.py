@@ -20,7 +20,7 @@ from dask_train.checkpoint import CheckpointConfig, CheckpointStore
 from dask_train.controller._controller import Controller, Outcome
 from dask_train.controller._state import Phase
 from dask_train.engines._events import Epochs, Event, Progress, Score
-from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
+from dask_train.engines._protocol import Elastic, Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, TrainSettings
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
@@ -44,7 +44,7 @@ class Fault:
     stopping: bool = False
 
 
-class FakeEngine(Engine):
+class FakeEngine(Engine, Elastic):
     """One generation in memory: scripted events, failures, pauses, saves and an ending.
 
     ``calls`` records what the controller asked, in order (``"pause 1"``, ``"snapshot 1"``: the

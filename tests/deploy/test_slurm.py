@@ -59,14 +59,16 @@ class _StopWhenBack(dt.Callback):
     "worker-heartbeat-missing"), and that job's worker never came back."""
 
     def __init__(self, client: Client) -> None:
-        self.client, self.after = client, -1
+        self.client, self.after, self.samples = client, -1, 0
         self.first = set(live_workers(client))
 
     def on_score(self, record: Any) -> bool:
         workers = set(live_workers(self.client))
         if self.after < 0 and workers - self.first and self.first - workers:
-            self.after = 0
-        elif self.after >= 0:
+            self.after, self.samples = 0, int(record["samples"])
+        elif self.after >= 0 and int(record["samples"]) > self.samples:
+            # Only scores of more training count: on a loaded machine the new generation's
+            # first scores may still be of the state handed over (seen in CI).
             self.after += 1
         return self.after >= 2
 

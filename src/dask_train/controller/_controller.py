@@ -49,13 +49,14 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Ending, Engine
+from dask_train.engines._protocol import Elastic, Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost, release_frames
 from dask_train.policy._copies import copies_wanted
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._restore import Candidate, Source, Store, choose_restart, restart_store
+from dask_train.policy._scaling import may_regroup, regroup_wanted, restart_wait
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
@@ -596,7 +597,8 @@ class Controller:
         if not failures and not self.state.stopped_by and self.state.phase is Phase.RUNNING:
             # Not a worker on its way out (retiring, closing after a SIGTERM): the scheduler
             # lists it for a moment, and a role placed there would leave with it.
-            await engine.adopt_workers(await alive_workers(self.client, placeable=True))
+            if isinstance(engine, Elastic):  # others grow by a regroup (_take_arrivals)
+                await engine.adopt_workers(await alive_workers(self.client, placeable=True))
         return restart
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
@@ -641,15 +643,13 @@ class Controller:
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
         record["from"] = choice.label
-        deadline = time.monotonic() + min(10.0, self.spec.timeout)
         alive = await alive_workers(self.client, placeable=True)
-        # The most workers seen alive: not the lost roles' addresses plus the live ones, which
-        # counted a worker the nanny had already restarted twice and waited the whole 10 s. A
-        # job on reserved workers (a search's trial) never sees the new one: no wait.
-        size = self.cluster_size if current_scope() is None and not noticed else 0
+        wait = restart_wait(most_seen=self.cluster_size, reserved=current_scope() is not None,
+                            retired=noticed, timeout=self.spec.timeout)
+        deadline = time.monotonic() + wait.seconds
         if noticed:
             self.cluster_size = len(alive)
-        while len(alive) < size and time.monotonic() < deadline:
+        while len(alive) < wait.workers and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             alive = await alive_workers(self.client, placeable=True)
         self._next_generation(await self._enough_workers(alive, tuple(lost)), redone=redone)
@@ -662,9 +662,11 @@ class Controller:
     async def _take_arrivals(self, engine: Engine) -> Departure | None:
         """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
         onto workers that joined, when its placement would give them ranks."""
-        if not engine.grows_by_regroup or self.state.phase is not Phase.RUNNING or \
-                self.state.stopped_by or self.hand_overs.awaiting is not None or \
-                engine.leaving() or not engine.running():
+        if not may_regroup(grows_by_regroup=engine.grows_by_regroup,
+                           running=self.state.phase is Phase.RUNNING and engine.running(),
+                           stopping=bool(self.state.stopped_by),
+                           handing_over=self.hand_overs.awaiting is not None,
+                           leaving=bool(engine.leaving())):
             return None
         alive = await alive_workers(self.client, placeable=True)
         if not set(alive) - set(engine.roles.addresses):
@@ -673,7 +675,8 @@ class Controller:
             roles = self.plan(alive)
         except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
             return None
-        if len(roles["trainer"]) <= len(engine.roles["trainer"]):
+        if not regroup_wanted(current_trainers=len(engine.roles["trainer"]),
+                              planned_trainers=len(roles["trainer"])):
             return None
         joined = set(roles.addresses) - set(engine.roles.addresses)
         return await self.hand_overs.hand_over(engine, alive, manifest=self._manifest,

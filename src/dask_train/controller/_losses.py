@@ -18,7 +18,7 @@ from distributed import Client
 
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState
-from dask_train.engines._protocol import Ending, Engine
+from dask_train.engines._protocol import Elastic, Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
@@ -139,8 +139,11 @@ class Losses:
                 restart = failure
             elif action is Action.REPLACE:
                 await engine.replace_scorer(alive)
-            else:
+            elif isinstance(engine, Elastic):
                 await engine.retire_trainer(failure.index)
+            else:  # the policy goes on without a trainer only where trainers are independent
+                raise NotImplementedError(f"{type(engine).__name__} cannot continue without a "
+                                          "trainer")
         return restart
 
     async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:

@@ -130,16 +130,9 @@ class Engine(ABC):
         """Trainers still taking part."""
         return len(self.roles.get("trainer", []))
 
-    async def retire_trainer(self, index: int) -> None:
-        """Go on without trainer ``index``; its unconsumed rows go to the survivors."""
-        raise NotImplementedError(f"{type(self).__name__} cannot continue without a trainer")
-
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         """Start the scorer again on a live worker."""
         raise NotImplementedError(f"{type(self).__name__} has no scorer to replace")
-
-    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
-        """Give workers that joined a role, where the engine can use them."""
 
     def leaving(self) -> set[str]:
         """Workers of this generation's roles that announced they are leaving with notice, held
@@ -189,6 +182,20 @@ class Engine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release everything the generation holds on the cluster (never raises)."""
+
+
+class Elastic(ABC):
+    """What an engine whose trainers come and go within a generation answers beside
+    :class:`Engine` (async-ps: the servers hold the state, each trainer reads its own blocks):
+    a lost trainer retired, a joined worker given a trainer, no new generation for either."""
+
+    @abstractmethod
+    async def retire_trainer(self, index: int) -> None:
+        """Go on without trainer ``index``; its unconsumed rows go to the survivors."""
+
+    @abstractmethod
+    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
+        """Give workers that joined a role, where the engine can use them."""
 
 
 class Reporting(ABC):

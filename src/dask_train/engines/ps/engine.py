@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Mapping
 
 from dask_train.data._cluster import declared_resources
+from dask_train.engines._protocol import Elastic
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders import host_memory
@@ -24,7 +25,7 @@ from dask_train.runtime._calls import run_on_live
 logger = logging.getLogger(__name__)
 
 
-class AsyncPSEngine(RoleEngine):
+class AsyncPSEngine(RoleEngine, Elastic):
     """Trainers push gradients to ``ps`` parameter servers holding balanced flat shards."""
 
     strategy = "async-ps"
