@@ -60,6 +60,7 @@ from dask_train.policy._scaling import may_regroup, regroup_wanted, restart_wait
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._cluster_view import ClusterView, look
 from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
@@ -263,7 +264,8 @@ class Controller:
     async def _liveness(self, engine: Engine) -> Failure | Departure | None:
         """Look at the roles, the workers that joined and the workers the job wants: the
         failure that needs a new generation, or the regroup onto joined workers, if any."""
-        failure = await self._check_roles(engine)
+        view = await look(self.client)  # the one listing this pass reads
+        failure = await self._check_roles(engine, view)
         if failure is not None:
             withdrawn = self._withdraw_stop()
             if withdrawn:
@@ -272,7 +274,7 @@ class Controller:
                 logger.info("the stop (%s) waits for the next generation: %s was lost "
                             "in the same moment", withdrawn, failure.role)
             return failure
-        arrival = await self._take_arrivals(engine)
+        arrival = await self._take_arrivals(engine, view)
         if arrival is not None:
             return arrival
         if self.wanted.most is not None or self.wanted.waiting:
@@ -568,10 +570,11 @@ class Controller:
                         "workers there are now", moved)
         self.stranded_watch = left > 0
 
-    async def _check_roles(self, engine: Engine) -> Failure | None:
-        """Act on lost or failed roles; the failure that needs a new generation, if any."""
-        alive = await alive_workers(self.client)
-        if self.stranded_watch or not set(alive) <= self.seen_workers:
+    async def _check_roles(self, engine: Engine, view: ClusterView) -> Failure | None:
+        """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
+        needs a new generation, if any."""
+        alive = view.alive()
+        if self.stranded_watch or view.joined(since=self.seen_workers):
             await self._schedule_stranded()
         self.seen_workers |= set(alive)
         self.cluster_size = max(self.cluster_size, len(alive))
@@ -598,7 +601,7 @@ class Controller:
             # Not a worker on its way out (retiring, closing after a SIGTERM): the scheduler
             # lists it for a moment, and a role placed there would leave with it.
             if isinstance(engine, Elastic):  # others grow by a regroup (_take_arrivals)
-                await engine.adopt_workers(await alive_workers(self.client, placeable=True))
+                await engine.adopt_workers(view.placeable())
         return restart
 
     async def _restart(self, engine: Engine, failure: Failure) -> None:
@@ -659,17 +662,18 @@ class Controller:
                        self.restore.directory if self.restore else "the initial parameters",
                        self.roles, time.time() - t0, failure.role, redone)
 
-    async def _take_arrivals(self, engine: Engine) -> Departure | None:
+    async def _take_arrivals(self, engine: Engine, view: ClusterView) -> Departure | None:
         """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
-        onto workers that joined, when its placement would give them ranks."""
+        onto workers that joined (as ``view`` lists them), when its placement would give them
+        ranks."""
         if not may_regroup(grows_by_regroup=engine.grows_by_regroup,
                            running=self.state.phase is Phase.RUNNING and engine.running(),
                            stopping=bool(self.state.stopped_by),
                            handing_over=self.hand_overs.awaiting is not None,
                            leaving=bool(engine.leaving())):
             return None
-        alive = await alive_workers(self.client, placeable=True)
-        if not set(alive) - set(engine.roles.addresses):
+        alive = view.placeable()
+        if not view.joined(since=engine.roles.addresses) & set(alive):
             return None
         try:
             roles = self.plan(alive)

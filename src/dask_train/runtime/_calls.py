@@ -11,11 +11,10 @@ from distributed.protocol.pickle import dumps
 
 # Asked of the scheduler by the data layer too: defined there, one function for both.
 from dask_train.data._cluster import live_workers as live_workers
-from dask_train.data._cluster import note_resources
-from dask_train.policy._scope import in_scope
-
-#: Worker states in which a worker is on its way out: still listed, never given a new role.
-LEAVING_STATES = frozenset({"closing", "closing_gracefully", "closed", "failed"})
+from dask_train.errors import InvalidInput
+from dask_train.runtime._cluster_view import LEAVING_STATES as LEAVING_STATES
+from dask_train.runtime._cluster_view import look
+from dask_train.runtime._hosts import worker_host
 
 
 async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str, int]:
@@ -25,8 +24,8 @@ async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str,
     ``placeable``: only those that may take a new role, not those on their way out (retiring,
     closing after a SIGTERM), which the scheduler still lists for a moment.
     """
-    return {addr: nthreads for addr, (nthreads, status) in (await _listed(client)).items()
-            if not (placeable and status in LEAVING_STATES)}
+    view = await look(client)
+    return view.placeable() if placeable else view.alive()
 
 
 #: The scheduler's events of a worker it was asked to retire (``retire_workers``: a
@@ -51,14 +50,6 @@ async def asked_to_retire(client: Client, addresses: Iterable[str]) -> set[str]:
                 found.add(address)
                 break
     return found
-
-
-async def _listed(client: Client) -> dict[str, tuple[int, str | None]]:
-    """The workers the scheduler lists now (in the job's scope): threads and status."""
-    info = (await client.scheduler.identity()).get("workers", {})
-    note_resources(client, info)
-    return in_scope({addr: (int(w.get("nthreads", 1)), w.get("status"))
-                     for addr, w in info.items()})
 
 
 #: A direct call's answer from a worker that is gone (left out of :func:`run_on_live`'s).
@@ -95,11 +86,10 @@ async def listens(address: str, timeout: float = 2.0) -> bool:
     worker was taken for gone (its hand-over failed: a SIGTERMed worker's, under load)."""
     if "://" in address and not address.startswith(("tcp://", "tls://")):
         return False
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
-                                           timeout)
-    except (OSError, ValueError, asyncio.TimeoutError):
+        host, port = worker_host(address), int(address.rpartition(":")[2])
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (InvalidInput, OSError, ValueError, asyncio.TimeoutError):
         return False
     writer.close()
     return True
@@ -141,11 +131,11 @@ async def run_on_live(client: Client, fn: Any, *args: Any, workers: Sequence[str
     await call_directly([w for w in workers if w in leaving])
     workers = [w for w in workers if w not in leaving]
     while True:
-        listed = await _listed(client)
+        listed = (await look(client)).workers
         # One retiring or closing (still listed) is called directly too: the scheduler's
         # broadcast to a worker that closes as it connects waits out the 30 s connect timeout
         # and logs an ERROR (seen after a scale-down), whatever on_error says.
-        closing = [w for w in workers if listed.get(w, (0, None))[1] in LEAVING_STATES]
+        closing = [w for w in workers if w in listed and listed[w].leaving]
         if closing:
             await call_directly(closing)
             workers = [w for w in workers if w not in closing]
