@@ -49,7 +49,7 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Elastic, Ending, Engine
+from dask_train.engines._protocol import Elastic, Ending, Engine, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost, release_frames
 from dask_train.policy._copies import copies_wanted
@@ -439,7 +439,7 @@ class Controller:
         # A dt.run job's copies are of its reports, written after its ranks went on (see
         # Reports._copy).
         if not copies_wanted(every, schedules_checkpoints=engine.schedules_checkpoints,
-                             recovers_from_survivors=engine.recovers_from_survivors,
+                             recovers_from_survivors=isinstance(engine, Survivable),
                              has_checkpoint_store=self.checkpoints is not None,
                              checkpointed=self._checkpointed):
             return

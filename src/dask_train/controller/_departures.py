@@ -45,7 +45,7 @@ from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
-from dask_train.engines._protocol import Engine, Snapshot
+from dask_train.engines._protocol import Engine, Snapshot, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._copies import MemoryPlace, memory_place, on_one_machine
@@ -395,7 +395,7 @@ class HandOvers:
         generation from: a killed sync rank costs its unfinished step, not the work since the
         last stored checkpoint. None: no survivor holds one, or there is no store to write it
         to (the job restarts from its stored checkpoint)."""
-        if not engine.recovers_from_survivors:
+        if not isinstance(engine, Survivable):
             return None
         t0 = time.monotonic()
         try:

@@ -81,9 +81,6 @@ class Engine(ABC):
     #: True for an engine that takes in workers that joined only in a new generation (sync
     #: ranks, ``dt.run``): the controller regroups it when its placement would grow.
     grows_by_regroup: ClassVar[bool] = False
-    #: True for an engine whose surviving trainers hold the state to go on from after a trainer
-    #: is killed (:meth:`survivors`): sync ranks.
-    recovers_from_survivors: ClassVar[bool] = False
     #: True for an engine whose trainers go on without a lost one (async-ps: the servers hold
     #: the state, each trainer reads its own blocks): the failure policy continues the job.
     independent_trainers: bool = False
@@ -143,13 +140,6 @@ class Engine(ABC):
     def left(self, workers: set[str]) -> None:
         """Forget that ``workers`` were leaving: their hand-over failed, they are lost."""
 
-    async def survivors(self, lost: set[str]) -> Snapshot | None:
-        """After ``lost`` workers were killed: the newest consistent state the surviving
-        trainers hold in memory, as a snapshot that :meth:`save` then writes from them (its
-        step, the data position of every trainer at it), or None when none holds one (the
-        default: the job restarts from its stored checkpoint)."""
-        return None
-
     # -- checkpoints ------------------------------------------------------------------------------
     @abstractmethod
     def running(self) -> bool:
@@ -196,6 +186,19 @@ class Elastic(ABC):
     @abstractmethod
     async def adopt_workers(self, alive: Mapping[str, int]) -> None:
         """Give workers that joined a role, where the engine can use them."""
+
+
+class Survivable(ABC):
+    """What an engine whose surviving trainers hold the state to go on from after a trainer is
+    killed answers beside :class:`Engine` (sync ranks, ``dt.run``'s: every rank holds the
+    parameters of the last step all applied). Another engine's job restarts from its stored
+    checkpoint."""
+
+    @abstractmethod
+    async def survivors(self, lost: set[str]) -> Snapshot | None:
+        """After ``lost`` workers were killed: the newest consistent state the surviving
+        trainers hold in memory, as a snapshot that :meth:`Engine.save` then writes from them
+        (its step, the data position of every trainer at it), or None when none holds one."""
 
 
 class Reporting(ABC):

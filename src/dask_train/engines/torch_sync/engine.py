@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from dask_train.engines._protocol import Snapshot
+from dask_train.engines._protocol import Snapshot, Survivable
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.ref import ShardRef
@@ -30,12 +30,11 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 2.0
 
 
-class TorchSyncEngine(RoleEngine):
+class TorchSyncEngine(RoleEngine, Survivable):
     """Ranks all-reduce their gradients every step; rank 0 publishes the parameters."""
 
     strategy = "sync"
     grows_by_regroup = True  # a process group's size is fixed: joiners come in a new one
-    recovers_from_survivors = True
     group: Any = None
 
     @staticmethod
