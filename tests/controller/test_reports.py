@@ -20,10 +20,10 @@ from distributed import Client
 
 from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints
-from dask_train.controller._departures import HandOvers
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._reports import Reports
 from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.controller.cluster._departures import HandOvers
 from dask_train.engines._events import ReportReady
 from dask_train.engines._protocol import Emit, Ending, Engine, Reporting, Snapshot
 from dask_train.errors import WorkerLost

@@ -1,5 +1,5 @@
 """``dt.run`` waiting for its least workers: placeholder tasks ask an adaptive cluster for them
-meanwhile (:mod:`dask_train.controller._wanted`), and are handed to the job's controller."""
+meanwhile (:mod:`dask_train.controller.cluster._wanted`), and are handed to the job's controller."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from dask_train.controller._wanted import placeholder, weigh_placeholders
+from dask_train.controller.cluster._wanted import placeholder, weigh_placeholders
 from dask_train.data._cluster import declared_resources
 from dask_train.errors import InvalidInput
 from dask_train.policy._scope import current_scope
@@ -25,7 +25,7 @@ def wait_for_workers(client: Client, least: int, *, timeout: float,
     placeholder tasks that asked for them, for the job's controller to hold until its ranks run.
 
     While it waits, the scheduler holds ``least`` placeholder tasks, so that an adaptive cluster
-    grows to them (see :mod:`dask_train.controller._wanted`): not one per worker lacking, as a
+    grows to them (see :mod:`dask_train.controller.cluster._wanted`): not one per worker lacking, as a
     running job holds, since the workers there are have no task yet and the scheduler's target
     counts the tasks only. With resources, the workers counted are those that declare them."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,13 @@ from typing import Any
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
-from dask_train.controller._departures import (
+from dask_train.controller._hook_thread import CallbackThread, job_failed
+from dask_train.controller._interrupt import RunGuard, interrupted
+from dask_train.controller._publish import JobEvents
+from dask_train.controller._reports import Reports
+from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
+from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
+from dask_train.controller.cluster._departures import (
     Departure,
     HandOvers,
     drop_store,
@@ -31,14 +37,8 @@ from dask_train.controller._departures import (
     on_this_machine,
     rehold,
 )
-from dask_train.controller._hook_thread import CallbackThread, job_failed
-from dask_train.controller._interrupt import RunGuard, interrupted
-from dask_train.controller._losses import Losses
-from dask_train.controller._publish import JobEvents
-from dask_train.controller._reports import Reports
-from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
-from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
-from dask_train.controller._wanted import WantedWorkers
+from dask_train.controller.cluster._losses import Losses
+from dask_train.controller.cluster._wanted import WantedWorkers
 from dask_train.data._stall import schedule_stranded
 from dask_train.engines._events import (
     Epochs,

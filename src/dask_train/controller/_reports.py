@@ -20,8 +20,8 @@ from collections.abc import Callable
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints
-from dask_train.controller._departures import Departure, HandOvers, Manifest
 from dask_train.controller._state import JobLog, JobState
+from dask_train.controller.cluster._departures import Departure, HandOvers, Manifest
 from dask_train.engines._events import ReportReady
 from dask_train.engines._protocol import Engine, Reporting
 from dask_train.errors import WorkerLost

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from dask_train.controller._departures import Departure
 from dask_train.controller._hook_thread import CallbackThread
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.controller.cluster._departures import Departure
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss

@@ -5,7 +5,7 @@ joined since an earlier look), instead of each asking the scheduler again.
 A liveness pass of the controller asked the scheduler for its workers three times (the roles'
 check, the async trainers' adoption, the arrivals' regroup): one :func:`look` now serves them
 all. Losses, notice and the workers a job wants are the controller's own records
-(:mod:`dask_train.controller._losses`, ``_departures``, ``_wanted``); what they compare against
+(:mod:`dask_train.controller.cluster._losses`, ``_departures``, ``_wanted``); what they compare against
 is this view.
 """
 

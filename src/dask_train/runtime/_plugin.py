@@ -420,7 +420,7 @@ class DaskTrainPlugin(WorkerPlugin):
         it holds a training role or a job's parameters, it tells each job ("leaving" on the
         job's event topic) and waits, at most ``dask-train.hand-over-hold`` seconds (60), until
         the controller has taken its state and dropped the job here (see
-        :mod:`dask_train.controller._departures`); without an answer from a controller within
+        :mod:`dask_train.controller.cluster._departures`); without an answer from a controller within
         :data:`ANSWER_S` seconds (the cluster shuts down under a job), it goes at once.
 
         A worker process that imported torch spent 2-3 s (and more under load) in the final

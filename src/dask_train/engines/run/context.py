@@ -419,7 +419,7 @@ class RunContext:
     def _hold(self, checkpoint: Any) -> bool:
         """Keep ``checkpoint`` where the controller's save finds it: for the job's store, or,
         without ``checkpoint=``, a copy until the next report, for a hand-over (a worker that
-        leaves with notice, see :mod:`dask_train.controller._departures`) or for the survivors
+        leaves with notice, see :mod:`dask_train.controller.cluster._departures`) or for the survivors
         of a killed rank to go on from (``RunEngine.survivors``)."""
         if not self._run.checkpointing:
             self._say_no_store()
