@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +31,11 @@ def _worker_command(address: str, *options: str) -> list[str]:
             "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
 
 
+#: The workers' environment: dask-train's own INFO lines (a hold for a hand-over, or why none
+#: was made) in the cluster's log, which a failed check prints.
+_WORKER_ENV = {**os.environ, "DASK_LOGGING__DASK_TRAIN": "info"}
+
+
 def _end(processes: Sequence[subprocess.Popen[bytes]]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -55,7 +61,7 @@ def dask_cli_cluster(tmp_path: Path, *more: list[str], first: Sequence[str] = ()
         address = scheduler_address(info)
         for options in (["--nworkers", "2", *first], *more):
             workers.append(subprocess.Popen(_worker_command(address, *options),
-                                            stdout=log, stderr=log))
+                                            stdout=log, stderr=log, env=_WORKER_ENV))
         yield address, workers[1:]
     finally:
         _end([*workers, scheduler])
@@ -68,7 +74,8 @@ def dask_worker(address: str, tmp_path: Path, *options: str
     """One more ``dask worker`` for the cluster of :func:`dask_cli_cluster` (same log),
     stopped (SIGTERM) on exit: enter it before, or within, that cluster's block."""
     with (tmp_path / "cluster.log").open("a") as log:
-        worker = subprocess.Popen(_worker_command(address, *options), stdout=log, stderr=log)
+        worker = subprocess.Popen(_worker_command(address, *options), stdout=log, stderr=log,
+                                  env=_WORKER_ENV)
         try:
             yield worker
         finally:
