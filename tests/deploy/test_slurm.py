@@ -118,10 +118,15 @@ def _fit(client: Client, directory: Path, callback: dt.Callback, seconds: float)
 
 
 def _assert_handed_over(result: Any, caplog: pytest.LogCaptureFixture, logs: str) -> None:
-    """A departure (not a failure), nothing trained again, training went on after it, each
-    sample applied once, and no error logged."""
+    """A departure (no loss but one with notice as the job stops), nothing trained again,
+    training went on after it, each sample applied once, and no error logged."""
     assert result.stopped_by == "callback", logs
-    assert result.failures == [], logs
+    # A worker whose lifetime ends while the job stops (the second Slurm job's, once the first
+    # one's restart and the stop took longer than STAGGER: 10 s for the nanny to start the next
+    # worker and 5 s for the stop, on a loaded 2-core machine) is handed nothing, as documented
+    # (docs/cluster-changes.md): a loss with notice, not counted against max_failures.
+    assert all(f["notice"] and f["loss"] is None for f in result.failures), \
+        f"failures: {result.failures}\n{logs}"
     assert result.departures and all(d["redone"] == 0 for d in result.departures), logs
     # Trained on: a score of a step past the one the state was handed over at. (Not "more
     # samples than the scores before the departure": on a slow machine a worker may leave
