@@ -33,7 +33,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _slurm import slurm, slurm_available  # noqa: E402
 
 ROWS, BLOCK = 12_000, 1000
-LIFETIME = 20  # seconds, --lifetime-stagger 1s
+# Seconds, --lifetime-stagger 1s. The first worker's lifetime must end once its trainer runs: it
+# starts STAGGER s before the second Slurm job's worker, the job starts once that one is there,
+# and its trainers took up to 11 s to start under a full suite's load on a 2-core machine. At
+# 20 s a fresh-clone run's first worker left before its trainer ran (nothing to hand over: a
+# loss with notice, no departure).
+LIFETIME = 30
 # Seconds between the two jobs' starts, so that one worker leaves (and is back) at a time and the
 # job always has a worker to hand over to. Both leaving together (two jobs started at once) left
 # none for 2-3 s, and the generation started on the restarted workers trained nothing: its data
