@@ -204,7 +204,10 @@ class _BatchedClosed(logging.Filter):
     When a cluster closes, a batched stream whose other end closed first (a worker retired
     while the scheduler still sends to it) logs that line with the ``CommClosedError``'s whole
     traceback, at INFO: seen at the end of a script on the embedded cluster whose logging was
-    at INFO. Nothing went wrong, and a normal run's log should show no traceback.
+    at INFO. A client's own stream does it too as the client closes (dask/distributed#7192): a
+    message queued after its "close-stream" is written once the scheduler has closed its end,
+    seen at the end of a script on a ``dask scheduler`` after Ctrl-C, under load. Nothing went
+    wrong, and a normal run's log should show no traceback.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -253,7 +256,8 @@ def quiet_scheduler() -> None:
 
 
 def quiet_batched_close() -> None:
-    """Install :class:`_BatchedClosed` in this process (the scheduler's, or a worker's)."""
+    """Install :class:`_BatchedClosed` in this process (the scheduler's, a worker's, or the
+    client's)."""
     log = logging.getLogger("distributed.batched")
     if _batched_closed not in log.filters:
         log.addFilter(_batched_closed)
@@ -300,6 +304,7 @@ _orphaned_batched_wait = _OrphanedBatchedWait()
 
 def quiet_client() -> None:
     """Install this module's filters of the client's own log in this process."""
+    quiet_batched_close()
     log = logging.getLogger("asyncio")
     for quiet in (_orphaned_gather_wait, _orphaned_batched_wait):
         if quiet not in log.filters:
