@@ -2,12 +2,13 @@
 
 One coroutine on the client's event loop. Per generation it starts the engine, then loops: take
 the engine's events (scores, non-finite losses, epochs, progress) into the history, the stop
-conditions and the callbacks; ask the engine for periodic work; take checkpoints through the
-engine's pause/snapshot/save; every second, look for lost or failed roles and act as the pure
-failure policy decides (continue, replace the scorer, restart a new generation from the newest
-checkpoint, or raise). The job moves between the states of :mod:`._states` (starting, running,
-restarting, handing over, finishing, finished, errored), each state's step doing its work through
-the methods here; phases live in one explicit :class:`~._state.JobState`.
+conditions and the callbacks; ask the engine for periodic work; take checkpoints and in-memory
+copies (:class:`~._keeping.StateKeeper`, through the engine's pause/snapshot/save); every
+second, look for lost or failed roles and act as the pure failure policy decides (continue,
+replace the scorer, restart a new generation from the newest checkpoint, or raise). The job
+moves between the states of :mod:`._states` (starting, running, restarting, handing over,
+finishing, finished, errored), each state's step doing its work through the methods here; phases
+live in one explicit :class:`~._state.JobState`.
 """
 
 from __future__ import annotations
@@ -21,21 +22,17 @@ from typing import Any
 
 from distributed import Client
 
-from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._checkpointing import Restore
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
+from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._reports import Reports
-from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
+from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
 from dask_train.controller.cluster._departures import (
     Departure,
     HandOvers,
-    drop_store,
-    in_workers,
-    memory_store,
-    on_this_machine,
-    rehold,
 )
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
@@ -49,13 +46,12 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Elastic, Ending, Engine, Survivable
+from dask_train.engines._protocol import Elastic, Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import InvalidInput, NonFiniteLoss, WorkerLost, release_frames
-from dask_train.policy._copies import copies_wanted
+from dask_train.errors import InvalidInput, NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
-from dask_train.policy._restore import Candidate, Source, Store, choose_restart, restart_store
+from dask_train.policy._restore import Candidate, Source, choose_restart
 from dask_train.policy._scaling import may_regroup, regroup_wanted, restart_wait
 from dask_train.policy._scope import current_scope
 from dask_train.policy.stop import check_stop
@@ -97,8 +93,6 @@ class Controller:
         self.roles, self.rows, self.progress = roles, max(1, rows), progress
         self.log = JobLog()
         self.state = JobState()
-        self.checkpoints = Checkpoints(spec.checkpoint, timeout=spec.timeout) \
-            if spec.checkpoint is not None else None
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
@@ -108,21 +102,16 @@ class Controller:
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The user's hooks run off this loop, in order: they may block and use the client.
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
+        # checkpoint='s store and the in-memory copies, and the pauses that write them.
+        self.keeper = StateKeeper(client, spec, state=self.state, log=self.log,
+                                  manifest=self._manifest)
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
-                                    publisher=self.publisher, checkpoints=self.checkpoints)
+                                    publisher=self.publisher,
+                                    checkpoints=self.keeper.checkpoints)
         # A dt.run job's reports: the checkpoint each carries, then its ranks go on.
         self.reports = Reports(client, state=self.state, log=self.log,
-                               checkpoints=self.checkpoints, hand_overs=self.hand_overs)
-        # A job whose servers hold the only copy of its state keeps a copy of it in memory
-        # every few seconds (see _copies) while it has no checkpoint: a killed server costs
-        # seconds, not the run, with checkpoint= set or not. Made at the first generation,
-        # for the engines that need it; beside checkpoint=, on a schedule of its own.
-        self.copies: Checkpoints | None = None
-        self.copied = False
-        self.copy_times = self.state if self.checkpoints is None else CheckpointTimes()
-        self.pausing_for: Checkpoints | None = None  # the store the current pause writes to
-        self.resumed = False  # the job went on from checkpoint='s newest
+                               checkpoints=self.keeper.checkpoints, hand_overs=self.hand_overs)
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
         self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
@@ -175,8 +164,7 @@ class Controller:
             except Exception:  # noqa: BLE001 - a closed client: the scheduler drops them itself
                 logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
             await self.reports.drop()
-            if self.copies is not None:
-                await asyncio.to_thread(drop_store, self.copies)
+            await self.keeper.close()
             await self._forget_topics()
 
     async def _forget_topics(self) -> None:
@@ -190,10 +178,8 @@ class Controller:
     async def _generations(self, *, resume: bool) -> Outcome:
         """Run the job's states (:mod:`._states`) from its first generation's start until it
         finished (its outcome is returned) or errored (its error is raised)."""
-        if resume and self.checkpoints is not None:
-            self.restore = self.checkpoints.load(n_params=self.spec.n_params,
-                                                 strategy=self.spec.strategy)
-            self.resumed = self.restore is not None
+        if resume:
+            self.restore = self.keeper.load_resumed()
             if self.restore is not None:
                 self._continue_from(self.restore)
         state: State = Starting()
@@ -210,12 +196,12 @@ class Controller:
     # -- a generation's start, its passes, its end (the work of the states in _states) -------------
     async def _new_engine(self) -> Engine:
         """The engine of the generation whose roles were placed last, from the state to
-        restore; with the in-memory copies it needs (see _copies)."""
+        restore; with the in-memory copies it needs (:meth:`StateKeeper.prepare`)."""
         engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
                                   self.restore.engine_state() if self.restore else None)
         self.engine = engine
         self.log.generations = self.state.generation + 1
-        await self._copies(engine)
+        await self.keeper.prepare(engine, self.roles.addresses)
         return engine
 
     async def _take_event(self) -> None:
@@ -258,8 +244,8 @@ class Controller:
     async def _report_step(self, engine: Engine) -> Departure | None:
         """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
         checkpoint written, or the hand-over at it; the departure that ends the generation."""
-        return await self.reports.step(engine, manifest=self._manifest, copies=self.copies,
-                                       copied=self._copied)
+        return await self.reports.step(engine, manifest=self._manifest,
+                                       copies=self.keeper.copies, copied=self.keeper.mark_copied)
 
     async def _liveness(self, engine: Engine) -> Failure | Departure | None:
         """Look at the roles, the workers that joined and the workers the job wants: the
@@ -425,120 +411,10 @@ class Controller:
         self.callback_stop = self.callback_stop or reason == "callback"
         return reason
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    async def _copies(self, engine: Engine) -> None:
-        """Keep copies of the state in memory for a job that could otherwise only restart from
-        its initial parameters: an engine the controller pauses for checkpoints whose trainers
-        do not hold the state themselves (async-ps: a server's shard is its only copy), every
-        ``JobSpec.copy_every_s``, without ``checkpoint=`` or until its first checkpoint is
-        written (decided by :func:`~dask_train.policy._copies.copies_wanted`). Where: memory
-        that a worker's death does not take (:func:`memory_store`): ``/dev/shm`` when every
-        worker is on this machine, else two live workers' memory, chosen again at each
-        generation."""
-        every = self.spec.copy_every_s
-        # A dt.run job's copies are of its reports, written after its ranks went on (see
-        # Reports._copy).
-        if not copies_wanted(every, schedules_checkpoints=engine.schedules_checkpoints,
-                             recovers_from_survivors=isinstance(engine, Survivable),
-                             has_checkpoint_store=self.checkpoints is not None,
-                             checkpointed=self._checkpointed):
-            return
-        if self.copies is None:
-            self.copies = memory_store(
-                f"dask-train-copies-{self.spec.job_id}-", workers=self.roles.addresses,
-                alive=await alive_workers(self.client), timeout=self.spec.timeout,
-                memory_state=self.spec.memory_state, every_seconds=every, keep=1)
-        elif in_workers(self.copies):
-            self.copies = rehold(self.copies, alive=await alive_workers(self.client),
-                                 workers=self.roles.addresses)
-
-    def _copied(self) -> None:
-        """A report's copy was written to the in-memory copies (see :class:`Reports`)."""
-        self.copied = True
-
-    @property
-    def _checkpointed(self) -> bool:
-        """Whether ``checkpoint=``'s store holds a checkpoint of this job (written by this fit,
-        or resumed from): its in-memory copies are then no longer needed."""
-        return self.checkpoints is not None and (bool(self.log.checkpoints) or self.resumed)
-
-    def _due(self, engine: Engine, now: float) -> Checkpoints | None:
-        """The store a checkpoint is due in now: ``checkpoint=``'s on its schedule, else the
-        in-memory copies on theirs while no checkpoint exists."""
-        step = engine.reported_step()
-        if self.checkpoints is not None and self.checkpoints.due(self.state, step=step, now=now):
-            return self.checkpoints
-        copies = self.copies
-        if copies is None or self._checkpointed or \
-                not in_workers(copies) and not on_this_machine(engine.roles.addresses):
-            return None  # a worker of another machine joined: it could not write its shard here
-        return copies if copies.due(self.copy_times, step=step, now=now) else None
-
+    # -- checkpoints (the work is the StateKeeper's) ------------------------------------------------
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
-        state = self.state
-        if not engine.schedules_checkpoints or self.checkpoints is None and self.copies is None:
-            return
-        if state.phase is Phase.RUNNING:
-            # Not once a stop is decided (in this same pass): the final checkpoint follows.
-            ckpt = self._due(engine, now) if engine.running() and not state.stopped_by else None
-            if ckpt is not None:
-                self.pausing_for = ckpt
-                state.enter(Phase.CHECKPOINTING)
-                state.pause_id, state.next_pause_id = state.next_pause_id, state.next_pause_id + 1
-                state.pause_started = now
-                await engine.pause(state.pause_id)
-                if ckpt is self.copies and in_workers(ckpt):
-                    # A holder without a role may have left since the generation began.
-                    self.copies = self.pausing_for = rehold(
-                        ckpt, alive=await alive_workers(self.client),
-                        workers=engine.roles.addresses)
-            return
-        if not engine.running():  # nothing left to pause: the final checkpoint covers it
-            await self._end_pause(engine)
-            return
-        snapshot = engine.paused(state.pause_id)
-        ckpt = self.pausing_for or self.checkpoints or self.copies
-        assert ckpt is not None
-        if snapshot is None:
-            ckpt.check_pause_time(state, now)
-            return
-        times = state if ckpt is self.checkpoints else self.copy_times
-        try:
-            # Every push is drained and every trainer paused: the engine's count is exact.
-            step = await engine.exact_step()
-            info = None
-            if step > times.last_checkpoint_step:
-                try:
-                    info = await ckpt.write(engine, times,
-                                            self._manifest(snapshot.ledger, snapshot.rng),
-                                            step=step, generation=state.generation,
-                                            pause_s=now - state.pause_started,
-                                            written=lambda: self._end_pause(engine))
-                except WorkerLost as exc:
-                    # The next look at the roles acts on the loss, from the checkpoint before.
-                    logger.warning("checkpoint at step %d abandoned: %s", step, exc)
-            else:
-                times.last_checkpoint_time = time.time()  # nothing new to save
-        finally:
-            self.pausing_for = None
-            await self._end_pause(engine)
-        if info is not None and ckpt is self.checkpoints:
-            self.log.checkpoints.append(info)
-            await self._drop_copies()
-        self.copied = self.copied or info is not None and ckpt is self.copies
-
-    async def _drop_copies(self) -> None:
-        """Drop the in-memory copies kept beside ``checkpoint=`` once its first checkpoint is
-        written: it is newer, and survives what they would."""
-        if self.copies is not None and self.checkpoints is not None:
-            copies, self.copies, self.copied = self.copies, None, False
-            await asyncio.to_thread(drop_store, copies)
-
-    async def _end_pause(self, engine: Engine) -> None:
-        if self.state.phase is Phase.CHECKPOINTING:
-            await engine.resume(self.state.pause_id)
-            self.state.pause_id = 0
-            self.state.enter(Phase.RUNNING)
+        """A pass's checkpoint work (:meth:`StateKeeper.step`)."""
+        await self.keeper.step(engine, now)
 
     def _manifest(self, ledger: dict[str, Any], rng: Mapping[str, str]) -> dict[str, Any]:
         """Everything but the tensors needed to resume exactly (JSON-able)."""
@@ -557,7 +433,7 @@ class Controller:
     def has_checkpoint(self) -> bool:
         """Whether a checkpoint exists to restart from (written by this fit, or resumed, or a
         copy in memory)."""
-        return bool(self.log.checkpoints) or self.restore is not None or self.copied
+        return bool(self.log.checkpoints) or self.restore is not None or self.keeper.copied
 
     async def _schedule_stranded(self) -> None:
         """Blocks whose every worker left (the whole cluster replaced) would wait for a worker
@@ -626,16 +502,7 @@ class Controller:
         await self.reports.drop()
         survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
         await engine.close()
-        if in_workers(self.copies):  # read from the holders still alive
-            assert self.copies is not None
-            self.copies = rehold(self.copies, alive=await alive_workers(self.client),
-                                 workers=set(engine.roles.addresses) - lost)
-        # The copies in memory until checkpoint= holds one (see _copies), then the checkpoints.
-        which = restart_store(copied=self.copied, checkpointed=self._checkpointed,
-                              has_checkpoint_store=self.checkpoints is not None)
-        store = self.copies if which is Store.COPIES else self.checkpoints
-        stored = None if store is None else store.load(n_params=self.spec.n_params,
-                                                       strategy=self.spec.strategy)
+        which, stored = await self.keeper.stored(survivors=set(engine.roles.addresses) - lost)
         started = self.restore
         choice = choose_restart(survivors=_candidate(survived), stored=_candidate(stored),
                                 started=_candidate(started), store=which, applied=applied)
@@ -729,7 +596,7 @@ class Controller:
         self.state.generation += 1
         # Pause ids count per generation: its roles are new and start from the first.
         self.state.pause_id, self.state.next_pause_id = 0, 1
-        self.pausing_for = None
+        self.keeper.new_generation()
         self.state.enter(Phase.STARTING)
         self.publisher.publish({"kind": "generation", "generation": self.state.generation,
                                 "roles": dict(self.roles.placement), "redone": redone})
@@ -759,20 +626,7 @@ class Controller:
             # stopping score's snapshot, if there was one, was not kept).
             self.state.stop_step = None
             self.on_score(final["record"])
-        if self.checkpoints is not None and not self.state.nan_stop and \
-                engine.schedules_checkpoints:
-            manifest = self._manifest(engine.ledger_state(), ending.rng)
-            try:
-                info = await self.checkpoints.write(engine, self.state, manifest,
-                                                    step=ending.steps,
-                                                    generation=self.state.generation, pause_s=0.0)
-            except WorkerLost as exc:
-                # The job is done and its parameters are in hand: a holder that left now costs
-                # the final checkpoint only (the one before stays the newest).
-                logger.warning("the final checkpoint was not written: %s", exc)
-                info = None
-            if info is not None:
-                self.log.checkpoints.append({**info, "final": True})
+        await self.keeper.final(engine, ending)
         return ending
 
     def _continue_from(self, restore: Restore) -> None:

@@ -122,7 +122,7 @@ def interrupted(controller: Any, guard: RunGuard) -> KeyboardInterrupt:
     line = f"dask-train: interrupted (Ctrl-C){_where(controller)}"
     if checkpoint is not None:
         line += f"; resume=True continues from checkpoint {checkpoint} (step {step})"
-    elif getattr(controller, "checkpoints", None) is not None:
+    elif controller.keeper.checkpoints is not None:
         line += "; no checkpoint was written yet"
     else:
         line += "; no checkpoint to resume from (checkpoint= keeps one)"
@@ -195,7 +195,7 @@ def _where(controller: Any) -> str:
 
 def _resume_point(controller: Any) -> tuple[str | None, int | None]:
     """The newest complete checkpoint of the job's path (what ``resume=True`` loads)."""
-    checkpoints = getattr(controller, "checkpoints", None)
+    checkpoints = controller.keeper.checkpoints
     if checkpoints is None:
         return None, None
     try:
