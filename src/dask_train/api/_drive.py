@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dask_train.controller._controller import Controller, MakeEngine, Outcome, PlanRoles
+from dask_train.controller._controller import Controller, MakeEngine, Outcome
+from dask_train.controller._generations import PlanRoles
 from dask_train.controller._progress import Progress
 from dask_train.policy.callbacks import run_callbacks
 

@@ -23,6 +23,7 @@ from typing import Any
 from distributed import Client
 
 from dask_train.controller._checkpointing import Restore
+from dask_train.controller._generations import GenerationPlacement, PlanRoles
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._keeping import StateKeeper
@@ -36,7 +37,6 @@ from dask_train.controller.cluster._departures import (
 )
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
-from dask_train.data._stall import schedule_stranded
 from dask_train.engines._events import (
     Epochs,
     Event,
@@ -48,12 +48,11 @@ from dask_train.engines._events import (
 )
 from dask_train.engines._protocol import Elastic, Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import InvalidInput, NonFiniteLoss, release_frames
+from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._restore import Candidate, Source, choose_restart
-from dask_train.policy._scaling import may_regroup, regroup_wanted, restart_wait
-from dask_train.policy._scope import current_scope
+from dask_train.policy._scaling import may_regroup, regroup_wanted
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
 from dask_train.runtime._cluster_view import ClusterView, look
@@ -65,8 +64,6 @@ logger = logging.getLogger(__name__)
 
 #: Builds a generation's engine: (roles, job key, restore mapping or None) -> Engine.
 MakeEngine = Callable[[Roles, str, "Mapping[str, Any] | None"], Engine]
-#: Places a new generation's roles on the live workers.
-PlanRoles = Callable[[Mapping[str, int]], Roles]
 
 
 class Controller:
@@ -89,17 +86,17 @@ class Controller:
 
     def __init__(self, client: Client, spec: JobSpec, *, make_engine: MakeEngine,
                  plan_roles: PlanRoles, roles: Roles, rows: int, progress: Any = None) -> None:
-        self.client, self.spec, self.make_engine, self.plan = client, spec, make_engine, plan_roles
-        self.roles, self.rows, self.progress = roles, max(1, rows), progress
+        self.client, self.spec, self.make_engine = client, spec, make_engine
+        self.rows, self.progress = max(1, rows), progress
         self.log = JobLog()
         self.state = JobState()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.restore: Restore | None = None
-        self.cluster_size = len(roles.addresses)  # the most workers seen alive (see _restart)
-        self.seen_workers: set[str] = set(roles.addresses)  # a worker not in it joined
-        self.stranded_watch = False  # blocks may wait in no-worker (see _schedule_stranded)
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
+        # The current generation's roles, and where the next one's go.
+        self.placement = GenerationPlacement(client, spec, plan=plan_roles, roles=roles,
+                                             state=self.state, publisher=self.publisher)
         # The user's hooks run off this loop, in order: they may block and use the client.
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
         # checkpoint='s store and the in-memory copies, and the pauses that write them.
@@ -115,6 +112,11 @@ class Controller:
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
         self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
+
+    @property
+    def roles(self) -> Roles:
+        """The current generation's roles."""
+        return self.placement.roles
 
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
@@ -288,7 +290,7 @@ class Controller:
         in starting is the job's."""
         try:
             if self.state.generation:
-                await self._schedule_stranded()
+                await self.placement.schedule_stranded()
             await engine.start(self.events.put_nowait)
         except Exception as exc:
             lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
@@ -435,25 +437,11 @@ class Controller:
         copy in memory)."""
         return bool(self.log.checkpoints) or self.restore is not None or self.keeper.copied
 
-    async def _schedule_stranded(self) -> None:
-        """Blocks whose every worker left (the whole cluster replaced) would wait for a worker
-        they prefer that never comes back: they go to the workers running now. Looked at again
-        at each liveness check while some still wait (the workers that joined had not yet
-        said they run) and whenever workers join."""
-        moved, left = await self.client.run_on_scheduler(schedule_stranded, asynchronous=True)
-        if moved:
-            logger.info("%d data blocks whose workers all left are computed again on the "
-                        "workers there are now", moved)
-        self.stranded_watch = left > 0
-
     async def _check_roles(self, engine: Engine, view: ClusterView) -> Failure | None:
         """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
         needs a new generation, if any."""
+        await self.placement.saw(view)
         alive = view.alive()
-        if self.stranded_watch or view.joined(since=self.seen_workers):
-            await self._schedule_stranded()
-        self.seen_workers |= set(alive)
-        self.cluster_size = max(self.cluster_size, len(alive))
         failures = await engine.failures(alive)
         gone = {f.worker for f in failures if f.worker not in alive}
         if gone - engine.leaving():
@@ -513,16 +501,8 @@ class Controller:
         record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
         record["redone"] = redone
         record["from"] = choice.label
-        alive = await alive_workers(self.client, placeable=True)
-        wait = restart_wait(most_seen=self.cluster_size, reserved=current_scope() is not None,
-                            retired=noticed, timeout=self.spec.timeout)
-        deadline = time.monotonic() + wait.seconds
-        if noticed:
-            self.cluster_size = len(alive)
-        while len(alive) < wait.workers and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            alive = await alive_workers(self.client, placeable=True)
-        self._next_generation(await self._enough_workers(alive, tuple(lost)), redone=redone)
+        alive = await self.placement.after_loss(retired=noticed)
+        self._next_generation(await self.placement.enough(alive, lost), redone=redone)
         logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
                        "samples applied since are trained again", self.state.generation,
                        f"the surviving ranks' state at step {survived.step}" if survived else
@@ -543,7 +523,7 @@ class Controller:
         if not view.joined(since=engine.roles.addresses) & set(alive):
             return None
         try:
-            roles = self.plan(alive)
+            roles = self.placement.plan(alive)
         except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
             return None
         if not regroup_wanted(current_trainers=len(engine.roles["trainer"]),
@@ -561,45 +541,15 @@ class Controller:
         await self.reports.drop()
         await engine.close()
         self.restore = departure.restore
-        alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
-                 if a not in departure.workers}  # a SIGTERMed one is still listed, closing
-        self.cluster_size = len(alive)  # a retired worker does not come back: no wait for it
-        self._next_generation(await self._enough_workers(alive, departure.workers), redone=0)
+        alive = await self.placement.after_departure(departure.workers)
+        self._next_generation(await self.placement.enough(alive, departure.workers), redone=0)
         self.hand_overs.record(departure, roles=self.roles.placement)
 
-    async def _enough_workers(self, alive: Mapping[str, int],
-                              gone: tuple[str, ...]) -> Mapping[str, int]:
-        """``alive``, or, when fewer workers are left than the job's least (``dt.run``'s
-        ``workers=(least, most)``), the workers once enough have joined: waited for up to the
-        job's ``timeout``, said in the log; then the placement's own error is raised."""
-        deadline = time.monotonic() + self.spec.timeout
-        said = False
-        while True:
-            try:
-                self.plan(alive)
-                return alive
-            except InvalidInput:
-                if time.monotonic() > deadline:
-                    raise
-                if not said:
-                    said = True
-                    logger.warning("%d workers are left, fewer than the job needs: waiting up "
-                                   "to %g s (timeout=) for workers to join", len(alive),
-                                   self.spec.timeout)
-            await asyncio.sleep(0.5)
-            alive = {a: n for a, n in (await alive_workers(self.client, placeable=True)).items()
-                     if a not in gone}
-
     def _next_generation(self, alive: Mapping[str, int], *, redone: int) -> None:
-        """Place the next generation's roles on ``alive`` and enter its start."""
-        self.roles = self.plan(alive)
-        self.state.generation += 1
-        # Pause ids count per generation: its roles are new and start from the first.
-        self.state.pause_id, self.state.next_pause_id = 0, 1
+        """Place the next generation's roles on ``alive`` and enter its start; no pause of the
+        generation before is written any more."""
         self.keeper.new_generation()
-        self.state.enter(Phase.STARTING)
-        self.publisher.publish({"kind": "generation", "generation": self.state.generation,
-                                "roles": dict(self.roles.placement), "redone": redone})
+        self.placement.place_next(alive, redone=redone)
 
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending | Failure:

@@ -440,7 +440,7 @@ class HandOvers:
         With a store that outlives the workers, every worker may leave at once (each
         ``--lifetime`` ending together, or the last one restarting): the hand-over goes on for
         up to :data:`ALONE_S`, the state is written there, and the next generation waits for
-        workers to join (``_enough_workers``)."""
+        workers to join (``GenerationPlacement.enough``)."""
         workers = set(workers)
         for address in workers:
             try:
