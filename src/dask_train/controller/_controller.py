@@ -101,7 +101,7 @@ class Controller:
         self.callbacks = CallbackThread(spec.callbacks, name=spec.job_id)
         # checkpoint='s store and the in-memory copies, and the pauses that write them.
         self.keeper = StateKeeper(client, spec, state=self.state, log=self.log,
-                                  manifest=self._manifest)
+                                  placement=self.placement)
         self.losses = Losses(spec=spec, log=self.log, state=self.state, publisher=self.publisher)
         self.hand_overs = HandOvers(client, spec=spec, log=self.log, state=self.state,
                                     publisher=self.publisher,
@@ -237,7 +237,7 @@ class Controller:
         generation, if the hand-over took its state."""
         if self.hand_overs.pending(engine):
             departure = await self.hand_overs.hand_over(
-                engine, await alive_workers(self.client), manifest=self._manifest)
+                engine, await alive_workers(self.client), manifest=self.keeper.manifest)
             if departure is not None:
                 return departure
         await self.hand_overs.overdue(engine)
@@ -246,7 +246,7 @@ class Controller:
     async def _report_step(self, engine: Engine) -> Departure | None:
         """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
         checkpoint written, or the hand-over at it; the departure that ends the generation."""
-        return await self.reports.step(engine, manifest=self._manifest,
+        return await self.reports.step(engine, manifest=self.keeper.manifest,
                                        copies=self.keeper.copies, copied=self.keeper.mark_copied)
 
     async def _liveness(self, engine: Engine) -> Failure | Departure | None:
@@ -418,18 +418,6 @@ class Controller:
         """A pass's checkpoint work (:meth:`StateKeeper.step`)."""
         await self.keeper.step(engine, now)
 
-    def _manifest(self, ledger: dict[str, Any], rng: Mapping[str, str]) -> dict[str, Any]:
-        """Everything but the tensors needed to resume exactly (JSON-able)."""
-        spec = self.spec
-        return {
-            "n_params": spec.n_params, "strategy": spec.strategy, "job_id": spec.job_id,
-            "ledger": ledger, "rng": dict(rng),
-            "stop": [{"type": type(c).__name__, "state": c.state_dict()} for c in spec.stop],
-            "records": self.log.records, "elapsed_s": self.log.elapsed(),
-            "roles": self.roles.placement,
-            "config": spec.manifest_config(),
-        }
-
     # -- failures ---------------------------------------------------------------------------------
     @property
     def has_checkpoint(self) -> bool:
@@ -488,7 +476,7 @@ class Controller:
         # A report's copy being written is given up first: it would write through the engine
         # as the survivors' state does, and a live writer's state is the survivors' anyway.
         await self.reports.drop()
-        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self._manifest)
+        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self.keeper.manifest)
         await engine.close()
         which, stored = await self.keeper.stored(survivors=set(engine.roles.addresses) - lost)
         started = self.restore
@@ -530,7 +518,7 @@ class Controller:
                               planned_trainers=len(roles["trainer"])):
             return None
         joined = set(roles.addresses) - set(engine.roles.addresses)
-        return await self.hand_overs.hand_over(engine, alive, manifest=self._manifest,
+        return await self.hand_overs.hand_over(engine, alive, manifest=self.keeper.manifest,
                                                joined=joined)
 
     async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
@@ -556,7 +544,7 @@ class Controller:
         """Stop the engine, close the history with the final score, write the final checkpoint;
         a role lost while stopping that needs a new generation is returned instead."""
         self.state.enter(Phase.FINISHING)
-        await self.reports.at_finish(engine, drain=self._next_event, manifest=self._manifest)
+        await self.reports.at_finish(engine, drain=self._next_event, manifest=self.keeper.manifest)
         ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
                                         has_checkpoint=self.has_checkpoint,
                                         notices=self.hand_overs.wait_for_notices)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from distributed import Client
 
 from dask_train.controller._checkpointing import Checkpoints, Restore
+from dask_train.controller._generations import GenerationPlacement
 from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
 from dask_train.controller.cluster._departures import (
     drop_store,
@@ -37,9 +38,6 @@ from dask_train.runtime._calls import alive_workers
 
 logger = logging.getLogger(__name__)
 
-#: Builds a checkpoint's manifest from the engine's ledger and RNG states (the controller's).
-Manifest = Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]]
-
 
 class StateKeeper:
     """Keeps one job's state: its checkpoints and, where a lost server would take the only copy
@@ -50,15 +48,18 @@ class StateKeeper:
     client : distributed.Client
     spec : JobSpec
     state, log : JobState, JobLog
-        The job's phases and checkpoint times, and its log (the checkpoints written).
-    manifest : callable
-        ``manifest(ledger, rng)`` -> everything but the tensors a checkpoint needs to resume.
+        The job's phases and checkpoint times, and its log (the checkpoints written, the
+        history a manifest carries).
+    placement : GenerationPlacement
+        Where the job's generations run (a manifest names the current roles).
     """
 
     def __init__(self, client: Client, spec: JobSpec, *, state: JobState, log: JobLog,
-                 manifest: Manifest) -> None:
+                 placement: GenerationPlacement) -> None:
+        # Nothing here points back at the controller: a cycle through it would keep a
+        # generation's futures on the client until the collector ran.
         self.client, self.spec, self.state, self.log = client, spec, state, log
-        self.manifest = manifest
+        self.placement = placement
         self.checkpoints = Checkpoints(spec.checkpoint, timeout=spec.timeout) \
             if spec.checkpoint is not None else None
         # A job whose servers hold the only copy of its state keeps a copy of it in memory
@@ -70,6 +71,18 @@ class StateKeeper:
         self.copy_times = self.state if self.checkpoints is None else CheckpointTimes()
         self.pausing_for: Checkpoints | None = None  # the store the current pause writes to
         self.resumed = False  # the job went on from checkpoint='s newest
+
+    def manifest(self, ledger: dict[str, Any], rng: Mapping[str, str]) -> dict[str, Any]:
+        """Everything but the tensors needed to resume exactly (JSON-able)."""
+        spec = self.spec
+        return {
+            "n_params": spec.n_params, "strategy": spec.strategy, "job_id": spec.job_id,
+            "ledger": ledger, "rng": dict(rng),
+            "stop": [{"type": type(c).__name__, "state": c.state_dict()} for c in spec.stop],
+            "records": self.log.records, "elapsed_s": self.log.elapsed(),
+            "roles": self.placement.roles.placement,
+            "config": spec.manifest_config(),
+        }
 
     # -- a job's start and end ---------------------------------------------------------------------
     def load_resumed(self) -> Restore | None:
