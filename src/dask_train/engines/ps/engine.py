@@ -61,7 +61,7 @@ class AsyncPSEngine(RoleEngine, Elastic):
         ]
         # A server's worker lost while it starts (a second loss while the job restarts) ends
         # the wait at once with WorkerLost, for the controller to restart again.
-        await self.wait_for_holders(starts, what="starting the parameter servers")
+        await self.tasks.wait_for_holders(starts, what="starting the parameter servers")
 
     #: No end marker yet: until every block is consumed, a lost trainer's blocks may still
     #: come back to a trainer out of blocks.

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -20,7 +21,6 @@ from distributed import Client, Future
 from distributed.comm import CommClosedError
 
 from dask_train.data._blocks import BlockSet, SpreadValidation
-from dask_train.data._stall import wait_futures
 from dask_train.engines._events import Block, Epochs, Exit, Leaving, Paused, Progress, from_message
 from dask_train.engines._protocol import Emit, Ending, Engine, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig, TrainSettings
@@ -29,8 +29,8 @@ from dask_train.engines.holders.reach import pull_params_task
 from dask_train.engines.holders.ref import ShardRef
 from dask_train.engines.roles.granting import Granter, pin
 from dask_train.engines.roles.sending import EMBED_MODULE_BYTES, is_lost, send_module
-from dask_train.engines.roles.waiting import gather_watching, raise_if_gone
-from dask_train.errors import RoleFailed, TrainingTimeout, WorkerLost
+from dask_train.engines.roles.waiting import RoleTasks, raise_role_error
+from dask_train.errors import TrainingTimeout, WorkerLost
 from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
@@ -80,6 +80,13 @@ class RoleEngine(Engine):
         # scheduler, held by dask-train's plugin, reached directly until the hand-over ends.
         self.leaving_workers: set[str] = set()
         self.shards = self.make_shards()
+        # Every wait on this generation's role tasks, and its holders' file writes.
+        # Nothing of it points back at the engine (a weak method for the holders): a cycle
+        # would keep the generation's futures until the collector ran.
+        self.tasks = RoleTasks(client, job=job, timeout=spec.timeout,
+                               pin=functools.partial(pin, client, job),
+                               leaving=self.leaving_workers,
+                               holders=weakref.WeakMethod(self.default_holders))
         self.emit: Emit = lambda event: None
         self.granter = Granter(client=client, blocks=blocks, ledger=self.ledger, job=job, seed=spec.seed,
                                shuffle=spec.shuffle, trainers=trainers, ahead=spec.blocks_ahead,
@@ -183,25 +190,6 @@ class RoleEngine(Engine):
             run_scorer, self.module_f, val_f, address=address, key=f"dt-scorer{suffix}",
             job=self.job, shards=self.shards, config=config)
         self.roles = self.roles.replace("scorer", [address])
-
-    async def wait_for(self, futures: list[Future], *, what: str) -> None:
-        """Wait for role tasks, bounded by the timeout; a task's error becomes RoleFailed."""
-        try:
-            await wait_futures(futures, timeout=self.spec.timeout)
-        except TimeoutError:
-            raise TrainingTimeout(
-                f"{what} took longer than timeout={self.spec.timeout:g} s; check that the workers "
-                "are alive (dashboard) or raise timeout="
-            ) from None
-        for fut in futures:
-            if fut.status == "error":
-                await self.raise_role_error(fut, what)
-
-    async def raise_role_error(self, fut: Future, role: str) -> None:
-        """Raise :class:`RoleFailed` with the role's own exception and traceback as the cause."""
-        exc = await fut.exception()
-        tb = await fut.traceback()
-        raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
 
     # -- feeding ----------------------------------------------------------------------------------
     def live(self) -> list[int]:
@@ -318,7 +306,7 @@ class RoleEngine(Engine):
             own = [i for i, e in errors.items() if not isinstance(e, _PEER_ERRORS)]
             if own or (errors and attempt == 20):
                 i = (own or sorted(errors))[0]
-                await self.raise_role_error(futs[i], f"trainer-{i} on {self.roles['trainer'][i]}")
+                await raise_role_error(futs[i], f"trainer-{i} on {self.roles['trainer'][i]}")
             if not errors:
                 break
             # Only lost connections: usually a peer's worker died (a server, a rank): wait for
@@ -329,7 +317,7 @@ class RoleEngine(Engine):
         granter = self.granter
         for _trainer, fut in granter.feeds:
             if fut.status == "error":
-                await self.raise_role_error(fut, f"feeding block task {fut.key}")
+                await raise_role_error(fut, f"feeding block task {fut.key}")
         granter.refeed_cancelled()
         granter.forget_done()
         return []
@@ -432,85 +420,17 @@ class RoleEngine(Engine):
     async def save(self, *, directory: str, paths: Callable[[int], str],
                    metadata: Mapping[str, str]) -> list[dict[str, Any]]:
         """Each parameter holder writes its own file, in parallel, atomically."""
-        written = await self.write_holders(
+        written = await self.tasks.write_holders(
             [(ref.index, ref.address, {**metadata, "start": str(ref.start),
                                        "stop": str(ref.stop)}) for ref in self.shards],
             paths=paths, directory=directory)
         return [{**written[ref.index], "index": ref.index, "start": ref.start, "stop": ref.stop}
                 for ref in self.shards]
 
-    async def write_holders(self, holders: list[tuple[int, str, dict[str, str]]], *,
-                            paths: Callable[[int], str], directory: str) -> dict[int, Any]:
-        """Have each ``(index, address, metadata)`` holder write its file, in parallel: by a
-        pinned task, or by a direct call on a leaving worker (out of the scheduler's reach; its
-        failure fails the hand-over). Index -> the holder's record."""
-        direct = [(i, a, m) for i, a, m in holders if a in self.leaving_workers]
-        pinned = [(i, a, m) for i, a, m in holders if a not in self.leaving_workers]
-        futures = [self.pinned(worker_side.save_shard_task, address=a,
-                               key=f"dt-save-{time.monotonic_ns()}-{i}", job=self.job, index=i,
-                               path=paths(i), metadata=m) for i, a, m in pinned]
-        records = await asyncio.gather(*(asyncio.wait_for(run_direct(
-            self.client, worker_side.save_shard_direct, job=self.job, index=i, path=paths(i),
-            metadata=m, address=a), timeout=self.spec.timeout) for i, a, m in direct))
-        written = dict(zip([i for i, _, _ in direct], records))
-        if not futures:
-            return written
-        gather = asyncio.ensure_future(self.gather_from_holders(
-            futures, what=f"writing checkpoint {directory}"))
-        try:
-            while not await _done_within(gather, 0.1):
-                if {a for _, a, _ in pinned} & self.leaving_workers:
-                    # A holder gave notice while its task waited: a worker closing without
-                    # retiring (SIGTERM to `dask worker`) stays in the scheduler's list but
-                    # runs no new task, and the write waited for it until the nanny killed
-                    # it (a hand-over lost). Write again, that holder by a direct call: the
-                    # trainers are still paused, so the files are the same.
-                    gather.cancel()
-                    await self.client.cancel(futures, asynchronous=True)
-                    logger.info("job %s: a holder of checkpoint %s is leaving; its file is "
-                                "written by a direct call", self.job, directory)
-                    return {**written, **await self.write_holders(pinned, paths=paths,
-                                                                  directory=directory)}
-            written.update(zip([i for i, _, _ in pinned], gather.result()))
-        except asyncio.CancelledError:
-            # A write given up (a dt.run report's copy when its generation ends): its tasks
-            # go now, while this loop runs, not when the client closes at the program's
-            # exit (their done callbacks then meet a closed executor: an ERROR line).
-            gather.cancel()
-            await self.client.cancel(futures, asynchronous=True)
-            raise
-        return written
-
-    async def wait_for_holders(self, futures: list[Future], *, what: str,
-                               holders: Mapping[str, str] | None = None) -> None:
-        """``wait_for`` role tasks (starting, saving, stopping), giving up with WorkerLost as
-        soon as the worker of one of ``holders`` (address -> role; default: the parameter
-        holders, whose tasks are then released) is gone: a task pinned to a worker that left
-        would wait until the timeout, and the loss is the controller's to act on."""
-        deadline = time.monotonic() + self.spec.timeout
-        release = holders is None
-        holders = self._holders(holders)
-        while True:
-            try:
-                await wait_futures(futures, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                break
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    break  # wait_for below raises TrainingTimeout
-                await raise_if_gone(self.client, holders, futures if release else [], what)
-        await self.wait_for(futures, what=what)
-
-    async def gather_from_holders(self, futures: list[Future], *, what: str,
-                                  holders: Mapping[str, str] | None = None) -> list[Any]:
-        """:meth:`wait_for_holders`, then the results (see :func:`.waiting.gather_watching`)."""
-        await self.wait_for_holders(futures, what=what, holders=holders)
-        return await gather_watching(self.client, futures, what=what,
-                                     holders=self._holders(holders), release=holders is None,
-                                     timeout=self.spec.timeout)
-
-    def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
-        """``holders``, by default the parameter holders' addresses -> roles."""
-        return holders or {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
+    def default_holders(self) -> Mapping[str, str]:
+        """The holders a wait on role tasks watches unless told others: the parameter holders'
+        addresses -> roles."""
+        return {ref.address: f"parameter holder {ref.index}" for ref in self.shards}
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:
@@ -530,7 +450,7 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.signal_stop, self.job,
                           leaving=self.leaving_workers, workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
-        trainers = await self.gather_from_holders(live, what="stopping the trainers", holders={
+        trainers = await self.tasks.gather_from_holders(live, what="stopping the trainers", holders={
             self.roles["trainer"][i]: f"trainer-{i}" for i in self.live()})
         await self._drain_events()
         final = None
@@ -539,7 +459,7 @@ class RoleEngine(Engine):
                 await run_on_live(self.client, worker_side.signal_stop, self.job, scorer=True,
                                   keep_step=None, leaving=self.leaving_workers,
                                   workers=self.roles["scorer"])
-            [final] = await self.gather_from_holders(
+            [final] = await self.tasks.gather_from_holders(
                 [self.scorer_future], what="the final score",
                 holders={self.roles["scorer"][0]: "scorer-0"})
         parts = await self._pull_final()
@@ -563,7 +483,7 @@ class RoleEngine(Engine):
                              job=self.job, index=ref.index) for ref in listed]
         parts: dict[int, Any] = {}
         if pulls:
-            got = await self.gather_from_holders(
+            got = await self.tasks.gather_from_holders(
                 pulls, what="pulling the final parameters",
                 holders={ref.address: f"parameter holder {ref.index}" for ref in listed})
             parts.update(zip((ref.index for ref in listed), got))
@@ -623,9 +543,3 @@ class RoleEngine(Engine):
         await run_on_live(self.client, worker_side.drop_job, self.job,
                           leaving=self.leaving_workers,
                           workers=sorted(set(self.roles.addresses) | set(holders)))
-
-
-async def _done_within(task: asyncio.Future[Any], seconds: float) -> bool:
-    """Whether ``task`` is done within ``seconds`` (it is not cancelled when not)."""
-    await asyncio.wait({task}, timeout=seconds)
-    return task.done()

@@ -35,6 +35,7 @@ from dask_train.engines._protocol import Emit, Ending, Reporting, Snapshot
 from dask_train.engines._spec import JobSpec, RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.ref import ShardRef
+from dask_train.engines.roles.waiting import raise_role_error
 from dask_train.engines.run.context import RunSettings
 from dask_train.engines.run.rank import run_user_rank
 from dask_train.engines.torch_sync.engine import TorchSyncEngine
@@ -229,7 +230,7 @@ class RunEngine(TorchSyncEngine, Reporting):
                                  "next_epoch": report.next_epoch, "files": files}}]
         # The writer's reported state, as the job writes every checkpoint's tensors: one file,
         # index 0 (the format a Trainer's sync job writes, with no parameter range).
-        written = await self.write_holders(
+        written = await self.tasks.write_holders(
             [(0, self.writer_address, {**metadata, "start": "0", "stop": "0"})],
             paths=paths, directory=directory)
         return [{**written[0], "samples": samples, "index": 0, "start": 0, "stop": 0}]
@@ -267,9 +268,9 @@ class RunEngine(TorchSyncEngine, Reporting):
             return None
         return snapshot, holders[self.writer]
 
-    def _holders(self, holders: Mapping[str, str] | None) -> Mapping[str, str]:
-        """``holders``, by default the rank whose reported state a checkpoint writes."""
-        return holders or {self.writer_address: f"rank {self.writer} (its reported state)"}
+    def default_holders(self) -> Mapping[str, str]:
+        """The rank whose reported state a checkpoint writes."""
+        return {self.writer_address: f"rank {self.writer} (its reported state)"}
 
     # -- failures ---------------------------------------------------------------------------------
     async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
@@ -287,7 +288,7 @@ class RunEngine(TorchSyncEngine, Reporting):
                 fut = self.trainer_futures[i]
                 where = f"rank {i} on {self.roles['trainer'][i]}"
                 if fut.status == "error":
-                    await self.raise_role_error(fut, where)
+                    await raise_role_error(fut, where)
                 raise RoleFailed(f"{where} lost a peer ({self.peer_errors[i]}), but no worker "
                                  "left the cluster: see the other ranks' worker logs")
             await asyncio.sleep(0.2)
@@ -324,7 +325,7 @@ class RunEngine(TorchSyncEngine, Reporting):
         await run_on_live(self.client, worker_side.signal_stop, self.job,
                           workers=self.roles.addresses)
         live = [self.trainer_futures[i] for i in self.live()]
-        await self.wait_for(live, what="waiting for the ranks' functions to return")
+        await self.tasks.wait(live, what="waiting for the ranks' functions to return")
         ranks = [await f for f in live]
         await self._drain_events()
         return Ending(params=None, steps=max((r["steps"] for r in ranks), default=0),
