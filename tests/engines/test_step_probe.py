@@ -49,11 +49,14 @@ def _run(client: Client, mode: str, world: int, *, module: torch.nn.Module | Non
 def test_each_candidate_steps_on_real_workers_and_leaves_no_segment(client: Client, mode: str,
                                                                      world: int) -> None:
     before = _probe_segments(client)
-    rates = _run(client, mode, world)
+    # Sync ranks run the same rounds, each timed from its own start: a rank whose task started
+    # late (a loaded machine) adds its delay to the other's time, and 0.5 s keeps that small.
+    rates = _run(client, mode, world, duration_s=0.5 if mode == "sync" else 0.05)
     assert len(rates) == world and all(r > 0 and np.isfinite(r) for r in rates), rates
-    # A step of a 2.4k-parameter MLP on 64 rows takes well under 10 ms, even on a loaded
-    # machine: a rate this low would mean the step was not what ran.
-    assert min(rates) > 100, rates
+    # A step of a 2.4k-parameter MLP on 64 rows takes about a millisecond here, and 11 ms with
+    # two sync ranks on a 2-core machine running another test suite beside (87 steps/s): a rate
+    # under 20 would mean the step was not what ran.
+    assert min(rates) > 20, rates
     if mode == "sync":
         # Lockstep: both ranks ran the same rounds over nearly the same time.
         assert max(rates) / min(rates) < 1.5, rates
