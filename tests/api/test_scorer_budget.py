@@ -48,7 +48,13 @@ def test_a_slow_metric_is_scored_less_often_within_the_scorers_budget(client: Cl
                         client=client).fit(X, y, validation=dt.datasets.digits_test())
     scorer = result.scorer
     assert scorer["budget"] == pytest.approx(1 / 3)  # "auto": 1 / (2 trainers + 1)
-    assert scorer["scores"] >= 1 and scorer["skipped"] > scorer["scores"]
+    # Scored less often than asked: every 0.05 s asks for a score, and at 0.1 CPU-s each a
+    # third of a core allows at most one in six (plus the first). How many asks the scorer saw
+    # and skipped depends on how often its loop ran: a loaded machine ran it less (7 scores, 5
+    # skipped, with another suite beside); it skipped some, however loaded.
+    asked = scorer["wall_s"] / 0.05
+    assert scorer["scores"] >= 1 and scorer["skipped"] >= 1
+    assert scorer["scores"] <= asked / 3, (scorer, asked)
     # Its CPU is measured: every score burned COST_S, the final one included.
     assert scorer["cpu_s"] >= COST_S * (scorer["scores"] + 1) - 1e-6
     # Within the budget: before each score the CPU spent was at most a third of the time run,
