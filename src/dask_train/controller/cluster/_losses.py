@@ -18,7 +18,7 @@ from distributed import Client
 
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState
-from dask_train.engines._protocol import Elastic, Ending, Engine, Survivable
+from dask_train.engines._protocol import Elastic, Ending, Engine, Reporting, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
@@ -73,8 +73,8 @@ class Losses:
             live_trainers=max(0, live), live_workers=len(alive),
             has_checkpoint=has_checkpoint,
             survivors_hold_state=isinstance(engine, Survivable), notice=notice,
-            independent_trainers=engine.independent_trainers,
-            reports_state=not engine.schedules_checkpoints)
+            independent_trainers=isinstance(engine, Elastic),
+            reports_state=isinstance(engine, Reporting))
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,

@@ -67,8 +67,6 @@ class RunEngine(TorchSyncEngine, Reporting):
     """
 
     strategy = "run"
-    schedules_checkpoints = False
-    keeps_scored = False
 
     def __init__(self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, *,
                  job: str, restore: Mapping[str, Any] | None, fn_blob: bytes, run: RunSettings,
