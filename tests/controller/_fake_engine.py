@@ -26,6 +26,7 @@ from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._cluster_view import ClusterView
 
 N_PARAMS = 4
 ROWS = 100  # training rows per epoch: a score after 250 samples is at epoch 2.5
@@ -128,7 +129,7 @@ class FakeEngine(Engine):
         return [{"epoch": 0, "block": 0, "consumed": self.samples}]
 
     # -- failures -----------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
+    async def failures(self, view: ClusterView) -> list[Failure]:
         elapsed = time.monotonic() - self.t0
         due = [i for i, f in enumerate(self.faults) if i not in self.reported
                and elapsed >= f.at and self.saves >= f.after_saves

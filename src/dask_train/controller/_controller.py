@@ -430,7 +430,7 @@ class Controller:
         needs a new generation, if any."""
         await self.placement.saw(view)
         alive = view.alive()
-        failures = await engine.failures(alive)
+        failures = await engine.failures(view)
         gone = {f.worker for f in failures if f.worker not in alive}
         if gone - engine.leaving():
             await self.hand_overs.wait_for_notices(engine, gone)

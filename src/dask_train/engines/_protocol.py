@@ -29,6 +29,7 @@ from typing import Any
 from dask_train.engines._events import Event
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
+from dask_train.runtime._cluster_view import ClusterView
 
 Emit = Callable[[Event], None]
 
@@ -106,8 +107,9 @@ class Engine(ABC):
         """One row per (epoch, block) handed out, for ``FitResult.ledger``."""
 
     # -- failures ---------------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
-        """Roles whose worker left ``alive`` (address -> threads), or that raised."""
+    async def failures(self, view: ClusterView) -> list[Failure]:
+        """Roles whose worker ``view`` (the controller's listing of this pass) no longer lists,
+        or that raised."""
         return []
 
     def live_trainers(self) -> int:

@@ -24,6 +24,7 @@ from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._scope import current_scope
 from dask_train.runtime._calls import alive_workers, asked_to_retire
+from dask_train.runtime._cluster_view import look
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +150,9 @@ class Losses:
     async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
         """The roles whose worker has left the cluster, and the live workers (waited for a
         while when none is left, see :meth:`workers_back`)."""
-        alive = await alive_workers(client)
-        lost = [f for f in await engine.failures(alive) if f.worker not in alive]
+        view = await look(client)
+        alive = view.alive()
+        lost = [f for f in await engine.failures(view) if f.worker not in alive]
         if lost:
             alive = await self.workers_back(client, alive)
         return lost, alive
