@@ -26,6 +26,7 @@ from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 from dask_train.policy._settings import OptimizerSettings
 from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._cluster_view import ClusterView
 
 N_PARAMS = 4
 ROWS = 100  # training rows per epoch: a score after 250 samples is at epoch 2.5
@@ -44,8 +45,10 @@ class Fault:
     stopping: bool = False
 
 
-class FakeEngine(Engine, Elastic):
-    """One generation in memory: scripted events, failures, pauses, saves and an ending.
+class FakeEngine(Engine):
+    """One generation in memory: scripted events, failures, pauses, saves and an ending; a
+    sync engine's (its trainers a group: a lost one is a restart). :class:`ElasticFakeEngine`
+    is the async-ps one.
 
     ``calls`` records what the controller asked, in order (``"pause 1"``, ``"snapshot 1"``: the
     pause was answered, ``"save <checkpoint directory name>"``, ``"stop <keep_step>"``, ...).
@@ -53,13 +56,12 @@ class FakeEngine(Engine, Elastic):
 
     def __init__(self, script: Iterable[tuple[float, Event]] = (), *, ends_at: float | None = None,
                  faults: Sequence[Fault] = (), final_score: dict[str, float] | None = None,
-                 strategy: str = "sync", answers_pauses: int | None = None, pause_polls: int = 1,
+                 answers_pauses: int | None = None, pause_polls: int = 1,
                  start_error: Exception | None = None, stop_error: Exception | None = None,
                  leaving: Iterable[str] = ()) -> None:
         self.script = sorted(script, key=lambda entry: entry[0])
         self.ends_at, self.faults, self.final_score = ends_at, list(faults), final_score
-        self.strategy, self.answers_pauses, self.pause_polls = strategy, answers_pauses, pause_polls
-        self.independent_trainers = strategy == "async-ps"  # as the async-ps engine's trainers
+        self.answers_pauses, self.pause_polls = answers_pauses, pause_polls
         self.start_error, self.stop_error = start_error, stop_error
         # Workers that announced they leave, as ``leaving()`` says once the start failed or
         # the stop began: a notice while the engine runs is a hand-over (test_departures.py).
@@ -70,7 +72,8 @@ class FakeEngine(Engine, Elastic):
         self.step = self.samples = self.epochs = self.saves = 0
         self.scored: dict[int, np.ndarray] = {}
         self.pending = self.polls = 0
-        self.adopted_while_paused = 0  # adopt_workers calls with a pause outstanding
+        self.adoptions = 0  # adopt_workers calls (an ElasticFakeEngine's)
+        self.adopted_while_paused = 0  # of them, those with a pause outstanding
         self.reported: set[int] = set()
         self.stopped = False
         self.t0 = 0.0
@@ -126,7 +129,7 @@ class FakeEngine(Engine, Elastic):
         return [{"epoch": 0, "block": 0, "consumed": self.samples}]
 
     # -- failures -----------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
+    async def failures(self, view: ClusterView) -> list[Failure]:
         elapsed = time.monotonic() - self.t0
         due = [i for i, f in enumerate(self.faults) if i not in self.reported
                and elapsed >= f.at and self.saves >= f.after_saves
@@ -134,15 +137,8 @@ class FakeEngine(Engine, Elastic):
         self.reported.update(due)
         return [self.faults[i].failure for i in due]
 
-    async def retire_trainer(self, index: int) -> None:
-        self.calls.append(f"retire {index}")
-
     def leaving(self) -> set[str]:
         return set(self.noticed) if self.stopped or self.start_error is not None else set()
-
-    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
-        # Kept apart from ``calls``: the controller asks at every pass.
-        self.adopted_while_paused += bool(self.pending)
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         self.calls.append(f"replace scorer on {len(alive)} worker(s)")
@@ -203,6 +199,21 @@ class FakeEngine(Engine, Elastic):
         self.calls.append("close")
         if self.feeder is not None:
             self.feeder.cancel()
+
+
+class ElasticFakeEngine(FakeEngine, Elastic):
+    """As :class:`FakeEngine`, with the async-ps engine's independent trainers: a lost one is
+    retired (the job goes on), a joined worker adopted."""
+
+    strategy = "async-ps"
+
+    async def retire_trainer(self, index: int) -> None:
+        self.calls.append(f"retire {index}")
+
+    async def adopt_workers(self, alive: Mapping[str, int]) -> None:
+        # Kept apart from ``calls``: the controller asks at every pass.
+        self.adoptions += 1
+        self.adopted_while_paused += bool(self.pending)
 
 
 # -- driving the real controller -------------------------------------------------------------------

@@ -10,6 +10,7 @@ from _fake_engine import (  # noqa: E402
     FD,
     RS,
     E,
+    ElasticFakeEngine,
     F,
     FakeEngine,
     Fault,
@@ -97,16 +98,15 @@ def test_a_lost_worker_counts_once_whatever_roles_it_held() -> None:
     lost, other = "tcp://10.0.0.6:4000", "tcp://10.0.0.7:4000"
     faults = [Fault(Failure("trainer", 1, lost, "removed from the scheduler")),
               Fault(Failure("scorer", 0, lost, "removed from the scheduler"))]
-    engine = FakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))], ends_at=0.1,
-                        strategy="async-ps", faults=faults)
+    engine = ElasticFakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))],
+                               ends_at=0.1, faults=faults)
     spec = _spec(strategy="async-ps", failure=FailureConfig(max_failures=1))
     outcome = _ok(_run([engine], spec, roles={"ps": 1, "trainer": 2, "scorer": 1}))
     assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
         [("trainer-1", "continue", 1), ("scorer-0", "replace", 1)]
 
     faults.append(Fault(Failure("scorer", 0, other, "the scorer raised ValueError: boom")))
-    engine = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
-                        faults=faults)
+    engine = ElasticFakeEngine([(0.0, Progress(step=4))], ends_at=5.0, faults=faults)
     run = _run([engine], spec, roles={"ps": 1, "trainer": 2, "scorer": 1})
     assert isinstance(run.error, WorkerLost) and run.error.worker == other
     assert "failure 2 is more than max_failures=1" in str(run.error)
@@ -117,18 +117,16 @@ def test_a_server_and_a_trainer_lost_in_one_pass_are_both_recorded() -> None:
     # the job, and the trainer's is still a failure of its own, counted against max_failures.
     faults = [Fault(Failure("ps", 0, "tcp://10.0.0.3:4000", "removed from the scheduler")),
               Fault(Failure("trainer", 1, "tcp://10.0.0.6:4000", "removed from the scheduler"))]
-    first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
-                       faults=faults)
-    second = FakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))], ends_at=0.1,
-                        strategy="async-ps")
+    first = ElasticFakeEngine([(0.0, Progress(step=4))], ends_at=5.0, faults=faults)
+    second = ElasticFakeEngine([(0.0, Progress(step=5)), (0.05, Epochs(completed=1))],
+                               ends_at=0.1)
     roles = {"ps": 1, "trainer": 2}
     outcome = _ok(_run([first, second], _spec(strategy="async-ps"), roles=roles))
     assert [(f["role"], f["action"], f["loss"]) for f in outcome.log.failures] == \
         [("ps-0", "restart", 1), ("trainer-1", "continue", 2)]
     assert outcome.log.generations == 2
 
-    first = FakeEngine([(0.0, Progress(step=4))], ends_at=5.0, strategy="async-ps",
-                       faults=faults)
+    first = ElasticFakeEngine([(0.0, Progress(step=4))], ends_at=5.0, faults=faults)
     run = _run([first], _spec(strategy="async-ps", failure=FailureConfig(max_failures=1)),
                roles=roles)
     assert isinstance(run.error, WorkerLost) and run.error.role == "trainer-1"
@@ -161,10 +159,11 @@ def test_a_server_lost_while_the_roles_stop_restarts_and_the_next_generation_fin
     lost = Failure("ps", 0, "tcp://10.0.0.3:4000", "removed from the scheduler")
     error = WorkerLost("pulling the final parameters: parameter holder 0's worker left",
                        worker=lost.worker, role="ps-0")
-    first = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
-                       strategy="async-ps", stop_error=error, faults=[Fault(lost, stopping=True)])
-    second = FakeEngine([(0.0, Progress(step=3)), (0.05, Epochs(completed=1))], ends_at=0.1,
-                        strategy="async-ps")
+    first = ElasticFakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))],
+                              ends_at=0.05, stop_error=error,
+                              faults=[Fault(lost, stopping=True)])
+    second = ElasticFakeEngine([(0.0, Progress(step=3)), (0.05, Epochs(completed=1))],
+                               ends_at=0.1)
     outcome = _ok(run := _run([first, second], _spec(strategy="async-ps"),
                               roles={"ps": 1, "trainer": 1}))
 
@@ -178,8 +177,9 @@ def test_a_scorer_lost_while_the_roles_stop_is_replaced_and_the_job_stops() -> N
     lost = Failure("scorer", 0, "tcp://10.0.0.5:4000", "removed from the scheduler")
     error = WorkerLost("the final score: scorer-0's worker left", worker=lost.worker,
                        role="scorer-0")
-    engine = FakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))], ends_at=0.05,
-                        strategy="async-ps", stop_error=error, faults=[Fault(lost, stopping=True)])
+    engine = ElasticFakeEngine([(0.0, Progress(step=2)), (0.02, Epochs(completed=1))],
+                               ends_at=0.05, stop_error=error,
+                               faults=[Fault(lost, stopping=True)])
     outcome = _ok(run := _run([engine], _spec(strategy="async-ps"),
                               roles={"ps": 1, "trainer": 1, "scorer": 1}))
 

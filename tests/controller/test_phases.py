@@ -23,6 +23,7 @@ from _fake_engine import (  # noqa: E402
     RS,
     C,
     E,
+    ElasticFakeEngine,
     F,
     FakeEngine,
     Fault,
@@ -327,13 +328,15 @@ def test_trainers_that_never_pause_end_the_job_with_training_timeout(tmp_path: P
 def test_no_worker_is_adopted_while_the_trainers_are_paused(tmp_path: Path) -> None:
     """A trainer started during a checkpoint's pause never gets the pause request: workers that
     joined are adopted only while the job runs, never while it waits for the pauses."""
-    engine = FakeEngine([(0.0, Progress(step=1)), (0.3, Progress(step=2))], ends_at=0.6,
-                        pause_polls=5)
-    spec = _spec(checkpoint=CheckpointConfig(tmp_path, every_seconds=None, every_steps=1))
+    # The pause takes 120 passes (over 1.2 s): the roles are looked at once a second, so at
+    # least once during it; the job runs on past the next look, which adopts.
+    engine = ElasticFakeEngine([(0.0, Progress(step=1))], ends_at=3.0, pause_polls=120)
+    spec = _spec(strategy="async-ps", timeout=10.0,
+                 checkpoint=CheckpointConfig(tmp_path, every_seconds=None, every_steps=1))
     _ok(_run([engine], spec))
 
-    assert "snapshot 1" in engine.calls  # a pause took several passes of the controller
-    assert engine.adopted_while_paused == 0
+    assert "snapshot 1" in engine.calls
+    assert engine.adoptions > 0 and engine.adopted_while_paused == 0
 
 
 # -- failures and generations ----------------------------------------------------------------------
@@ -380,8 +383,8 @@ def test_a_failure_beyond_max_failures_raises_the_typed_error(tmp_path: Path) ->
 
     config = CheckpointConfig(tmp_path, every_seconds=None, every_steps=1)
     _earlier_checkpoint(config, step=1)  # the first loss restarts from it
-    first = FakeEngine(strategy="async-ps", faults=[Fault(lost(1))])
-    second = FakeEngine(strategy="async-ps", faults=[Fault(lost(2))])
+    first = ElasticFakeEngine(faults=[Fault(lost(1))])
+    second = ElasticFakeEngine(faults=[Fault(lost(2))])
     spec = _spec(strategy="async-ps", failure=FailureConfig(max_failures=1), checkpoint=config)
     run = _run([first, second], spec, resume=True, roles={"ps": 1, "trainer": 1})
 
@@ -430,8 +433,8 @@ def test_a_lost_sync_rank_before_any_checkpoint_restarts_from_the_start() -> Non
 def test_a_lost_scorer_is_replaced_and_a_lost_async_trainer_retired() -> None:
     scorer = Failure("scorer", 0, "tcp://10.0.0.5:4000", "raised")
     trainer = Failure("trainer", 1, "tcp://10.0.0.6:4000", "removed from the scheduler")
-    engine = FakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))], ends_at=0.1,
-                        strategy="async-ps", faults=[Fault(scorer), Fault(trainer)])
+    engine = ElasticFakeEngine([(0.0, Progress(step=4)), (0.05, Epochs(completed=1))],
+                               ends_at=0.1, faults=[Fault(scorer), Fault(trainer)])
     run = _run([engine], _spec(strategy="async-ps"), roles={"ps": 1, "trainer": 2, "scorer": 1})
     outcome = _ok(run)
 
@@ -508,10 +511,9 @@ def test_a_loss_seen_with_the_stopping_score_keeps_what_the_stop_claims(tmp_path
     _earlier_checkpoint(config, step=4)
     lost = Failure("ps", 0, "tcp://10.0.0.8:4000", "removed from the scheduler")
     # The score is read in the same controller iteration as the first look at the roles.
-    first = FakeEngine([(0.0, _score(7, accuracy=0.95)), (0.0, Progress(step=9))],
-                       strategy="async-ps", faults=[Fault(lost)])
-    second = FakeEngine([(0.0, Progress(step=8)), (0.05, _score(8, accuracy=0.96))],
-                        strategy="async-ps")
+    first = ElasticFakeEngine([(0.0, _score(7, accuracy=0.95)), (0.0, Progress(step=9))],
+                              faults=[Fault(lost)])
+    second = ElasticFakeEngine([(0.0, Progress(step=8)), (0.05, _score(8, accuracy=0.96))])
     spec = _spec(strategy="async-ps", stop=[StopAtScore("accuracy", 0.9)], checkpoint=config)
     outcome = _ok(_run([first, second], spec, resume=True, roles={"ps": 1, "trainer": 1}))
 

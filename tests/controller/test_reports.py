@@ -1,10 +1,10 @@
 """A ``dt.run`` job's reports (``controller._reports.Reports``), without a cluster.
 
-A small in-memory engine that reports, as ``dt.run``'s does (``schedules_checkpoints`` False, and
-:class:`~dask_train.engines._protocol.Reporting`), writes its state through the real checkpoint
-store in a temporary directory; the tests assert what each report leads to: the checkpoint it
-carries written before its ranks go on, a copy of its state kept after they went on, a hand-over
-taken at it, the last one written as the job finishes.
+A small in-memory engine that reports, as ``dt.run``'s does (a
+:class:`~dask_train.engines._protocol.Reporting` engine), writes its state through the real
+checkpoint store in a temporary directory; the tests assert what each report leads to: the
+checkpoint it carries written before its ranks go on, a copy of its state kept after they went
+on, a hand-over taken at it, the last one written as the job finishes.
 """
 
 from __future__ import annotations
@@ -34,14 +34,12 @@ from dask_train.policy._placement import Roles
 NO_CLUSTER = cast(Client, None)
 
 
-class RanksEngine(Engine):
+class Ranks(Engine):
     """Ranks waiting at their reports: ``paused(id)`` is the report's snapshot, ``save`` writes
     one small file (or raises ``save_error`` once, or waits for ``gate``); ``calls`` records what
-    was asked, in order."""
+    was asked, in order. What reports is :class:`RanksEngine`."""
 
     strategy = "run"
-    schedules_checkpoints = False
-    keeps_scored = False
 
     def __init__(self, *, step: int = 7, leaving: set[str] | None = None) -> None:
         self.roles = Roles({"trainer": ["tcp://a:1", "tcp://b:1"]})
@@ -108,7 +106,15 @@ class RanksEngine(Engine):
         self.calls.append("close")
 
 
-class OneHolder(RanksEngine, Reporting):
+class RanksEngine(Ranks, Reporting):
+    """:class:`Ranks` that report, as ``dt.run``'s: the controller never pauses them on a
+    schedule; the newest report's state is held twice (no copy of it is kept)."""
+
+    def report_copy(self) -> tuple[Snapshot, int] | None:
+        return None
+
+
+class OneHolder(RanksEngine):
     """As :class:`RanksEngine`, with the newest report's state on one worker alone."""
 
     def report_copy(self) -> tuple[Snapshot, int] | None:
@@ -297,11 +303,7 @@ def test_a_forgotten_report_is_not_written_at_the_end(tmp_path: Path) -> None:
 def test_an_engine_that_schedules_its_checkpoints_has_no_report_at_the_end(
         tmp_path: Path) -> None:
     job = Job(tmp_path, checkpoint=True)
-
-    class Scheduled(RanksEngine):
-        schedules_checkpoints = True
-
-    engine = Scheduled()
+    engine = Ranks()  # no Reporting engine: the controller schedules its checkpoints
     drained: list[int] = []
     asyncio.run(job.reports.at_finish(engine, drain=lambda: bool(drained.append(1)),
                                       manifest=job.manifest))

@@ -46,7 +46,7 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Elastic, Ending, Engine
+from dask_train.engines._protocol import Elastic, Ending, Engine, Regrouping, Reporting
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
@@ -348,7 +348,7 @@ class Controller:
     def on_score(self, event: Score) -> None:
         """A score: a history record, a progress update, callbacks and stop conditions."""
         if self.state.stop_step is not None and event.step > self.state.stop_step and \
-                self.engine is not None and self.engine.keeps_scored:
+                self.engine is not None and not isinstance(self.engine, Reporting):
             # The scorer runs ahead of this loop on a loaded machine: scores of later steps may
             # be queued behind the one that stopped the job. The result holds the parameters of
             # the stopping score, so the history ends with it.
@@ -430,7 +430,7 @@ class Controller:
         needs a new generation, if any."""
         await self.placement.saw(view)
         alive = view.alive()
-        failures = await engine.failures(alive)
+        failures = await engine.failures(view)
         gone = {f.worker for f in failures if f.worker not in alive}
         if gone - engine.leaving():
             await self.hand_overs.wait_for_notices(engine, gone)
@@ -501,7 +501,7 @@ class Controller:
         """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
         onto workers that joined (as ``view`` lists them), when its placement would give them
         ranks."""
-        if not may_regroup(grows_by_regroup=engine.grows_by_regroup,
+        if not may_regroup(grows_by_regroup=isinstance(engine, Regrouping),
                            running=self.state.phase is Phase.RUNNING and engine.running(),
                            stopping=bool(self.state.stopped_by),
                            handing_over=self.hand_overs.awaiting is not None,

@@ -29,7 +29,7 @@ from dask_train.controller.cluster._departures import (
     on_this_machine,
     rehold,
 )
-from dask_train.engines._protocol import Ending, Engine, Survivable
+from dask_train.engines._protocol import Ending, Engine, Reporting, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._copies import copies_wanted
@@ -104,7 +104,7 @@ class StateKeeper:
         every = self.spec.copy_every_s
         # A dt.run job's copies are of its reports, written after its ranks went on (see
         # Reports._copy).
-        if not copies_wanted(every, schedules_checkpoints=engine.schedules_checkpoints,
+        if not copies_wanted(every, schedules_checkpoints=not isinstance(engine, Reporting),
                              recovers_from_survivors=isinstance(engine, Survivable),
                              has_checkpoint_store=self.checkpoints is not None,
                              checkpointed=self.checkpointed):
@@ -150,7 +150,7 @@ class StateKeeper:
         """One pass's work: start a pause when a checkpoint or copy is due, write it once every
         trainer is paused, then end the pause."""
         state = self.state
-        if not engine.schedules_checkpoints or self.checkpoints is None and self.copies is None:
+        if isinstance(engine, Reporting) or self.checkpoints is None and self.copies is None:
             return
         if state.phase is Phase.RUNNING:
             # Not once a stop is decided (in this same pass): the final checkpoint follows.
@@ -214,7 +214,7 @@ class StateKeeper:
 
     async def final(self, engine: Engine, ending: Ending) -> None:
         """The job's final checkpoint, in ``checkpoint=``'s store, once its roles stopped."""
-        if self.checkpoints is None or self.state.nan_stop or not engine.schedules_checkpoints:
+        if self.checkpoints is None or self.state.nan_stop or isinstance(engine, Reporting):
             return
         manifest = self.manifest(engine.ledger_state(), ending.rng)
         try:

@@ -1,7 +1,7 @@
 """A ``dt.run`` job's reports: the checkpoint each one carries, then its ranks let go on.
 
 A ``dt.run`` job's ranks, not a schedule, say when to checkpoint (``ctx.report(checkpoint=...)``):
-its engine (:attr:`~dask_train.engines._protocol.Engine.schedules_checkpoints` False) hands the
+its engine (a :class:`~dask_train.engines._protocol.Reporting` one) hands the
 controller a :class:`~dask_train.engines._events.ReportReady` once every rank it waits for has
 reported, every one of them waiting there. :class:`Reports` holds that report until the
 controller's next pass, writes the checkpoint it carries to ``checkpoint=``'s store (or hands the
@@ -107,7 +107,7 @@ class Reports:
         """As the job finishes: the checkpoint of the report every rank waits on, if any, is
         the job's last. ``drain()`` takes the controller's next queued event (False: none
         left), which may be that report (:meth:`take`)."""
-        if engine.schedules_checkpoints:
+        if not isinstance(engine, Reporting):
             return
         # A stop decided while every rank waits on a report (its score stopped the job):
         # the checkpoint it carries is the job's last.

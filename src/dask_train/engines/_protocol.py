@@ -24,11 +24,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from dask_train.engines._events import Event
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
+from dask_train.runtime._cluster_view import ClusterView
 
 Emit = Callable[[Event], None]
 
@@ -69,26 +70,13 @@ class Engine(ABC):
 
     Every ``async`` method runs on the client's event loop and bounds each wait by the job's
     timeout. Methods not marked abstract have the behaviour of an engine without that feature.
+    What only some engines can do is what they are, not a flag: :class:`Elastic`,
+    :class:`Survivable`, :class:`Regrouping`, :class:`Reporting` beside this class.
     """
 
     #: The failure policy's name of this engine's kind ("async-ps", "sync" or "run").
     strategy: str = "sync"
     roles: Roles
-    #: False for an engine whose trainers say when to checkpoint (``dt.run``'s ranks, at a
-    #: ``ctx.report(checkpoint=...)``, see :class:`~._events.ReportReady`): the controller then
-    #: never pauses it on a schedule and writes no final checkpoint of its own.
-    schedules_checkpoints: ClassVar[bool] = True
-    #: True for an engine that takes in workers that joined only in a new generation (sync
-    #: ranks, ``dt.run``): the controller regroups it when its placement would grow.
-    grows_by_regroup: ClassVar[bool] = False
-    #: True for an engine whose trainers go on without a lost one (async-ps: the servers hold
-    #: the state, each trainer reads its own blocks): the failure policy continues the job.
-    independent_trainers: bool = False
-    #: True for an engine whose result, after a score stopped the job, holds the parameters that
-    #: score was taken of (``stop(keep_step=...)``); the scores of later steps still queued then
-    #: describe parameters the result does not hold. False for ``dt.run``: its ranks' final
-    #: state is the result.
-    keeps_scored: ClassVar[bool] = True
 
     @abstractmethod
     async def start(self, emit: Emit) -> None:
@@ -119,8 +107,9 @@ class Engine(ABC):
         """One row per (epoch, block) handed out, for ``FitResult.ledger``."""
 
     # -- failures ---------------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
-        """Roles whose worker left ``alive`` (address -> threads), or that raised."""
+    async def failures(self, view: ClusterView) -> list[Failure]:
+        """Roles whose worker ``view`` (the controller's listing of this pass) no longer lists,
+        or that raised."""
         return []
 
     def live_trainers(self) -> int:
@@ -177,7 +166,8 @@ class Engine(ABC):
 class Elastic(ABC):
     """What an engine whose trainers come and go within a generation answers beside
     :class:`Engine` (async-ps: the servers hold the state, each trainer reads its own blocks):
-    a lost trainer retired, a joined worker given a trainer, no new generation for either."""
+    a lost trainer retired, a joined worker given a trainer, no new generation for either. Its
+    trainers are independent: the failure policy goes on without a lost one."""
 
     @abstractmethod
     async def retire_trainer(self, index: int) -> None:
@@ -201,10 +191,24 @@ class Survivable(ABC):
         (its step, the data position of every trainer at it), or None when none holds one."""
 
 
+class Regrouping:
+    """An engine whose group of trainers is fixed for a generation (sync ranks, ``dt.run``'s: a
+    process group's size is fixed): workers that joined are taken in by a new generation, which
+    the controller starts through a hand-over when the job's placement would grow onto them.
+    A mark only: such an engine answers nothing beyond :class:`Engine` (an :class:`Elastic`
+    engine adopts joined workers instead)."""
+
+
 class Reporting(ABC):
     """What an engine whose ranks report (``dt.run``'s, :class:`~._events.ReportReady`) answers
     beside :class:`Engine`; the controller's reports (``controller._reports``) ask an engine
-    that is one."""
+    that is one.
+
+    Its ranks, not a schedule, say when to checkpoint (at a ``ctx.report(checkpoint=...)``):
+    the controller never pauses it on a schedule and writes no final checkpoint of its own.
+    And its ranks' final state is its result: after a score stopped the job, the scores of
+    later steps still queued are recorded (another engine's result holds the parameters that
+    score was taken of, ``stop(keep_step=...)``, and those later scores are left out)."""
 
     @abstractmethod
     def report_copy(self) -> tuple[Snapshot, int] | None:

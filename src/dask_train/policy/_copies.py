@@ -56,7 +56,7 @@ def copies_wanted(every_s: float, *, schedules_checkpoints: bool, recovers_from_
     (``has_checkpoint_store``), only an engine the controller pauses for checkpoints and until
     its first checkpoint is written (``checkpointed``: a server killed before it would otherwise
     cost more with checkpoints on than off). An engine whose ranks report their state
-    (``dt.run``: not ``schedules_checkpoints``) keeps copies of its reports without
+    (``dt.run``: not ``schedules_checkpoints``, a ``Reporting`` engine) keeps copies of its reports without
     ``checkpoint=``; with it, each report's state is written there.
 
     Parameters
@@ -64,7 +64,8 @@ def copies_wanted(every_s: float, *, schedules_checkpoints: bool, recovers_from_
     every_s : float
         ``dask-train.copy-every``: seconds between copies, 0 for none.
     schedules_checkpoints, recovers_from_survivors : bool
-        The engine's flags of the same names.
+        Whether the controller pauses the engine for checkpoints (it is no ``Reporting``
+        engine), and whether its surviving trainers hold the state (a ``Survivable`` one).
     has_checkpoint_store : bool
         Whether the job has ``checkpoint=``.
     checkpointed : bool

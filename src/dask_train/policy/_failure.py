@@ -102,7 +102,7 @@ class JobStatus:
     strategy : str
         The engine's name (``"async-ps"``, ``"sync"``, ``"run"`` for a ``dt.run`` job), as the
         reasons name it; what the job can do is said by ``independent_trainers`` and
-        ``reports_state``.
+        ``reports_state`` (the controller reads them off the engine's capabilities).
     failure : Failure
         The loss being decided.
     failures : int
@@ -123,11 +123,12 @@ class JobStatus:
         or stopping). Acted on as a loss, it is not one of ``failures`` and ``max_failures``
         does not count it.
     independent_trainers : bool
-        Whether the trainers go on without a lost one (async-ps: the servers hold the state,
-        each trainer its own blocks); False: the ranks form a group that needs every rank.
+        Whether the trainers go on without a lost one (async-ps, an ``Elastic`` engine: the
+        servers hold the state, each trainer its own blocks); False: the ranks form a group
+        that needs every rank.
     reports_state : bool
         Whether the ranks say when their state is checkpointed, at their reports (``dt.run``:
-        the engine's ``schedules_checkpoints`` is False), rather than being paused for it.
+        a ``Reporting`` engine), rather than being paused for it.
     """
 
     strategy: str

@@ -46,9 +46,9 @@ def restart_wait(*, most_seen: int, reserved: bool, retired: bool,
 def may_regroup(*, grows_by_regroup: bool, running: bool, stopping: bool,
                 handing_over: bool, leaving: bool) -> bool:
     """Whether a job may regroup onto workers that joined now: an engine that takes them in
-    only in a new generation (sync ranks, ``dt.run``), running (not in a checkpoint's pause,
-    some trainer still taking part), with no stop decided, no hand-over under way and no worker
-    of its roles leaving."""
+    only in a new generation (``grows_by_regroup``: a ``Regrouping`` engine, sync ranks and
+    ``dt.run``), running (not in a checkpoint's pause, some trainer still taking part), with no
+    stop decided, no hand-over under way and no worker of its roles leaving."""
     return grows_by_regroup and running and not (stopping or handing_over or leaving)
 
 

@@ -45,7 +45,7 @@ from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
-from dask_train.engines._protocol import Engine, Snapshot, Survivable
+from dask_train.engines._protocol import Engine, Reporting, Snapshot, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._copies import MemoryPlace, memory_place, on_one_machine
@@ -288,7 +288,7 @@ class HandOvers:
                 logger.info("%s joined: this job uses it at its next generation (it has no "
                             "checkpoint= to regroup through now)", ", ".join(sorted(joined)))
             return None
-        if not engine.schedules_checkpoints:
+        if isinstance(engine, Reporting):
             # Its ranks pause only at their reports: the next one that carries a checkpoint.
             if self.awaiting is None:
                 self.awaiting = _Awaited(set(), set(), noticed, noticed + PAUSE_S)

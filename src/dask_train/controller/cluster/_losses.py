@@ -18,12 +18,13 @@ from distributed import Client
 
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState
-from dask_train.engines._protocol import Elastic, Ending, Engine, Survivable
+from dask_train.engines._protocol import Elastic, Ending, Engine, Reporting, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._scope import current_scope
 from dask_train.runtime._calls import alive_workers, asked_to_retire
+from dask_train.runtime._cluster_view import look
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ class Losses:
             live_trainers=max(0, live), live_workers=len(alive),
             has_checkpoint=has_checkpoint,
             survivors_hold_state=isinstance(engine, Survivable), notice=notice,
-            independent_trainers=engine.independent_trainers,
-            reports_state=not engine.schedules_checkpoints)
+            independent_trainers=isinstance(engine, Elastic),
+            reports_state=isinstance(engine, Reporting))
         decision = decide(status, self.spec.failure)
         self.log.failures.append({
             "time_s": self.log.elapsed(), "role": failure.role, "worker": failure.worker,
@@ -149,8 +150,9 @@ class Losses:
     async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
         """The roles whose worker has left the cluster, and the live workers (waited for a
         while when none is left, see :meth:`workers_back`)."""
-        alive = await alive_workers(client)
-        lost = [f for f in await engine.failures(alive) if f.worker not in alive]
+        view = await look(client)
+        alive = view.alive()
+        lost = [f for f in await engine.failures(view) if f.worker not in alive]
         if lost:
             alive = await self.workers_back(client, alive)
         return lost, alive

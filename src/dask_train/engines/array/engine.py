@@ -38,6 +38,7 @@ from dask_train.engines.scoring.keeper import ScoreKeeper, score_event
 from dask_train.errors import TrainingTimeout
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
+from dask_train.runtime._cluster_view import ClusterView
 from dask_train.runtime._reduce import EMBED_PARAMS_BYTES, add_terms, tree_reduce
 
 logger = logging.getLogger(__name__)
@@ -231,8 +232,10 @@ class ArrayEngine(Engine):
         """Groups of blocks (the chief needs every one)."""
         return len(self.groups)
 
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
-        """A step that failed (usually a worker lost with its blocks), or a lost scorer worker."""
+    async def failures(self, view: ClusterView) -> list[Failure]:
+        """A step that failed (usually a worker lost with its blocks), or a lost scorer worker
+        (``view``: the controller's listing of this pass)."""
+        alive = view.workers
         if self.error is not None:
             gone = [a for a in self.roles["trainer"] if a not in alive]
             worker = gone[0] if gone else (self.roles["trainer"] or ["?"])[0]

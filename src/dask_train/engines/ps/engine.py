@@ -29,7 +29,6 @@ class AsyncPSEngine(RoleEngine, Elastic):
     """Trainers push gradients to ``ps`` parameter servers holding balanced flat shards."""
 
     strategy = "async-ps"
-    independent_trainers = True
     run_trainer = staticmethod(run_trainer)
 
     def make_shards(self) -> list[ShardRef]:

@@ -35,7 +35,8 @@ from dask_train.models._transport import travelling
 from dask_train.policy._failure import Failure
 from dask_train.policy._ledger import Ledger, patch_positions
 from dask_train.policy._placement import Roles
-from dask_train.runtime._calls import alive_workers, run_direct, run_on_live
+from dask_train.runtime._calls import run_direct, run_on_live
+from dask_train.runtime._cluster_view import ClusterView, look
 from dask_train.runtime._compat import drop_topic_handler
 from dask_train.runtime._plugin import heard_leaving, let_go
 
@@ -285,10 +286,11 @@ class RoleEngine(Engine):
         return ""
 
     # -- failures ---------------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
-        """Roles on workers that left; then roles that raised (the scorer's error is a failure,
-        a trainer's is the user's and raises RoleFailed, unless a peer's death caused it)."""
-        lost = self._lost_roles(alive)
+    async def failures(self, view: ClusterView) -> list[Failure]:
+        """Roles on workers that left (``view``, the controller's listing of this pass, no
+        longer has them); then roles that raised (the scorer's error is a failure, a trainer's
+        is the user's and raises RoleFailed, unless a peer's death caused it)."""
+        lost = self._lost_roles(view)
         if lost:
             return lost
         scorer = self.scorer_future
@@ -310,9 +312,10 @@ class RoleEngine(Engine):
             if not errors:
                 break
             # Only lost connections: usually a peer's worker died (a server, a rank): wait for
-            # the scheduler to notice, so the root cause is what the policy sees.
+            # the scheduler to notice, so the root cause is what the policy sees: a listing
+            # newer than the pass's, which was taken before that death showed.
             await asyncio.sleep(0.1)
-            if lost := self._lost_roles(await alive_workers(self.client)):
+            if lost := self._lost_roles(await look(self.client)):
                 return lost
         granter = self.granter
         for _trainer, fut in granter.feeds:
@@ -322,12 +325,13 @@ class RoleEngine(Engine):
         granter.forget_done()
         return []
 
-    def _lost_roles(self, alive: Mapping[str, int]) -> list[Failure]:
-        """Roles on workers not in ``alive`` (a retired trainer's worker is no role's)."""
+    def _lost_roles(self, view: ClusterView) -> list[Failure]:
+        """Roles on workers ``view`` does not list (a retired trainer's worker is no role's)."""
+        gone = view.lost(self.roles.addresses)
         return [Failure(kind, i, address, f"the Dask worker {address} left the cluster")
                 for kind in ("ps", "trainer", "scorer")
                 for i, address in enumerate(self.roles.get(kind, []))
-                if address not in alive and not (kind == "trainer" and i in self.granter.retired)]
+                if address in gone and not (kind == "trainer" and i in self.granter.retired)]
 
     async def replace_scorer(self, alive: Mapping[str, int]) -> None:
         """Start the scorer on the least-loaded live worker."""

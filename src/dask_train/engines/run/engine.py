@@ -42,7 +42,8 @@ from dask_train.engines.torch_sync.engine import TorchSyncEngine
 from dask_train.errors import RoleFailed
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
-from dask_train.runtime._calls import alive_workers, run_on_live
+from dask_train.runtime._calls import run_on_live
+from dask_train.runtime._cluster_view import ClusterView, look
 from dask_train.runtime._torch_group import _collateral, local_ranks
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ class RunEngine(TorchSyncEngine, Reporting):
     """
 
     strategy = "run"
-    schedules_checkpoints = False
-    keeps_scored = False
 
     def __init__(self, client: Client, spec: JobSpec, roles: Roles, blocks: BlockSet, *,
                  job: str, restore: Mapping[str, Any] | None, fn_blob: bytes, run: RunSettings,
@@ -273,10 +272,12 @@ class RunEngine(TorchSyncEngine, Reporting):
         return {self.writer_address: f"rank {self.writer} (its reported state)"}
 
     # -- failures ---------------------------------------------------------------------------------
-    async def failures(self, alive: Mapping[str, int]) -> list[Failure]:
-        """Lost workers first; a rank's own error ends the job with its traceback, and an error
-        a rank got from a lost peer ("Connection closed by peer") waits for the loss to show."""
-        lost = await self._lost(alive)
+    async def failures(self, view: ClusterView) -> list[Failure]:
+        """Lost workers first (those ``view``, the controller's listing of this pass, no longer
+        has); a rank's own error ends the job with its traceback, and an error a rank got from
+        a lost peer ("Connection closed by peer") waits for the loss to show in a newer
+        listing."""
+        lost = self._lost(view)
         if lost or not await self._troubled():
             return lost
         deadline = time.monotonic() + 3.0
@@ -292,7 +293,7 @@ class RunEngine(TorchSyncEngine, Reporting):
                 raise RoleFailed(f"{where} lost a peer ({self.peer_errors[i]}), but no worker "
                                  "left the cluster: see the other ranks' worker logs")
             await asyncio.sleep(0.2)
-            lost = await self._lost(await alive_workers(self.client))
+            lost = self._lost(await look(self.client))
             if lost:
                 return lost
 
@@ -312,10 +313,10 @@ class RunEngine(TorchSyncEngine, Reporting):
                     out[i] = None
         return out
 
-    async def _lost(self, alive: Mapping[str, int]) -> list[Failure]:
+    def _lost(self, view: ClusterView) -> list[Failure]:
+        gone = view.lost(self.roles.get("trainer", []))
         return [Failure("trainer", i, address, f"the Dask worker {address} left the cluster")
-                for i, address in enumerate(self.roles.get("trainer", []))
-                if address not in alive]
+                for i, address in enumerate(self.roles.get("trainer", [])) if address in gone]
 
     # -- ending -----------------------------------------------------------------------------------
     async def stop(self, *, keep_step: int | None) -> Ending:

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from dask_train.engines._protocol import Snapshot, Survivable
+from dask_train.engines._protocol import Regrouping, Snapshot, Survivable
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness import control as worker_side
 from dask_train.engines.holders.ref import ShardRef
@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 SETTLE_S = 2.0
 
 
-class TorchSyncEngine(RoleEngine, Survivable):
-    """Ranks all-reduce their gradients every step; rank 0 publishes the parameters."""
+class TorchSyncEngine(RoleEngine, Survivable, Regrouping):
+    """Ranks all-reduce their gradients every step; rank 0 publishes the parameters.
+
+    A process group's size is fixed: workers that joined come in a new one (:class:`Regrouping`).
+    """
 
     strategy = "sync"
-    grows_by_regroup = True  # a process group's size is fixed: joiners come in a new one
     group: Any = None
 
     @staticmethod
