@@ -29,6 +29,7 @@ from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._reports import Reports
+from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
 from dask_train.controller.cluster._departures import (
@@ -51,7 +52,6 @@ from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
-from dask_train.policy._restore import Candidate, Source, choose_restart
 from dask_train.policy._scaling import may_regroup, regroup_wanted
 from dask_train.policy.stop import check_stop
 from dask_train.runtime._calls import alive_workers
@@ -92,7 +92,6 @@ class Controller:
         self.state = JobState()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
-        self.restore: Restore | None = None
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The current generation's roles, and where the next one's go.
         self.placement = GenerationPlacement(client, spec, plan=plan_roles, roles=roles,
@@ -111,6 +110,10 @@ class Controller:
                                checkpoints=self.keeper.checkpoints, hand_overs=self.hand_overs)
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
+        # A generation's end and the placing of the next, and what the next starts from.
+        self.restarts = Restarts(client, state=self.state, log=self.log, keeper=self.keeper,
+                                 placement=self.placement, reports=self.reports,
+                                 hand_overs=self.hand_overs)
         self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
 
     @property
@@ -181,9 +184,9 @@ class Controller:
         """Run the job's states (:mod:`._states`) from its first generation's start until it
         finished (its outcome is returned) or errored (its error is raised)."""
         if resume:
-            self.restore = self.keeper.load_resumed()
-            if self.restore is not None:
-                self._continue_from(self.restore)
+            self.restarts.restore = self.keeper.load_resumed()
+            if self.restarts.restore is not None:
+                self._continue_from(self.restarts.restore)
         state: State = Starting()
         while not state.terminal:
             state = await state.step(self)
@@ -199,8 +202,9 @@ class Controller:
     async def _new_engine(self) -> Engine:
         """The engine of the generation whose roles were placed last, from the state to
         restore; with the in-memory copies it needs (:meth:`StateKeeper.prepare`)."""
+        restore = self.restarts.restore
         engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
-                                  self.restore.engine_state() if self.restore else None)
+                                  restore.engine_state() if restore else None)
         self.engine = engine
         self.log.generations = self.state.generation + 1
         await self.keeper.prepare(engine, self.roles.addresses)
@@ -300,7 +304,7 @@ class Controller:
             noticed = bool(lost) and bool(await self.losses.noticed(self.client, engine,
                                                                     [lost[0].worker]))
             if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
-                                              has_checkpoint=self.has_checkpoint) \
+                                              has_checkpoint=self.restarts.has_checkpoint()) \
                     is not Action.RESTART:
                 raise
             logger.info("generation %d could not start: %s was lost", self.state.generation,
@@ -419,12 +423,6 @@ class Controller:
         await self.keeper.step(engine, now)
 
     # -- failures ---------------------------------------------------------------------------------
-    @property
-    def has_checkpoint(self) -> bool:
-        """Whether a checkpoint exists to restart from (written by this fit, or resumed, or a
-        copy in memory)."""
-        return bool(self.log.checkpoints) or self.restore is not None or self.keeper.copied
-
     async def _check_roles(self, engine: Engine, view: ClusterView) -> Failure | None:
         """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
         needs a new generation, if any."""
@@ -445,7 +443,8 @@ class Controller:
             noticed = await self.losses.noticed(self.client, engine, gone)
             alive = await self.losses.workers_back(self.client, alive)
         restart = await self.losses.act(engine, failures, alive,
-                                        has_checkpoint=self.has_checkpoint, noticed=noticed)
+                                        has_checkpoint=self.restarts.has_checkpoint(),
+                                        noticed=noticed)
         # Not during a checkpoint's pause: a trainer started now never got the pause request,
         # and the pause would wait for it until the timeout (seen in the chaos test, a
         # restarted worker adopted while the other trainer was paused); the next pass adopts.
@@ -455,47 +454,6 @@ class Controller:
             if isinstance(engine, Elastic):  # others grow by a regroup (_take_arrivals)
                 await engine.adopt_workers(view.placeable())
         return restart
-
-    async def _restart(self, engine: Engine, failure: Failure) -> None:
-        """End this generation and place the next one on the live workers, from the newest
-        state: the survivors', a checkpoint's or copy's, or the one this generation started
-        from, else the initial parameters. Waits a little (at most 10 s) for the cluster to get
-        back to its size: a nanny restarts a killed worker in about a second, and the new
-        generation should use it; not when every lost worker left with notice (retired, it
-        does not come back: a sync job stopped as rank 0 retired waited the 10 s for it).
-        """
-        self.state.enter(Phase.RESTARTING)
-        self.reports.forget()  # its ranks are gone with their generation
-        t0 = time.time()
-        applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
-        lost = set(engine.roles.addresses) - set(await alive_workers(self.client))
-        noticed = bool(lost) and lost <= engine.leaving()  # retired: not coming back
-        # The surviving ranks' state (sync), else the newest checkpoint (the one resumed from,
-        # if none was written since), else the initial parameters: the next generation trains
-        # again what was lost with them.
-        # A report's copy being written is given up first: it would write through the engine
-        # as the survivors' state does, and a live writer's state is the survivors' anyway.
-        await self.reports.drop()
-        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self.keeper.manifest)
-        await engine.close()
-        which, stored = await self.keeper.stored(survivors=set(engine.roles.addresses) - lost)
-        started = self.restore
-        choice = choose_restart(survivors=_candidate(survived), stored=_candidate(stored),
-                                started=_candidate(started), store=which, applied=applied)
-        self.restore = {Source.SURVIVORS: survived, Source.STORED: stored,
-                        Source.GENERATION: started, Source.INITIAL: None}[choice.source]
-        redone = choice.redone
-        # The restarting loss's record: others of its pass may come after it.
-        record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
-        record["redone"] = redone
-        record["from"] = choice.label
-        alive = await self.placement.after_loss(retired=noticed)
-        self._next_generation(await self.placement.enough(alive, lost), redone=redone)
-        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
-                       "samples applied since are trained again", self.state.generation,
-                       f"the surviving ranks' state at step {survived.step}" if survived else
-                       self.restore.directory if self.restore else "the initial parameters",
-                       self.roles, time.time() - t0, failure.role, redone)
 
     async def _take_arrivals(self, engine: Engine, view: ClusterView) -> Departure | None:
         """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
@@ -521,24 +479,6 @@ class Controller:
         return await self.hand_overs.hand_over(engine, alive, manifest=self.keeper.manifest,
                                                joined=joined)
 
-    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
-        """End this generation (the leaving workers' roles stop, their hold ends) and place the
-        next on the live workers, from the state just handed over."""
-        self.state.enter(Phase.RESTARTING)
-        self.reports.forget()
-        await self.reports.drop()
-        await engine.close()
-        self.restore = departure.restore
-        alive = await self.placement.after_departure(departure.workers)
-        self._next_generation(await self.placement.enough(alive, departure.workers), redone=0)
-        self.hand_overs.record(departure, roles=self.roles.placement)
-
-    def _next_generation(self, alive: Mapping[str, int], *, redone: int) -> None:
-        """Place the next generation's roles on ``alive`` and enter its start; no pause of the
-        generation before is written any more."""
-        self.keeper.new_generation()
-        self.placement.place_next(alive, redone=redone)
-
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending | Failure:
         """Stop the engine, close the history with the final score, write the final checkpoint;
@@ -546,7 +486,7 @@ class Controller:
         self.state.enter(Phase.FINISHING)
         await self.reports.at_finish(engine, drain=self._next_event, manifest=self.keeper.manifest)
         ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
-                                        has_checkpoint=self.has_checkpoint,
+                                        has_checkpoint=self.restarts.has_checkpoint(),
                                         notices=self.hand_overs.wait_for_notices)
         if isinstance(ending, Failure):
             # What the stop stood for (a scored snapshot) may be gone with the role.
@@ -576,13 +516,6 @@ class Controller:
         for condition, saved in zip(self.spec.stop, manifest.get("stop") or []):
             if saved.get("type") == type(condition).__name__:
                 condition.load_state_dict(saved.get("state") or {})
-
-
-def _candidate(restore: Restore | None) -> Candidate | None:
-    """A state a restart could start from, as the restart policy reads it."""
-    if restore is None:
-        return None
-    return Candidate(step=restore.step, samples=int(restore.manifest.get("samples", 0)))
 
 
 def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,

@@ -1,16 +1,18 @@
 """The controller's states: one small object per phase, each carrying its data, whose ``step``
-does that phase's work (through the controller's methods) and returns the next state.
+does that phase's work (through the objects that own each concern, or the controller's own
+methods) and returns the next state.
 
 :class:`~._controller.Controller` runs them, and only that: from :class:`Starting` until
 :class:`Finished` (its :class:`Outcome` is returned) or :class:`Errored` (its error is raised).
 A state's possible successors are its ``step``'s return annotation; every move still goes through
 :meth:`JobState.enter <._state.JobState.enter>`, whose ``_NEXT`` table stays the one list of legal
 moves (``tests/controller/test_states.py`` checks the annotations against it). The move into a
-state is made as its step begins, by the controller method that does its work where that method
-enters its phase itself (``_restart``, ``_hand_over_restart``, ``_finish``); a generation's
-STARTING is entered as its roles are placed (``_next_generation``, the restarts' last act), the
-first generation's is the job's first phase; a terminal state's is entered by the step that
-decides it.
+state is made as its step begins, by what does its work where that enters its phase itself
+(:class:`~._restarts.Restarts`' ``after_loss`` and ``after_departure``, the controller's
+``_finish``); a generation's STARTING is entered as its roles are placed
+(:meth:`GenerationPlacement.place_next <._generations.GenerationPlacement.place_next>`, the
+restarts' last act), the first generation's is the job's first phase; a terminal state's is
+entered by the step that decides it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 from dask_train.controller._hook_thread import CallbackThread
 from dask_train.controller._publish import JobEvents
+from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller.cluster._departures import Departure
 from dask_train.engines._protocol import Ending, Engine
@@ -48,7 +51,8 @@ class Outcome:
 
 
 class Job(Protocol):
-    """What the states use of the controller: its state and log, and the methods doing the work
+    """What the states use of the controller: its state and log, the objects that do a
+    concern's work, and the controller's own methods for the rest
     (:class:`~._controller.Controller` is the one implementation)."""
 
     state: JobState
@@ -56,6 +60,7 @@ class Job(Protocol):
     spec: JobSpec
     callbacks: CallbackThread
     publisher: JobEvents
+    restarts: Restarts  # Restarting, HandingOver: the next generation placed
 
     # Starting
     async def _new_engine(self) -> Engine: ...
@@ -69,9 +74,7 @@ class Job(Protocol):
     async def _report_step(self, engine: Engine) -> Departure | None: ...
     async def _hand_over_step(self, engine: Engine) -> Departure | None: ...
     async def _liveness(self, engine: Engine) -> Failure | Departure | None: ...
-    # Restarting, HandingOver, Finishing
-    async def _restart(self, engine: Engine, failure: Failure) -> None: ...
-    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None: ...
+    # Finishing
     async def _finish(self, engine: Engine) -> Ending | Failure: ...
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
     def _outcome(self, engine: Engine, ending: Ending) -> Outcome: ...
@@ -159,7 +162,8 @@ class Running(State):
 
 @dataclass
 class Restarting(State):
-    """A lost role: this generation ends, the next one's roles are placed (``_restart``)."""
+    """A lost role: this generation ends, the next one's roles are placed
+    (:meth:`Restarts.after_loss <._restarts.Restarts.after_loss>`)."""
 
     engine: Engine
     failure: Failure
@@ -168,7 +172,7 @@ class Restarting(State):
 
     async def step(self, job: Job) -> Starting | Errored:
         try:
-            await job._restart(self.engine, self.failure)
+            await job.restarts.after_loss(self.engine, self.failure)
         except BaseException as exc:
             return await errored(job, exc, self.engine)
         return Starting()
@@ -177,7 +181,8 @@ class Restarting(State):
 @dataclass
 class HandingOver(State):
     """A worker left with notice, or joined: this generation ends, the next one's roles are
-    placed from the state just handed over (``_hand_over_restart``)."""
+    placed from the state just handed over
+    (:meth:`Restarts.after_departure <._restarts.Restarts.after_departure>`)."""
 
     engine: Engine
     departure: Departure
@@ -186,7 +191,7 @@ class HandingOver(State):
 
     async def step(self, job: Job) -> Starting | Errored:
         try:
-            await job._hand_over_restart(self.engine, self.departure)
+            await job.restarts.after_departure(self.engine, self.departure)
         except BaseException as exc:
             return await errored(job, exc, self.engine)
         return Starting()
