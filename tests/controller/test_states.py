@@ -108,6 +108,19 @@ class Published:
         self.publish({"kind": "end", **fields})
 
 
+class ScriptedLiveness:
+    """The job's ``liveness``, scripted: its looks at the roles return ``job.lost`` in turn."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def hand_over(self, engine: FakeEngine) -> None:
+        self.job._do("hand-over")
+
+    async def check(self, engine: FakeEngine) -> Any:
+        return self.job._do("liveness", self.job.lost)
+
+
 class ScriptedRestarts:
     """The job's ``restarts``, scripted: each enters RESTARTING, then the next generation's
     STARTING, as :class:`~dask_train.controller._restarts.Restarts` does."""
@@ -128,7 +141,7 @@ class ScriptedRestarts:
 
 class ScriptedJob:
     """The ``Job`` protocol, scripted. ``starts``, ``finishes`` and ``lost`` are what successive
-    ``_start``, ``_finish`` and ``_liveness`` calls return (an exception is raised). What enters a
+    ``_start``, ``_finish`` and ``liveness.check`` calls return (an exception is raised). What enters a
     phase itself in the controller (``_finish``, the restarts) enters it here too."""
 
     def __init__(self, *, starts: list[Any] | None = None, finishes: list[Any] | None = None,
@@ -142,7 +155,7 @@ class ScriptedJob:
         self.stop_on, self.untrained, self.make_error = stop_on, untrained, make_error
         self.calls: list[str] = []
         self.engines: list[FakeEngine] = []
-        self.restarts = ScriptedRestarts(self)
+        self.liveness, self.restarts = ScriptedLiveness(self), ScriptedRestarts(self)
 
     def _do(self, name: str, script: list[Any] | None = None) -> Any:
         self.calls.append(name)
@@ -181,12 +194,6 @@ class ScriptedJob:
 
     async def _report_step(self, engine: FakeEngine) -> None:
         self._do("report")
-
-    async def _hand_over_step(self, engine: FakeEngine) -> None:
-        self._do("hand-over")
-
-    async def _liveness(self, engine: FakeEngine) -> Any:
-        return self._do("liveness", self.lost)
 
     async def _finish(self, engine: FakeEngine) -> Any:
         self.state.enter(Phase.FINISHING)

@@ -32,10 +32,8 @@ from dask_train.controller._reports import Reports
 from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
-from dask_train.controller.cluster._departures import (
-    Departure,
-    HandOvers,
-)
+from dask_train.controller.cluster._departures import Departure, HandOvers
+from dask_train.controller.cluster._liveness import Liveness
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
 from dask_train.engines._events import (
@@ -47,15 +45,12 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Elastic, Ending, Engine
+from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
-from dask_train.policy._scaling import may_regroup, regroup_wanted
 from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers
-from dask_train.runtime._cluster_view import ClusterView, look
 from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
@@ -114,7 +109,12 @@ class Controller:
         self.restarts = Restarts(client, state=self.state, log=self.log, keeper=self.keeper,
                                  placement=self.placement, reports=self.reports,
                                  hand_overs=self.hand_overs)
-        self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
+        # The cluster's changes as a generation meets them: hand-overs, and once a second lost
+        # roles, joined workers and the workers the job wants.
+        self.liveness = Liveness(client, state=self.state, placement=self.placement,
+                                 losses=self.losses, hand_overs=self.hand_overs,
+                                 wanted=self.wanted, manifest=self.keeper.manifest,
+                                 has_checkpoint=self.restarts.has_checkpoint)
 
     @property
     def roles(self) -> Roles:
@@ -225,8 +225,8 @@ class Controller:
 
     def _callback_stop(self) -> None:
         """A callback asked to stop (or its stop, withdrawn with a lost role, is made again)."""
-        if self.callbacks.stop_asked() or self.callback_stop:
-            self.callback_stop = False
+        if self.callbacks.stop_asked() or self.state.callback_withdrawn:
+            self.state.callback_withdrawn = False
             self._stop("callback")
 
     async def _tick(self, engine: Engine, now: float) -> None:
@@ -236,43 +236,11 @@ class Controller:
         if ended and not self.state.stopped_by and self.events.empty():
             self._stop(self._natural_end(engine))
 
-    async def _hand_over_step(self, engine: Engine) -> Departure | None:
-        """Hand the job over from a worker that gave notice; the departure that ends the
-        generation, if the hand-over took its state."""
-        if self.hand_overs.pending(engine):
-            departure = await self.hand_overs.hand_over(
-                engine, await alive_workers(self.client), manifest=self.keeper.manifest)
-            if departure is not None:
-                return departure
-        await self.hand_overs.overdue(engine)
-        return None
-
     async def _report_step(self, engine: Engine) -> Departure | None:
         """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
         checkpoint written, or the hand-over at it; the departure that ends the generation."""
         return await self.reports.step(engine, manifest=self.keeper.manifest,
                                        copies=self.keeper.copies, copied=self.keeper.mark_copied)
-
-    async def _liveness(self, engine: Engine) -> Failure | Departure | None:
-        """Look at the roles, the workers that joined and the workers the job wants: the
-        failure that needs a new generation, or the regroup onto joined workers, if any."""
-        view = await look(self.client)  # the one listing this pass reads
-        failure = await self._check_roles(engine, view)
-        if failure is not None:
-            withdrawn = self._withdraw_stop()
-            if withdrawn:
-                # Decided in this same pass: the parameters it stands for (a scored
-                # snapshot, the last epoch) may be gone with the lost role.
-                logger.info("the stop (%s) waits for the next generation: %s was lost "
-                            "in the same moment", withdrawn, failure.role)
-            return failure
-        arrival = await self._take_arrivals(engine, view)
-        if arrival is not None:
-            return arrival
-        if self.wanted.most is not None or self.wanted.waiting:
-            await self.wanted.update(engine.live_trainers(),
-                                     running=not self.state.stopped_by)
-        return None
 
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
         """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
@@ -407,78 +375,12 @@ class Controller:
             self.log.stop_at = time.time()
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
 
-    def _withdraw_stop(self) -> str:
-        """Withdraw the stop (:meth:`JobState.withdraw_stop`); returns its reason. The stop
-        conditions decide again in the next generation, but a callback that returned True is
-        not asked again: its stop is made again as soon as the next generation runs (a
-        one-shot callback's stop, lost with a role, once left the job training to its
-        ``epochs``)."""
-        reason = self.state.withdraw_stop()
-        self.callback_stop = self.callback_stop or reason == "callback"
-        return reason
-
     # -- checkpoints (the work is the StateKeeper's) ------------------------------------------------
     async def _checkpoint_step(self, engine: Engine, now: float) -> None:
         """A pass's checkpoint work (:meth:`StateKeeper.step`)."""
         await self.keeper.step(engine, now)
 
     # -- failures ---------------------------------------------------------------------------------
-    async def _check_roles(self, engine: Engine, view: ClusterView) -> Failure | None:
-        """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
-        needs a new generation, if any."""
-        await self.placement.saw(view)
-        alive = view.alive()
-        failures = await engine.failures(alive)
-        gone = {f.worker for f in failures if f.worker not in alive}
-        if gone - engine.leaving():
-            await self.hand_overs.wait_for_notices(engine, gone)
-        # A worker leaving with notice is handed over (see _hand_over_step), not lost; once its
-        # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
-        leaving = engine.leaving()
-        failures = [f for f in failures if f.worker not in leaving]
-        noticed: set[str] = set()
-        if failures:
-            # A worker retired before its role ran held nothing to hand over: no hand-over,
-            # but a loss with notice.
-            noticed = await self.losses.noticed(self.client, engine, gone)
-            alive = await self.losses.workers_back(self.client, alive)
-        restart = await self.losses.act(engine, failures, alive,
-                                        has_checkpoint=self.restarts.has_checkpoint(),
-                                        noticed=noticed)
-        # Not during a checkpoint's pause: a trainer started now never got the pause request,
-        # and the pause would wait for it until the timeout (seen in the chaos test, a
-        # restarted worker adopted while the other trainer was paused); the next pass adopts.
-        if not failures and not self.state.stopped_by and self.state.phase is Phase.RUNNING:
-            # Not a worker on its way out (retiring, closing after a SIGTERM): the scheduler
-            # lists it for a moment, and a role placed there would leave with it.
-            if isinstance(engine, Elastic):  # others grow by a regroup (_take_arrivals)
-                await engine.adopt_workers(view.placeable())
-        return restart
-
-    async def _take_arrivals(self, engine: Engine, view: ClusterView) -> Departure | None:
-        """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
-        onto workers that joined (as ``view`` lists them), when its placement would give them
-        ranks."""
-        if not may_regroup(grows_by_regroup=engine.grows_by_regroup,
-                           running=self.state.phase is Phase.RUNNING and engine.running(),
-                           stopping=bool(self.state.stopped_by),
-                           handing_over=self.hand_overs.awaiting is not None,
-                           leaving=bool(engine.leaving())):
-            return None
-        alive = view.placeable()
-        if not view.joined(since=engine.roles.addresses) & set(alive):
-            return None
-        try:
-            roles = self.placement.plan(alive)
-        except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
-            return None
-        if not regroup_wanted(current_trainers=len(engine.roles["trainer"]),
-                              planned_trainers=len(roles["trainer"])):
-            return None
-        joined = set(roles.addresses) - set(engine.roles.addresses)
-        return await self.hand_overs.hand_over(engine, alive, manifest=self.keeper.manifest,
-                                               joined=joined)
-
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending | Failure:
         """Stop the engine, close the history with the final score, write the final checkpoint;
@@ -491,7 +393,7 @@ class Controller:
         if isinstance(ending, Failure):
             # What the stop stood for (a scored snapshot) may be gone with the role.
             logger.info("the stop (%s) waits for the next generation: %s was lost",
-                        self._withdraw_stop(), ending.role)
+                        self.state.withdraw_stop(), ending.role)
             return ending
         while not self.events.empty():  # the trainers' last events
             self._on_event(self.events.get_nowait())

@@ -27,6 +27,7 @@ from dask_train.controller._publish import JobEvents
 from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller.cluster._departures import Departure
+from dask_train.controller.cluster._liveness import Liveness
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss
@@ -60,6 +61,7 @@ class Job(Protocol):
     spec: JobSpec
     callbacks: CallbackThread
     publisher: JobEvents
+    liveness: Liveness  # Running: hand-overs, and once a second lost roles and arrivals
     restarts: Restarts  # Restarting, HandingOver: the next generation placed
 
     # Starting
@@ -72,8 +74,6 @@ class Job(Protocol):
     async def _tick(self, engine: Engine, now: float) -> None: ...
     async def _checkpoint_step(self, engine: Engine, now: float) -> None: ...
     async def _report_step(self, engine: Engine) -> Departure | None: ...
-    async def _hand_over_step(self, engine: Engine) -> Departure | None: ...
-    async def _liveness(self, engine: Engine) -> Failure | Departure | None: ...
     # Finishing
     async def _finish(self, engine: Engine) -> Ending | Failure: ...
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
@@ -151,12 +151,12 @@ class Running(State):
             if departure is not None:
                 return departure
         if job.state.phase is Phase.RUNNING and not job.state.stopped_by:
-            departure = await job._hand_over_step(engine)
+            departure = await job.liveness.hand_over(engine)
             if departure is not None:
                 return departure
         if now >= self.next_liveness:
             self.next_liveness = now + _LIVENESS_EVERY_S
-            return await job._liveness(engine)
+            return await job.liveness.check(engine)
         return None
 
 
