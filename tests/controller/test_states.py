@@ -2,8 +2,8 @@
 
 The moves each state's ``step`` can make (its return annotation) are checked against the one
 table of legal moves, ``_state._NEXT``; then the states are driven over a scripted job: the
-controller's side of them (the ``Job`` protocol), whose work methods record their calls and
-return what a test sets. The real controller over them is test_phases.py's.
+controller's side of them (the ``Job`` protocol), whose parts and methods record their calls
+and return what a test sets. The real controller over them is test_phases.py's.
 """
 
 from __future__ import annotations
@@ -108,6 +108,32 @@ class Published:
         self.publish({"kind": "end", **fields})
 
 
+class ScriptedHistory:
+    """The job's ``history``, scripted: each of a pass's calls is recorded."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def take_event(self) -> None:
+        self.job._do("events")
+
+    def callback_stop(self) -> None:
+        self.job._do("stops")
+
+    def check_time(self, now: float) -> None:
+        self.job._do("time")
+
+
+class ScriptedKeeper:
+    """The job's ``keeper``, scripted: a pass's checkpoint work is recorded."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def step(self, engine: FakeEngine, now: float) -> None:
+        self.job._do("checkpoint")
+
+
 class ScriptedLiveness:
     """The job's ``liveness``, scripted: its looks at the roles return ``job.lost`` in turn."""
 
@@ -155,6 +181,7 @@ class ScriptedJob:
         self.stop_on, self.untrained, self.make_error = stop_on, untrained, make_error
         self.calls: list[str] = []
         self.engines: list[FakeEngine] = []
+        self.history, self.keeper = ScriptedHistory(self), ScriptedKeeper(self)
         self.liveness, self.restarts = ScriptedLiveness(self), ScriptedRestarts(self)
 
     def _do(self, name: str, script: list[Any] | None = None) -> Any:
@@ -177,20 +204,8 @@ class ScriptedJob:
     async def _start(self, engine: FakeEngine) -> Failure | None:
         return self._do("start", self.starts)
 
-    async def _take_event(self) -> None:
-        self._do("events")
-
-    def _callback_stop(self) -> None:
-        self._do("stops")
-
-    def _check_time(self, now: float) -> None:
-        self._do("time")
-
     async def _tick(self, engine: FakeEngine, now: float) -> None:
         self._do("tick")
-
-    async def _checkpoint_step(self, engine: FakeEngine, now: float) -> None:
-        self._do("checkpoint")
 
     async def _report_step(self, engine: FakeEngine) -> None:
         self._do("report")

@@ -2,28 +2,28 @@
 
 One coroutine on the client's event loop. Per generation it starts the engine, then loops: take
 the engine's events (scores, non-finite losses, epochs, progress) into the history, the stop
-conditions and the callbacks; ask the engine for periodic work; take checkpoints and in-memory
-copies (:class:`~._keeping.StateKeeper`, through the engine's pause/snapshot/save); every
-second, look for lost or failed roles and act as the pure failure policy decides (continue,
-replace the scorer, restart a new generation from the newest checkpoint, or raise). The job
-moves between the states of :mod:`._states` (starting, running, restarting, handing over,
-finishing, finished, errored), each state's step doing its work through the methods here; phases
-live in one explicit :class:`~._state.JobState`.
+conditions and the callbacks (:class:`~._history.JobHistory`); ask the engine for periodic work;
+take checkpoints and in-memory copies (:class:`~._keeping.StateKeeper`, through the engine's
+pause/snapshot/save); hand over from workers that leave with notice and, every second, look for
+lost or failed roles and joined workers (:class:`~.cluster._liveness.Liveness`), acting as the
+pure failure policy decides (continue, replace the scorer, restart a new generation from the
+newest checkpoint, or raise: :class:`~._restarts.Restarts`). The job moves between the states
+of :mod:`._states` (starting, running, restarting, handing over, finishing, finished, errored),
+each state's step doing its work through those objects and the few methods here (a
+generation's engine made and started, its tick, a ``dt.run`` report, its end); phases live in
+one explicit :class:`~._state.JobState`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from distributed import Client
 
-from dask_train.controller._checkpointing import Restore
 from dask_train.controller._generations import GenerationPlacement, PlanRoles
+from dask_train.controller._history import JobHistory
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._keeping import StateKeeper
@@ -36,21 +36,11 @@ from dask_train.controller.cluster._departures import Departure, HandOvers
 from dask_train.controller.cluster._liveness import Liveness
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
-from dask_train.engines._events import (
-    Epochs,
-    Event,
-    NonFinite,
-    ReportReady,
-    Score,
-    Started,
-    Stats,
-)
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
-from dask_train.policy.stop import check_stop
 from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
@@ -82,10 +72,9 @@ class Controller:
     def __init__(self, client: Client, spec: JobSpec, *, make_engine: MakeEngine,
                  plan_roles: PlanRoles, roles: Roles, rows: int, progress: Any = None) -> None:
         self.client, self.spec, self.make_engine = client, spec, make_engine
-        self.rows, self.progress = max(1, rows), progress
+        self.rows = max(1, rows)
         self.log = JobLog()
         self.state = JobState()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The current generation's roles, and where the next one's go.
@@ -103,6 +92,10 @@ class Controller:
         # A dt.run job's reports: the checkpoint each carries, then its ranks go on.
         self.reports = Reports(client, state=self.state, log=self.log,
                                checkpoints=self.keeper.checkpoints, hand_overs=self.hand_overs)
+        # The engine's events into the history, the callbacks and the stop.
+        self.history = JobHistory(spec, log=self.log, state=self.state, publisher=self.publisher,
+                                  callbacks=self.callbacks, reports=self.reports, rows=self.rows,
+                                  progress=progress)
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
         # A generation's end and the placing of the next, and what the next starts from.
@@ -186,7 +179,7 @@ class Controller:
         if resume:
             self.restarts.restore = self.keeper.load_resumed()
             if self.restarts.restore is not None:
-                self._continue_from(self.restarts.restore)
+                self.history.continue_from(self.restarts.restore)
         state: State = Starting()
         while not state.terminal:
             state = await state.step(self)
@@ -206,54 +199,10 @@ class Controller:
         engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
                                   restore.engine_state() if restore else None)
         self.engine = engine
+        self.history.keeps_scored = engine.keeps_scored
         self.log.generations = self.state.generation + 1
         await self.keeper.prepare(engine, self.roles.addresses)
         return engine
-
-    async def _take_event(self) -> None:
-        """Wait a little for the engine's next event and take it in."""
-        try:
-            # A pause ends when its last trainer says so, which is no event here: look
-            # again soon, the trainers wait meanwhile (an async-ps job's copies every 5 s,
-            # each such a pause, cost it about 12% of its samples/s in one run).
-            wait = 0.01 if self.state.phase is Phase.CHECKPOINTING else 0.2
-            event = await asyncio.wait_for(self.events.get(), timeout=wait)
-        except asyncio.TimeoutError:
-            event = None
-        if event is not None:
-            self._on_event(event)
-
-    def _callback_stop(self) -> None:
-        """A callback asked to stop (or its stop, withdrawn with a lost role, is made again)."""
-        if self.callbacks.stop_asked() or self.state.callback_withdrawn:
-            self.state.callback_withdrawn = False
-            self._stop("callback")
-
-    async def _tick(self, engine: Engine, now: float) -> None:
-        """The engine's periodic work; a stop when its trainers ended on their own."""
-        ended = await engine.tick(now)
-        # Only with no event left to read: a last score or NaN may say why it ended.
-        if ended and not self.state.stopped_by and self.events.empty():
-            self._stop(self._natural_end(engine))
-
-    async def _report_step(self, engine: Engine) -> Departure | None:
-        """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
-        checkpoint written, or the hand-over at it; the departure that ends the generation."""
-        return await self.reports.step(engine, manifest=self.keeper.manifest,
-                                       copies=self.keeper.copies, copied=self.keeper.mark_copied)
-
-    def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
-        """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
-        return no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
-
-    def _outcome(self, engine: Engine, ending: Ending) -> Outcome:
-        """What the job hands back once it finished."""
-        kept = ending.final is not None and ending.final.get("params") is not None
-        return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
-                       roles=engine.roles, ledger=engine.ledger_records(),
-                       epochs_completed=engine.epochs_completed(),
-                       model_step=int(self.state.stop_step) if kept and
-                       self.state.stop_step is not None else ending.steps)
 
     async def _start(self, engine: Engine) -> Failure | None:
         """Start a generation; None once it runs. A role's worker lost while it starts (a
@@ -263,7 +212,7 @@ class Controller:
         try:
             if self.state.generation:
                 await self.placement.schedule_stranded()
-            await engine.start(self.events.put_nowait)
+            await engine.start(self.history.events.put_nowait)
         except Exception as exc:
             lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
             # A worker retired as the generation started (its lifetime ended just after it was
@@ -280,113 +229,24 @@ class Controller:
             return lost[0]
         return None
 
-    # -- events -> history, stop conditions, callbacks ----------------------------------------------
-    def _on_event(self, event: Event) -> None:
-        if isinstance(event, Started):
-            self.log.first_step_at = self.log.first_step_at or time.time()
-        elif isinstance(event, Score):
-            self.on_score(event)
-        elif isinstance(event, NonFinite):
-            self._on_nan(event)
-        elif isinstance(event, Epochs):
-            while self.state.epochs_seen < event.completed:
-                self.state.epochs_seen += 1
-                last = self.log.records[-1] if self.log.records else None
-                self.callbacks.call("on_epoch_end", self.state.epochs_seen,
-                                    None if last is None else dict(last))
-        elif isinstance(event, Stats):
-            self.callbacks.call("on_stats", event.message())
-        elif isinstance(event, ReportReady):
-            self.reports.take(event)
+    async def _tick(self, engine: Engine, now: float) -> None:
+        """The engine's periodic work; a stop when its trainers ended on their own."""
+        if await engine.tick(now):
+            self.history.trainers_ended(engine)
 
-    def _next_event(self) -> bool:
-        """Take the next queued event, if any; False when none is queued."""
-        if self.events.empty():
-            return False
-        self._on_event(self.events.get_nowait())
-        return True
+    async def _report_step(self, engine: Engine) -> Departure | None:
+        """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
+        checkpoint written, or the hand-over at it; the departure that ends the generation."""
+        return await self.reports.step(engine, manifest=self.keeper.manifest,
+                                       copies=self.keeper.copies, copied=self.keeper.mark_copied)
 
-    def _on_nan(self, event: NonFinite) -> None:
-        role = f"trainer-{event.trainer}" if event.trainer >= 0 else "trainer"
-        record = {"role": role, "step": event.step, "loss": event.loss, "epoch": event.epoch,
-                  "block": event.block}
-        self.log.nonfinite.append(record)
-        self.publisher.publish({"kind": "nonfinite", **record})
-        logger.warning("non-finite loss %s at step %d on %s", record["loss"], record["step"], role)
-        if self.spec.on_nan == "stop":
-            self.state.nan_stop = True
-            self._stop(f"non-finite loss ({record['loss']}) at step {record['step']} on {role}")
-
-    def on_score(self, event: Score) -> None:
-        """A score: a history record, a progress update, callbacks and stop conditions."""
-        if self.state.stop_step is not None and event.step > self.state.stop_step and \
-                self.engine is not None and self.engine.keeps_scored:
-            # The scorer runs ahead of this loop on a loaded machine: scores of later steps may
-            # be queued behind the one that stopped the job. The result holds the parameters of
-            # the stopping score, so the history ends with it.
-            logger.debug("score of step %d after the stop at step %d not recorded", event.step,
-                         self.state.stop_step)
-            return
-        record = self._record(event)
-        bad = list(event.nonfinite)
-        if bad:
-            self.log.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
-            self.publisher.publish({"kind": "nonfinite", **self.log.nonfinite[-1]})
-            if self.spec.on_nan == "stop":
-                self.state.nan_stop = True
-                self._stop(f"non-finite score ({', '.join(bad)}) at step {record['step']}")
-            return  # not recorded: stop conditions never see a NaN score
-        self.log.records.append(record)
-        self.publisher.publish({"kind": "record", **record})
-        if self.progress is not None:
-            self.progress.update(record)
-        self.callbacks.call("on_score", dict(record))  # a True return stops at the next pass
-        fired = check_stop(self.spec.stop, record, elapsed_s=record["time_s"], step=record["step"])
-        if fired is not None:
-            self._stop(fired.describe())
-        if self.state.stopped_by and self.state.stop_step is None and fired is not None \
-                and fired.max_step is None:
-            self.state.stop_step = record["step"]
-
-    def _record(self, event: Score) -> dict[str, Any]:
-        now = self.log.elapsed()
-        prev = self.log.records[-1] if self.log.records else {"time_s": 0.0, "samples": 0}
-        span = now - prev["time_s"]
-        rate = (event.samples - prev["samples"]) / span if span > 0 else math.nan
-        return {"time_s": now, "step": event.step, "epoch": event.samples / self.rows,
-                "samples": event.samples, "accuracy": math.nan, "loss": math.nan,
-                **event.metrics, **({"worker": event.worker} if event.worker else {}),
-                "samples_per_s": rate}
-
-    def _check_time(self, now: float) -> None:
-        step = self.log.records[-1]["step"] if self.log.records else 0
-        fired = check_stop(self.spec.stop, None, elapsed_s=self.log.elapsed(now), step=step)
-        if fired is not None:
-            self._stop(fired.describe())
-
-    def _natural_end(self, engine: Engine) -> str:
-        if engine.epochs_completed() >= self.spec.epochs:
-            return f"epochs={self.spec.epochs}"
-        limits = [c for c in self.spec.stop if c.max_step is not None]
-        return min(limits, key=lambda c: c.max_step or 0).describe() if limits else "trainers ended"
-
-    def _stop(self, reason: str) -> None:
-        if self.state.stop(reason):
-            self.log.stop_at = time.time()
-            logger.info("job %s stopping: %s", self.spec.job_id, reason)
-
-    # -- checkpoints (the work is the StateKeeper's) ------------------------------------------------
-    async def _checkpoint_step(self, engine: Engine, now: float) -> None:
-        """A pass's checkpoint work (:meth:`StateKeeper.step`)."""
-        await self.keeper.step(engine, now)
-
-    # -- failures ---------------------------------------------------------------------------------
     # -- the end ----------------------------------------------------------------------------------
     async def _finish(self, engine: Engine) -> Ending | Failure:
         """Stop the engine, close the history with the final score, write the final checkpoint;
         a role lost while stopping that needs a new generation is returned instead."""
         self.state.enter(Phase.FINISHING)
-        await self.reports.at_finish(engine, drain=self._next_event, manifest=self.keeper.manifest)
+        await self.reports.at_finish(engine, drain=self.history.next_event,
+                                     manifest=self.keeper.manifest)
         ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
                                         has_checkpoint=self.restarts.has_checkpoint(),
                                         notices=self.hand_overs.wait_for_notices)
@@ -395,8 +255,8 @@ class Controller:
             logger.info("the stop (%s) waits for the next generation: %s was lost",
                         self.state.withdraw_stop(), ending.role)
             return ending
-        while not self.events.empty():  # the trainers' last events
-            self._on_event(self.events.get_nowait())
+        while self.history.next_event():  # the trainers' last events
+            pass
         final = ending.final
         if final is not None and final["params"] is not None:
             ending.params = final["params"]  # a score stopped the job: the parameters that earned it
@@ -405,19 +265,22 @@ class Controller:
             # The final parameters' score closes the history: the result holds them (the
             # stopping score's snapshot, if there was one, was not kept).
             self.state.stop_step = None
-            self.on_score(final["record"])
+            self.history.on_score(final["record"])
         await self.keeper.final(engine, ending)
         return ending
 
-    def _continue_from(self, restore: Restore) -> None:
-        """Continue the history, the clock and the stop conditions of a resumed job."""
-        manifest = restore.manifest
-        self.log.records.extend(manifest.get("records") or [])
-        self.log.elapsed_before = float(manifest.get("elapsed_s", 0.0))
-        self.state.last_checkpoint_step = restore.step
-        for condition, saved in zip(self.spec.stop, manifest.get("stop") or []):
-            if saved.get("type") == type(condition).__name__:
-                condition.load_state_dict(saved.get("state") or {})
+    def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
+        """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
+        return no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
+
+    def _outcome(self, engine: Engine, ending: Ending) -> Outcome:
+        """What the job hands back once it finished."""
+        kept = ending.final is not None and ending.final.get("params") is not None
+        return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
+                       roles=engine.roles, ledger=engine.ledger_records(),
+                       epochs_completed=engine.epochs_completed(),
+                       model_step=int(self.state.stop_step) if kept and
+                       self.state.stop_step is not None else ending.steps)
 
 
 def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from dask_train.controller._history import JobHistory
 from dask_train.controller._hook_thread import CallbackThread
+from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
@@ -61,20 +63,19 @@ class Job(Protocol):
     spec: JobSpec
     callbacks: CallbackThread
     publisher: JobEvents
-    liveness: Liveness  # Running: hand-overs, and once a second lost roles and arrivals
-    restarts: Restarts  # Restarting, HandingOver: the next generation placed
+    # Running: the engine's events and the stop; a checkpoint's pause; the cluster's changes
+    history: JobHistory
+    keeper: StateKeeper
+    liveness: Liveness
+    # Restarting, HandingOver: the generation ended, the next one's roles placed
+    restarts: Restarts
 
-    # Starting
+    # The controller's own: a generation's engine made and started, its tick and a dt.run
+    # report (Running), its end (Finishing)
     async def _new_engine(self) -> Engine: ...
     async def _start(self, engine: Engine) -> Failure | None: ...
-    # Running: one pass's handlers, in the order they run
-    async def _take_event(self) -> None: ...
-    def _callback_stop(self) -> None: ...
-    def _check_time(self, now: float) -> None: ...
     async def _tick(self, engine: Engine, now: float) -> None: ...
-    async def _checkpoint_step(self, engine: Engine, now: float) -> None: ...
     async def _report_step(self, engine: Engine) -> Departure | None: ...
-    # Finishing
     async def _finish(self, engine: Engine) -> Ending | Failure: ...
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
     def _outcome(self, engine: Engine, ending: Ending) -> Outcome: ...
@@ -140,13 +141,13 @@ class Running(State):
         """One pass over the generation's concerns, in order; the failure or departure that
         ends the generation, if one does."""
         engine = self.engine
-        await job._take_event()
-        job._callback_stop()
+        await job.history.take_event()
+        job.history.callback_stop()
         now = time.time()
         if not job.state.stopped_by:
-            job._check_time(now)
+            job.history.check_time(now)
             await job._tick(engine, now)
-            await job._checkpoint_step(engine, now)
+            await job.keeper.step(engine, now)
             departure = await job._report_step(engine)
             if departure is not None:
                 return departure
