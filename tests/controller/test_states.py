@@ -2,8 +2,8 @@
 
 The moves each state's ``step`` can make (its return annotation) are checked against the one
 table of legal moves, ``_state._NEXT``; then the states are driven over a scripted job: the
-controller's side of them (the ``Job`` protocol), whose work methods record their calls and
-return what a test sets. The real controller over them is test_phases.py's.
+controller's side of them (the ``Job`` protocol), whose parts and methods record their calls
+and return what a test sets. The real controller over them is test_phases.py's.
 """
 
 from __future__ import annotations
@@ -108,11 +108,67 @@ class Published:
         self.publish({"kind": "end", **fields})
 
 
+class ScriptedHistory:
+    """The job's ``history``, scripted: each of a pass's calls is recorded."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def take_event(self) -> None:
+        self.job._do("events")
+
+    def callback_stop(self) -> None:
+        self.job._do("stops")
+
+    def check_time(self, now: float) -> None:
+        self.job._do("time")
+
+
+class ScriptedKeeper:
+    """The job's ``keeper``, scripted: a pass's checkpoint work is recorded."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def step(self, engine: FakeEngine, now: float) -> None:
+        self.job._do("checkpoint")
+
+
+class ScriptedLiveness:
+    """The job's ``liveness``, scripted: its looks at the roles return ``job.lost`` in turn."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def hand_over(self, engine: FakeEngine) -> None:
+        self.job._do("hand-over")
+
+    async def check(self, engine: FakeEngine) -> Any:
+        return self.job._do("liveness", self.job.lost)
+
+
+class ScriptedRestarts:
+    """The job's ``restarts``, scripted: each enters RESTARTING, then the next generation's
+    STARTING, as :class:`~dask_train.controller._restarts.Restarts` does."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def after_loss(self, engine: FakeEngine, failure: Failure) -> None:
+        self.job.state.enter(Phase.RESTARTING)
+        self.job._do("restart")
+        self.job.state.enter(Phase.STARTING)
+
+    async def after_departure(self, engine: FakeEngine, departure: Any) -> None:
+        self.job.state.enter(Phase.RESTARTING)
+        self.job._do("hand over restart")
+        self.job.state.enter(Phase.STARTING)
+
+
 class ScriptedJob:
     """The ``Job`` protocol, scripted. ``starts``, ``finishes`` and ``lost`` are what successive
-    ``_start``, ``_finish`` and ``_liveness`` calls return (an exception is raised). The methods
-    the controller's enter a phase in (``_restart``, ``_hand_over_restart``, ``_finish``) enter
-    it here too, as the controller's do."""
+    ``_start``, ``_finish`` and ``liveness.check`` calls return (an exception is raised). What enters a
+    phase itself in the controller (``_finish``, the restarts) enters it here too."""
 
     def __init__(self, *, starts: list[Any] | None = None, finishes: list[Any] | None = None,
                  lost: list[Any] | None = None, stop_on: str = "stops",
@@ -125,6 +181,8 @@ class ScriptedJob:
         self.stop_on, self.untrained, self.make_error = stop_on, untrained, make_error
         self.calls: list[str] = []
         self.engines: list[FakeEngine] = []
+        self.history, self.keeper = ScriptedHistory(self), ScriptedKeeper(self)
+        self.liveness, self.restarts = ScriptedLiveness(self), ScriptedRestarts(self)
 
     def _do(self, name: str, script: list[Any] | None = None) -> Any:
         self.calls.append(name)
@@ -146,39 +204,11 @@ class ScriptedJob:
     async def _start(self, engine: FakeEngine) -> Failure | None:
         return self._do("start", self.starts)
 
-    async def _take_event(self) -> None:
-        self._do("events")
-
-    def _callback_stop(self) -> None:
-        self._do("stops")
-
-    def _check_time(self, now: float) -> None:
-        self._do("time")
-
     async def _tick(self, engine: FakeEngine, now: float) -> None:
         self._do("tick")
 
-    async def _checkpoint_step(self, engine: FakeEngine, now: float) -> None:
-        self._do("checkpoint")
-
     async def _report_step(self, engine: FakeEngine) -> None:
         self._do("report")
-
-    async def _hand_over_step(self, engine: FakeEngine) -> None:
-        self._do("hand-over")
-
-    async def _liveness(self, engine: FakeEngine) -> Any:
-        return self._do("liveness", self.lost)
-
-    async def _restart(self, engine: FakeEngine, failure: Failure) -> None:
-        self.state.enter(Phase.RESTARTING)
-        self._do("restart")
-        self.state.enter(Phase.STARTING)
-
-    async def _hand_over_restart(self, engine: FakeEngine, departure: Any) -> None:
-        self.state.enter(Phase.RESTARTING)
-        self._do("hand over restart")
-        self.state.enter(Phase.STARTING)
 
     async def _finish(self, engine: FakeEngine) -> Any:
         self.state.enter(Phase.FINISHING)
@@ -250,7 +280,7 @@ def test_a_start_that_lost_a_role_restarts_then_the_next_generation_runs_and_fin
     assert [*job.state.history, job.state.phase] == [S, RS, S, R, F, FD]
     assert job.calls == ["start", "restart", "start", "events", "stops", "liveness", "finish"]
     first, second = job.engines
-    assert first.calls == [] and second.calls == ["close"]  # _restart closes its own (not here)
+    assert first.calls == [] and second.calls == ["close"]  # the restarts close their own (not here)
     last = seen[-1]
     assert isinstance(last, Finished) and last.outcome.ending is ENDING
     assert last.outcome.stopped_by == "stops"
@@ -263,7 +293,7 @@ def test_a_role_lost_while_running_or_finishing_restarts_and_a_departure_hands_o
     assert [type(s) for s in seen] == [Starting, Running, Finishing, Restarting, Starting,
                                        Running, Finishing, Finished]
 
-    departure = object()  # what the states carry to _hand_over_restart, untouched
+    departure = object()  # what the states carry to the restarts, untouched
     # The third look at the roles finds nothing, and stops the job.
     job = ScriptedJob(lost=[LOST, departure], finishes=[ENDING], stop_on="liveness")
     seen = _drive(job)

@@ -2,60 +2,45 @@
 
 One coroutine on the client's event loop. Per generation it starts the engine, then loops: take
 the engine's events (scores, non-finite losses, epochs, progress) into the history, the stop
-conditions and the callbacks; ask the engine for periodic work; take checkpoints and in-memory
-copies (:class:`~._keeping.StateKeeper`, through the engine's pause/snapshot/save); every
-second, look for lost or failed roles and act as the pure failure policy decides (continue,
-replace the scorer, restart a new generation from the newest checkpoint, or raise). The job
-moves between the states of :mod:`._states` (starting, running, restarting, handing over,
-finishing, finished, errored), each state's step doing its work through the methods here; phases
-live in one explicit :class:`~._state.JobState`.
+conditions and the callbacks (:class:`~._history.JobHistory`); ask the engine for periodic work;
+take checkpoints and in-memory copies (:class:`~._keeping.StateKeeper`, through the engine's
+pause/snapshot/save); hand over from workers that leave with notice and, every second, look for
+lost or failed roles and joined workers (:class:`~.cluster._liveness.Liveness`), acting as the
+pure failure policy decides (continue, replace the scorer, restart a new generation from the
+newest checkpoint, or raise: :class:`~._restarts.Restarts`). The job moves between the states
+of :mod:`._states` (starting, running, restarting, handing over, finishing, finished, errored),
+each state's step doing its work through those objects and the few methods here (a
+generation's engine made and started, its tick, a ``dt.run`` report, its end); phases live in
+one explicit :class:`~._state.JobState`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from distributed import Client
 
-from dask_train.controller._checkpointing import Restore
 from dask_train.controller._generations import GenerationPlacement, PlanRoles
+from dask_train.controller._history import JobHistory
 from dask_train.controller._hook_thread import CallbackThread, job_failed
 from dask_train.controller._interrupt import RunGuard, interrupted
 from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._reports import Reports
+from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
-from dask_train.controller.cluster._departures import (
-    Departure,
-    HandOvers,
-)
+from dask_train.controller.cluster._departures import Departure, HandOvers
+from dask_train.controller.cluster._liveness import Liveness
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
-from dask_train.engines._events import (
-    Epochs,
-    Event,
-    NonFinite,
-    ReportReady,
-    Score,
-    Started,
-    Stats,
-)
-from dask_train.engines._protocol import Elastic, Ending, Engine, Regrouping, Reporting
+from dask_train.engines._protocol import Ending, Engine, Reporting
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss, release_frames
 from dask_train.policy._failure import Action, Failure
 from dask_train.policy._placement import Roles
-from dask_train.policy._restore import Candidate, Source, choose_restart
-from dask_train.policy._scaling import may_regroup, regroup_wanted
-from dask_train.policy.stop import check_stop
-from dask_train.runtime._calls import alive_workers
-from dask_train.runtime._cluster_view import ClusterView, look
 from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
@@ -87,12 +72,10 @@ class Controller:
     def __init__(self, client: Client, spec: JobSpec, *, make_engine: MakeEngine,
                  plan_roles: PlanRoles, roles: Roles, rows: int, progress: Any = None) -> None:
         self.client, self.spec, self.make_engine = client, spec, make_engine
-        self.rows, self.progress = max(1, rows), progress
+        self.rows = max(1, rows)
         self.log = JobLog()
         self.state = JobState()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.engine: Engine | None = None
-        self.restore: Restore | None = None
         self.publisher = JobEvents(client, spec.job_id)  # the scheduler's Training page reads them
         # The current generation's roles, and where the next one's go.
         self.placement = GenerationPlacement(client, spec, plan=plan_roles, roles=roles,
@@ -109,9 +92,22 @@ class Controller:
         # A dt.run job's reports: the checkpoint each carries, then its ranks go on.
         self.reports = Reports(client, state=self.state, log=self.log,
                                checkpoints=self.keeper.checkpoints, hand_overs=self.hand_overs)
+        # The engine's events into the history, the callbacks and the stop.
+        self.history = JobHistory(spec, log=self.log, state=self.state, publisher=self.publisher,
+                                  callbacks=self.callbacks, reports=self.reports, rows=self.rows,
+                                  progress=progress)
         # A job with room for more workers than the cluster has asks for them (see _wanted).
         self.wanted = WantedWorkers(client, spec.job_id, spec.trainer_cap)
-        self.callback_stop = False  # a callback's stop withdrawn, to make again (_withdraw_stop)
+        # A generation's end and the placing of the next, and what the next starts from.
+        self.restarts = Restarts(client, state=self.state, log=self.log, keeper=self.keeper,
+                                 placement=self.placement, reports=self.reports,
+                                 hand_overs=self.hand_overs)
+        # The cluster's changes as a generation meets them: hand-overs, and once a second lost
+        # roles, joined workers and the workers the job wants.
+        self.liveness = Liveness(client, state=self.state, placement=self.placement,
+                                 losses=self.losses, hand_overs=self.hand_overs,
+                                 wanted=self.wanted, manifest=self.keeper.manifest,
+                                 has_checkpoint=self.restarts.has_checkpoint)
 
     @property
     def roles(self) -> Roles:
@@ -181,9 +177,9 @@ class Controller:
         """Run the job's states (:mod:`._states`) from its first generation's start until it
         finished (its outcome is returned) or errored (its error is raised)."""
         if resume:
-            self.restore = self.keeper.load_resumed()
-            if self.restore is not None:
-                self._continue_from(self.restore)
+            self.restarts.restore = self.keeper.load_resumed()
+            if self.restarts.restore is not None:
+                self.history.continue_from(self.restarts.restore)
         state: State = Starting()
         while not state.terminal:
             state = await state.step(self)
@@ -199,49 +195,44 @@ class Controller:
     async def _new_engine(self) -> Engine:
         """The engine of the generation whose roles were placed last, from the state to
         restore; with the in-memory copies it needs (:meth:`StateKeeper.prepare`)."""
+        restore = self.restarts.restore
         engine = self.make_engine(self.roles, f"{self.spec.job_id}-g{self.state.generation}",
-                                  self.restore.engine_state() if self.restore else None)
+                                  restore.engine_state() if restore else None)
         self.engine = engine
+        self.history.keeps_scored = not isinstance(engine, Reporting)
         self.log.generations = self.state.generation + 1
         await self.keeper.prepare(engine, self.roles.addresses)
         return engine
 
-    async def _take_event(self) -> None:
-        """Wait a little for the engine's next event and take it in."""
+    async def _start(self, engine: Engine) -> Failure | None:
+        """Start a generation; None once it runs. A role's worker lost while it starts (a
+        second loss while the job restarts) is a loss like any other: the failure policy
+        decides, and a restart returns the failure for the next generation. Any other error
+        in starting is the job's."""
         try:
-            # A pause ends when its last trainer says so, which is no event here: look
-            # again soon, the trainers wait meanwhile (an async-ps job's copies every 5 s,
-            # each such a pause, cost it about 12% of its samples/s in one run).
-            wait = 0.01 if self.state.phase is Phase.CHECKPOINTING else 0.2
-            event = await asyncio.wait_for(self.events.get(), timeout=wait)
-        except asyncio.TimeoutError:
-            event = None
-        if event is not None:
-            self._on_event(event)
-
-    def _callback_stop(self) -> None:
-        """A callback asked to stop (or its stop, withdrawn with a lost role, is made again)."""
-        if self.callbacks.stop_asked() or self.callback_stop:
-            self.callback_stop = False
-            self._stop("callback")
+            if self.state.generation:
+                await self.placement.schedule_stranded()
+            await engine.start(self.history.events.put_nowait)
+        except Exception as exc:
+            lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
+            # A worker retired as the generation started (its lifetime ended just after it was
+            # placed) held no role's state yet, so it announced itself to no job; the
+            # scheduler's events of it say it left with notice.
+            noticed = bool(lost) and bool(await self.losses.noticed(self.client, engine,
+                                                                    [lost[0].worker]))
+            if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
+                                              has_checkpoint=self.restarts.has_checkpoint()) \
+                    is not Action.RESTART:
+                raise
+            logger.info("generation %d could not start: %s was lost", self.state.generation,
+                        lost[0].role)
+            return lost[0]
+        return None
 
     async def _tick(self, engine: Engine, now: float) -> None:
         """The engine's periodic work; a stop when its trainers ended on their own."""
-        ended = await engine.tick(now)
-        # Only with no event left to read: a last score or NaN may say why it ended.
-        if ended and not self.state.stopped_by and self.events.empty():
-            self._stop(self._natural_end(engine))
-
-    async def _hand_over_step(self, engine: Engine) -> Departure | None:
-        """Hand the job over from a worker that gave notice; the departure that ends the
-        generation, if the hand-over took its state."""
-        if self.hand_overs.pending(engine):
-            departure = await self.hand_overs.hand_over(
-                engine, await alive_workers(self.client), manifest=self.keeper.manifest)
-            if departure is not None:
-                return departure
-        await self.hand_overs.overdue(engine)
-        return None
+        if await engine.tick(now):
+            self.history.trainers_ended(engine)
 
     async def _report_step(self, engine: Engine) -> Departure | None:
         """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
@@ -249,26 +240,34 @@ class Controller:
         return await self.reports.step(engine, manifest=self.keeper.manifest,
                                        copies=self.keeper.copies, copied=self.keeper.mark_copied)
 
-    async def _liveness(self, engine: Engine) -> Failure | Departure | None:
-        """Look at the roles, the workers that joined and the workers the job wants: the
-        failure that needs a new generation, or the regroup onto joined workers, if any."""
-        view = await look(self.client)  # the one listing this pass reads
-        failure = await self._check_roles(engine, view)
-        if failure is not None:
-            withdrawn = self._withdraw_stop()
-            if withdrawn:
-                # Decided in this same pass: the parameters it stands for (a scored
-                # snapshot, the last epoch) may be gone with the lost role.
-                logger.info("the stop (%s) waits for the next generation: %s was lost "
-                            "in the same moment", withdrawn, failure.role)
-            return failure
-        arrival = await self._take_arrivals(engine, view)
-        if arrival is not None:
-            return arrival
-        if self.wanted.most is not None or self.wanted.waiting:
-            await self.wanted.update(engine.live_trainers(),
-                                     running=not self.state.stopped_by)
-        return None
+    # -- the end ----------------------------------------------------------------------------------
+    async def _finish(self, engine: Engine) -> Ending | Failure:
+        """Stop the engine, close the history with the final score, write the final checkpoint;
+        a role lost while stopping that needs a new generation is returned instead."""
+        self.state.enter(Phase.FINISHING)
+        await self.reports.at_finish(engine, drain=self.history.next_event,
+                                     manifest=self.keeper.manifest)
+        ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
+                                        has_checkpoint=self.restarts.has_checkpoint(),
+                                        notices=self.hand_overs.wait_for_notices)
+        if isinstance(ending, Failure):
+            # What the stop stood for (a scored snapshot) may be gone with the role.
+            logger.info("the stop (%s) waits for the next generation: %s was lost",
+                        self.state.withdraw_stop(), ending.role)
+            return ending
+        while self.history.next_event():  # the trainers' last events
+            pass
+        final = ending.final
+        if final is not None and final["params"] is not None:
+            ending.params = final["params"]  # a score stopped the job: the parameters that earned it
+            ending.buffers = final.get("buffers")  # and the buffers they were scored with
+        elif final is not None and final["record"] is not None:
+            # The final parameters' score closes the history: the result holds them (the
+            # stopping score's snapshot, if there was one, was not kept).
+            self.state.stop_step = None
+            self.history.on_score(final["record"])
+        await self.keeper.final(engine, ending)
+        return ending
 
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
         """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
@@ -282,307 +281,6 @@ class Controller:
                        epochs_completed=engine.epochs_completed(),
                        model_step=int(self.state.stop_step) if kept and
                        self.state.stop_step is not None else ending.steps)
-
-    async def _start(self, engine: Engine) -> Failure | None:
-        """Start a generation; None once it runs. A role's worker lost while it starts (a
-        second loss while the job restarts) is a loss like any other: the failure policy
-        decides, and a restart returns the failure for the next generation. Any other error
-        in starting is the job's."""
-        try:
-            if self.state.generation:
-                await self.placement.schedule_stranded()
-            await engine.start(self.events.put_nowait)
-        except Exception as exc:
-            lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
-            # A worker retired as the generation started (its lifetime ended just after it was
-            # placed) held no role's state yet, so it announced itself to no job; the
-            # scheduler's events of it say it left with notice.
-            noticed = bool(lost) and bool(await self.losses.noticed(self.client, engine,
-                                                                    [lost[0].worker]))
-            if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
-                                              has_checkpoint=self.has_checkpoint) \
-                    is not Action.RESTART:
-                raise
-            logger.info("generation %d could not start: %s was lost", self.state.generation,
-                        lost[0].role)
-            return lost[0]
-        return None
-
-    # -- events -> history, stop conditions, callbacks ----------------------------------------------
-    def _on_event(self, event: Event) -> None:
-        if isinstance(event, Started):
-            self.log.first_step_at = self.log.first_step_at or time.time()
-        elif isinstance(event, Score):
-            self.on_score(event)
-        elif isinstance(event, NonFinite):
-            self._on_nan(event)
-        elif isinstance(event, Epochs):
-            while self.state.epochs_seen < event.completed:
-                self.state.epochs_seen += 1
-                last = self.log.records[-1] if self.log.records else None
-                self.callbacks.call("on_epoch_end", self.state.epochs_seen,
-                                    None if last is None else dict(last))
-        elif isinstance(event, Stats):
-            self.callbacks.call("on_stats", event.message())
-        elif isinstance(event, ReportReady):
-            self.reports.take(event)
-
-    def _next_event(self) -> bool:
-        """Take the next queued event, if any; False when none is queued."""
-        if self.events.empty():
-            return False
-        self._on_event(self.events.get_nowait())
-        return True
-
-    def _on_nan(self, event: NonFinite) -> None:
-        role = f"trainer-{event.trainer}" if event.trainer >= 0 else "trainer"
-        record = {"role": role, "step": event.step, "loss": event.loss, "epoch": event.epoch,
-                  "block": event.block}
-        self.log.nonfinite.append(record)
-        self.publisher.publish({"kind": "nonfinite", **record})
-        logger.warning("non-finite loss %s at step %d on %s", record["loss"], record["step"], role)
-        if self.spec.on_nan == "stop":
-            self.state.nan_stop = True
-            self._stop(f"non-finite loss ({record['loss']}) at step {record['step']} on {role}")
-
-    def on_score(self, event: Score) -> None:
-        """A score: a history record, a progress update, callbacks and stop conditions."""
-        if self.state.stop_step is not None and event.step > self.state.stop_step and \
-                self.engine is not None and not isinstance(self.engine, Reporting):
-            # The scorer runs ahead of this loop on a loaded machine: scores of later steps may
-            # be queued behind the one that stopped the job. The result holds the parameters of
-            # the stopping score, so the history ends with it.
-            logger.debug("score of step %d after the stop at step %d not recorded", event.step,
-                         self.state.stop_step)
-            return
-        record = self._record(event)
-        bad = list(event.nonfinite)
-        if bad:
-            self.log.nonfinite.append({"role": "scorer", "step": record["step"], "metrics": bad})
-            self.publisher.publish({"kind": "nonfinite", **self.log.nonfinite[-1]})
-            if self.spec.on_nan == "stop":
-                self.state.nan_stop = True
-                self._stop(f"non-finite score ({', '.join(bad)}) at step {record['step']}")
-            return  # not recorded: stop conditions never see a NaN score
-        self.log.records.append(record)
-        self.publisher.publish({"kind": "record", **record})
-        if self.progress is not None:
-            self.progress.update(record)
-        self.callbacks.call("on_score", dict(record))  # a True return stops at the next pass
-        fired = check_stop(self.spec.stop, record, elapsed_s=record["time_s"], step=record["step"])
-        if fired is not None:
-            self._stop(fired.describe())
-        if self.state.stopped_by and self.state.stop_step is None and fired is not None \
-                and fired.max_step is None:
-            self.state.stop_step = record["step"]
-
-    def _record(self, event: Score) -> dict[str, Any]:
-        now = self.log.elapsed()
-        prev = self.log.records[-1] if self.log.records else {"time_s": 0.0, "samples": 0}
-        span = now - prev["time_s"]
-        rate = (event.samples - prev["samples"]) / span if span > 0 else math.nan
-        return {"time_s": now, "step": event.step, "epoch": event.samples / self.rows,
-                "samples": event.samples, "accuracy": math.nan, "loss": math.nan,
-                **event.metrics, **({"worker": event.worker} if event.worker else {}),
-                "samples_per_s": rate}
-
-    def _check_time(self, now: float) -> None:
-        step = self.log.records[-1]["step"] if self.log.records else 0
-        fired = check_stop(self.spec.stop, None, elapsed_s=self.log.elapsed(now), step=step)
-        if fired is not None:
-            self._stop(fired.describe())
-
-    def _natural_end(self, engine: Engine) -> str:
-        if engine.epochs_completed() >= self.spec.epochs:
-            return f"epochs={self.spec.epochs}"
-        limits = [c for c in self.spec.stop if c.max_step is not None]
-        return min(limits, key=lambda c: c.max_step or 0).describe() if limits else "trainers ended"
-
-    def _stop(self, reason: str) -> None:
-        if self.state.stop(reason):
-            self.log.stop_at = time.time()
-            logger.info("job %s stopping: %s", self.spec.job_id, reason)
-
-    def _withdraw_stop(self) -> str:
-        """Withdraw the stop (:meth:`JobState.withdraw_stop`); returns its reason. The stop
-        conditions decide again in the next generation, but a callback that returned True is
-        not asked again: its stop is made again as soon as the next generation runs (a
-        one-shot callback's stop, lost with a role, once left the job training to its
-        ``epochs``)."""
-        reason = self.state.withdraw_stop()
-        self.callback_stop = self.callback_stop or reason == "callback"
-        return reason
-
-    # -- checkpoints (the work is the StateKeeper's) ------------------------------------------------
-    async def _checkpoint_step(self, engine: Engine, now: float) -> None:
-        """A pass's checkpoint work (:meth:`StateKeeper.step`)."""
-        await self.keeper.step(engine, now)
-
-    # -- failures ---------------------------------------------------------------------------------
-    @property
-    def has_checkpoint(self) -> bool:
-        """Whether a checkpoint exists to restart from (written by this fit, or resumed, or a
-        copy in memory)."""
-        return bool(self.log.checkpoints) or self.restore is not None or self.keeper.copied
-
-    async def _check_roles(self, engine: Engine, view: ClusterView) -> Failure | None:
-        """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
-        needs a new generation, if any."""
-        await self.placement.saw(view)
-        alive = view.alive()
-        failures = await engine.failures(view)
-        gone = {f.worker for f in failures if f.worker not in alive}
-        if gone - engine.leaving():
-            await self.hand_overs.wait_for_notices(engine, gone)
-        # A worker leaving with notice is handed over (see _hand_over_step), not lost; once its
-        # hand-over was tried and failed (the engine forgets it), its loss is decided as any other.
-        leaving = engine.leaving()
-        failures = [f for f in failures if f.worker not in leaving]
-        noticed: set[str] = set()
-        if failures:
-            # A worker retired before its role ran held nothing to hand over: no hand-over,
-            # but a loss with notice.
-            noticed = await self.losses.noticed(self.client, engine, gone)
-            alive = await self.losses.workers_back(self.client, alive)
-        restart = await self.losses.act(engine, failures, alive,
-                                        has_checkpoint=self.has_checkpoint, noticed=noticed)
-        # Not during a checkpoint's pause: a trainer started now never got the pause request,
-        # and the pause would wait for it until the timeout (seen in the chaos test, a
-        # restarted worker adopted while the other trainer was paused); the next pass adopts.
-        if not failures and not self.state.stopped_by and self.state.phase is Phase.RUNNING:
-            # Not a worker on its way out (retiring, closing after a SIGTERM): the scheduler
-            # lists it for a moment, and a role placed there would leave with it.
-            if isinstance(engine, Elastic):  # others grow by a regroup (_take_arrivals)
-                await engine.adopt_workers(view.placeable())
-        return restart
-
-    async def _restart(self, engine: Engine, failure: Failure) -> None:
-        """End this generation and place the next one on the live workers, from the newest
-        state: the survivors', a checkpoint's or copy's, or the one this generation started
-        from, else the initial parameters. Waits a little (at most 10 s) for the cluster to get
-        back to its size: a nanny restarts a killed worker in about a second, and the new
-        generation should use it; not when every lost worker left with notice (retired, it
-        does not come back: a sync job stopped as rank 0 retired waited the 10 s for it).
-        """
-        self.state.enter(Phase.RESTARTING)
-        self.reports.forget()  # its ranks are gone with their generation
-        t0 = time.time()
-        applied = sum(int(r.get("consumed", 0)) for r in engine.ledger_records())
-        lost = set(engine.roles.addresses) - set(await alive_workers(self.client))
-        noticed = bool(lost) and lost <= engine.leaving()  # retired: not coming back
-        # The surviving ranks' state (sync), else the newest checkpoint (the one resumed from,
-        # if none was written since), else the initial parameters: the next generation trains
-        # again what was lost with them.
-        # A report's copy being written is given up first: it would write through the engine
-        # as the survivors' state does, and a live writer's state is the survivors' anyway.
-        await self.reports.drop()
-        survived = await self.hand_overs.from_survivors(engine, lost, manifest=self.keeper.manifest)
-        await engine.close()
-        which, stored = await self.keeper.stored(survivors=set(engine.roles.addresses) - lost)
-        started = self.restore
-        choice = choose_restart(survivors=_candidate(survived), stored=_candidate(stored),
-                                started=_candidate(started), store=which, applied=applied)
-        self.restore = {Source.SURVIVORS: survived, Source.STORED: stored,
-                        Source.GENERATION: started, Source.INITIAL: None}[choice.source]
-        redone = choice.redone
-        # The restarting loss's record: others of its pass may come after it.
-        record = next(r for r in reversed(self.log.failures) if r["role"] == failure.role)
-        record["redone"] = redone
-        record["from"] = choice.label
-        alive = await self.placement.after_loss(retired=noticed)
-        self._next_generation(await self.placement.enough(alive, lost), redone=redone)
-        logger.warning("generation %d starts from %s on %s (%.2f s after %s was lost); %d "
-                       "samples applied since are trained again", self.state.generation,
-                       f"the surviving ranks' state at step {survived.step}" if survived else
-                       self.restore.directory if self.restore else "the initial parameters",
-                       self.roles, time.time() - t0, failure.role, redone)
-
-    async def _take_arrivals(self, engine: Engine, view: ClusterView) -> Departure | None:
-        """Regroup a job whose engine grows only in a new generation (sync ranks, ``dt.run``)
-        onto workers that joined (as ``view`` lists them), when its placement would give them
-        ranks."""
-        if not may_regroup(grows_by_regroup=isinstance(engine, Regrouping),
-                           running=self.state.phase is Phase.RUNNING and engine.running(),
-                           stopping=bool(self.state.stopped_by),
-                           handing_over=self.hand_overs.awaiting is not None,
-                           leaving=bool(engine.leaving())):
-            return None
-        alive = view.placeable()
-        if not view.joined(since=engine.roles.addresses) & set(alive):
-            return None
-        try:
-            roles = self.placement.plan(alive)
-        except Exception:  # noqa: BLE001 - no placement now: nothing to grow into
-            return None
-        if not regroup_wanted(current_trainers=len(engine.roles["trainer"]),
-                              planned_trainers=len(roles["trainer"])):
-            return None
-        joined = set(roles.addresses) - set(engine.roles.addresses)
-        return await self.hand_overs.hand_over(engine, alive, manifest=self.keeper.manifest,
-                                               joined=joined)
-
-    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None:
-        """End this generation (the leaving workers' roles stop, their hold ends) and place the
-        next on the live workers, from the state just handed over."""
-        self.state.enter(Phase.RESTARTING)
-        self.reports.forget()
-        await self.reports.drop()
-        await engine.close()
-        self.restore = departure.restore
-        alive = await self.placement.after_departure(departure.workers)
-        self._next_generation(await self.placement.enough(alive, departure.workers), redone=0)
-        self.hand_overs.record(departure, roles=self.roles.placement)
-
-    def _next_generation(self, alive: Mapping[str, int], *, redone: int) -> None:
-        """Place the next generation's roles on ``alive`` and enter its start; no pause of the
-        generation before is written any more."""
-        self.keeper.new_generation()
-        self.placement.place_next(alive, redone=redone)
-
-    # -- the end ----------------------------------------------------------------------------------
-    async def _finish(self, engine: Engine) -> Ending | Failure:
-        """Stop the engine, close the history with the final score, write the final checkpoint;
-        a role lost while stopping that needs a new generation is returned instead."""
-        self.state.enter(Phase.FINISHING)
-        await self.reports.at_finish(engine, drain=self._next_event, manifest=self.keeper.manifest)
-        ending = await self.losses.stop(self.client, engine, keep_step=self.state.stop_step,
-                                        has_checkpoint=self.has_checkpoint,
-                                        notices=self.hand_overs.wait_for_notices)
-        if isinstance(ending, Failure):
-            # What the stop stood for (a scored snapshot) may be gone with the role.
-            logger.info("the stop (%s) waits for the next generation: %s was lost",
-                        self._withdraw_stop(), ending.role)
-            return ending
-        while not self.events.empty():  # the trainers' last events
-            self._on_event(self.events.get_nowait())
-        final = ending.final
-        if final is not None and final["params"] is not None:
-            ending.params = final["params"]  # a score stopped the job: the parameters that earned it
-            ending.buffers = final.get("buffers")  # and the buffers they were scored with
-        elif final is not None and final["record"] is not None:
-            # The final parameters' score closes the history: the result holds them (the
-            # stopping score's snapshot, if there was one, was not kept).
-            self.state.stop_step = None
-            self.on_score(final["record"])
-        await self.keeper.final(engine, ending)
-        return ending
-
-    def _continue_from(self, restore: Restore) -> None:
-        """Continue the history, the clock and the stop conditions of a resumed job."""
-        manifest = restore.manifest
-        self.log.records.extend(manifest.get("records") or [])
-        self.log.elapsed_before = float(manifest.get("elapsed_s", 0.0))
-        self.state.last_checkpoint_step = restore.step
-        for condition, saved in zip(self.spec.stop, manifest.get("stop") or []):
-            if saved.get("type") == type(condition).__name__:
-                condition.load_state_dict(saved.get("state") or {})
-
-
-def _candidate(restore: Restore | None) -> Candidate | None:
-    """A state a restart could start from, as the restart policy reads it."""
-    if restore is None:
-        return None
-    return Candidate(step=restore.step, samples=int(restore.manifest.get("samples", 0)))
 
 
 def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,

@@ -91,6 +91,9 @@ class JobState:
         The step of the score that stopped the job: its parameters are the result.
     nan_stop : bool
         A non-finite loss or score stopped the job: no checkpoint is written after it.
+    callback_withdrawn : bool
+        A callback's stop was withdrawn (:meth:`withdraw_stop`): it is made again as soon as
+        the next generation runs.
     pause_id : int
         The checkpoint pause in progress (0 when none).
     pause_started : float
@@ -104,6 +107,7 @@ class JobState:
     stopped_by: str = ""
     stop_step: int | None = None
     nan_stop: bool = False
+    callback_withdrawn: bool = False
     pause_id: int = 0
     next_pause_id: int = 1
     pause_started: float = 0.0
@@ -122,8 +126,13 @@ class JobState:
     def withdraw_stop(self) -> str:
         """Forget a stop decided on what a generation did that is now lost (a role died in the
         same pass): the next generation trains on from the checkpoint, and the stop conditions
-        decide again on what it does. Returns the reason withdrawn ("" when none)."""
+        decide again on what it does. Returns the reason withdrawn ("" when none).
+
+        A callback that returned True is not asked again: its stop is made again as soon as the
+        next generation runs (:attr:`callback_withdrawn`; a one-shot callback's stop, lost with
+        a role, once left the job training to its ``epochs``)."""
         reason, self.stopped_by, self.stop_step = self.stopped_by, "", None
+        self.callback_withdrawn = self.callback_withdrawn or reason == "callback"
         return reason
 
     def stop(self, reason: str) -> bool:

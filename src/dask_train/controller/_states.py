@@ -1,16 +1,18 @@
 """The controller's states: one small object per phase, each carrying its data, whose ``step``
-does that phase's work (through the controller's methods) and returns the next state.
+does that phase's work (through the objects that own each concern, or the controller's own
+methods) and returns the next state.
 
 :class:`~._controller.Controller` runs them, and only that: from :class:`Starting` until
 :class:`Finished` (its :class:`Outcome` is returned) or :class:`Errored` (its error is raised).
 A state's possible successors are its ``step``'s return annotation; every move still goes through
 :meth:`JobState.enter <._state.JobState.enter>`, whose ``_NEXT`` table stays the one list of legal
 moves (``tests/controller/test_states.py`` checks the annotations against it). The move into a
-state is made as its step begins, by the controller method that does its work where that method
-enters its phase itself (``_restart``, ``_hand_over_restart``, ``_finish``); a generation's
-STARTING is entered as its roles are placed (``_next_generation``, the restarts' last act), the
-first generation's is the job's first phase; a terminal state's is entered by the step that
-decides it.
+state is made as its step begins, by what does its work where that enters its phase itself
+(:class:`~._restarts.Restarts`' ``after_loss`` and ``after_departure``, the controller's
+``_finish``); a generation's STARTING is entered as its roles are placed
+(:meth:`GenerationPlacement.place_next <._generations.GenerationPlacement.place_next>`, the
+restarts' last act), the first generation's is the job's first phase; a terminal state's is
+entered by the step that decides it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from dask_train.controller._history import JobHistory
 from dask_train.controller._hook_thread import CallbackThread
+from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
+from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller.cluster._departures import Departure
+from dask_train.controller.cluster._liveness import Liveness
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import NonFiniteLoss
@@ -48,7 +54,8 @@ class Outcome:
 
 
 class Job(Protocol):
-    """What the states use of the controller: its state and log, and the methods doing the work
+    """What the states use of the controller: its state and log, the objects that do a
+    concern's work, and the controller's own methods for the rest
     (:class:`~._controller.Controller` is the one implementation)."""
 
     state: JobState
@@ -56,22 +63,19 @@ class Job(Protocol):
     spec: JobSpec
     callbacks: CallbackThread
     publisher: JobEvents
+    # Running: the engine's events and the stop; a checkpoint's pause; the cluster's changes
+    history: JobHistory
+    keeper: StateKeeper
+    liveness: Liveness
+    # Restarting, HandingOver: the generation ended, the next one's roles placed
+    restarts: Restarts
 
-    # Starting
+    # The controller's own: a generation's engine made and started, its tick and a dt.run
+    # report (Running), its end (Finishing)
     async def _new_engine(self) -> Engine: ...
     async def _start(self, engine: Engine) -> Failure | None: ...
-    # Running: one pass's handlers, in the order they run
-    async def _take_event(self) -> None: ...
-    def _callback_stop(self) -> None: ...
-    def _check_time(self, now: float) -> None: ...
     async def _tick(self, engine: Engine, now: float) -> None: ...
-    async def _checkpoint_step(self, engine: Engine, now: float) -> None: ...
     async def _report_step(self, engine: Engine) -> Departure | None: ...
-    async def _hand_over_step(self, engine: Engine) -> Departure | None: ...
-    async def _liveness(self, engine: Engine) -> Failure | Departure | None: ...
-    # Restarting, HandingOver, Finishing
-    async def _restart(self, engine: Engine, failure: Failure) -> None: ...
-    async def _hand_over_restart(self, engine: Engine, departure: Departure) -> None: ...
     async def _finish(self, engine: Engine) -> Ending | Failure: ...
     def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
     def _outcome(self, engine: Engine, ending: Ending) -> Outcome: ...
@@ -137,29 +141,30 @@ class Running(State):
         """One pass over the generation's concerns, in order; the failure or departure that
         ends the generation, if one does."""
         engine = self.engine
-        await job._take_event()
-        job._callback_stop()
+        await job.history.take_event()
+        job.history.callback_stop()
         now = time.time()
         if not job.state.stopped_by:
-            job._check_time(now)
+            job.history.check_time(now)
             await job._tick(engine, now)
-            await job._checkpoint_step(engine, now)
+            await job.keeper.step(engine, now)
             departure = await job._report_step(engine)
             if departure is not None:
                 return departure
         if job.state.phase is Phase.RUNNING and not job.state.stopped_by:
-            departure = await job._hand_over_step(engine)
+            departure = await job.liveness.hand_over(engine)
             if departure is not None:
                 return departure
         if now >= self.next_liveness:
             self.next_liveness = now + _LIVENESS_EVERY_S
-            return await job._liveness(engine)
+            return await job.liveness.check(engine)
         return None
 
 
 @dataclass
 class Restarting(State):
-    """A lost role: this generation ends, the next one's roles are placed (``_restart``)."""
+    """A lost role: this generation ends, the next one's roles are placed
+    (:meth:`Restarts.after_loss <._restarts.Restarts.after_loss>`)."""
 
     engine: Engine
     failure: Failure
@@ -168,7 +173,7 @@ class Restarting(State):
 
     async def step(self, job: Job) -> Starting | Errored:
         try:
-            await job._restart(self.engine, self.failure)
+            await job.restarts.after_loss(self.engine, self.failure)
         except BaseException as exc:
             return await errored(job, exc, self.engine)
         return Starting()
@@ -177,7 +182,8 @@ class Restarting(State):
 @dataclass
 class HandingOver(State):
     """A worker left with notice, or joined: this generation ends, the next one's roles are
-    placed from the state just handed over (``_hand_over_restart``)."""
+    placed from the state just handed over
+    (:meth:`Restarts.after_departure <._restarts.Restarts.after_departure>`)."""
 
     engine: Engine
     departure: Departure
@@ -186,7 +192,7 @@ class HandingOver(State):
 
     async def step(self, job: Job) -> Starting | Errored:
         try:
-            await job._hand_over_restart(self.engine, self.departure)
+            await job.restarts.after_departure(self.engine, self.departure)
         except BaseException as exc:
             return await errored(job, exc, self.engine)
         return Starting()

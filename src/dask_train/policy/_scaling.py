@@ -2,7 +2,7 @@
 whether a job that grows only in a new generation regroups onto workers that joined.
 
 Pure functions over plain values (counts, flags): the controller reads the cluster, asks, and
-carries the answer out (``Controller._restart``, ``Controller._take_arrivals``).
+carries the answer out (``GenerationPlacement.after_loss``, ``Liveness._take_arrivals``).
 """
 
 from __future__ import annotations

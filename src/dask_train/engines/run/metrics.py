@@ -8,7 +8,7 @@ from typing import Any
 from dask_train.errors import InvalidInput
 
 REDUCTIONS = (None, "mean", "sum", "min", "max")
-#: Columns every history record has from the job itself (see controller._record).
+#: Columns every history record has from the job itself (see controller._history).
 HISTORY_COLUMNS = frozenset({"time_s", "step", "epoch", "samples", "samples_per_s", "worker"})
 
 
