@@ -128,7 +128,7 @@ def interrupted(controller: Any, guard: RunGuard) -> KeyboardInterrupt:
         line += "; no checkpoint to resume from (checkpoint= keeps one)"
     if not stopped:
         line += f"; its roles were still stopping after {time.monotonic() - t0:.0f} s"
-    progress = getattr(controller, "progress", None)
+    progress = controller.history.progress  # the bar is the history's (it shows the scores)
     if progress is not None:
         progress.close("interrupted")  # the bar's last line first, then ours under it
     print(line, file=sys.stderr, flush=True)
