@@ -289,3 +289,24 @@ def test_ctrl_c_closes_the_progress_bar_before_the_line_under_it(
     assert bar.closed == [("interrupted", "")]  # closed once, with its reason, before the line
     assert line == str(raised.value)
     assert line.startswith("dask-train: interrupted (Ctrl-C)")
+
+
+class _Unlisted:
+    """``checkpoint=``'s store, which cannot be listed now."""
+
+    class store:  # noqa: N801 - stands for the Checkpoints' store attribute
+        @staticmethod
+        def newest() -> None:
+            raise OSError("the bucket does not answer")
+
+
+def test_where_a_job_stopped_and_where_it_resumes_are_read_off_its_log() -> None:
+    assert _interrupt._where([]) == ""
+    assert _interrupt._where([{"step": 3}, {"step": 7, "epoch": 1.25}]) == \
+        " at step 7, epoch 1.25"
+    assert _interrupt._resume_point(None, written=[{"directory": "d", "step": 1}]) == \
+        (None, None)  # no checkpoint=: nothing to resume from, whatever the log says
+    written = [{"directory": "/c/step-1", "step": 1}, {"directory": "/c/step-9", "step": 9}]
+    unlisted: Any = _Unlisted()
+    assert _interrupt._resume_point(unlisted, written=written) == ("/c/step-9", 9)
+    assert _interrupt._resume_point(unlisted, written=[]) == (None, None)

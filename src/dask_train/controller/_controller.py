@@ -113,6 +113,11 @@ class Controller:
         """The current generation's roles."""
         return self.placement.roles
 
+    def _workers(self) -> set[str]:
+        """The workers of the job's roles: the current generation's, and its engine's."""
+        engine = self.engine
+        return set(self.roles.addresses) | set(engine.roles.addresses if engine else ())
+
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
         """:meth:`run` from the caller's thread (the one that called ``fit``). When the job
@@ -130,12 +135,15 @@ class Controller:
         try:
             return self.client.sync(call)
         except KeyboardInterrupt as exc:
-            error = interrupted(self, guard)
-            job_failed(self.spec.callbacks, error, self)
+            error = interrupted(guard, client=self.client, job_id=self.spec.job_id,
+                                workers=self._workers, log=self.log,
+                                checkpoints=self.keeper.checkpoints,
+                                progress=self.history.progress)
+            job_failed(self.spec.callbacks, error, thread=self.callbacks, log=self.log)
             release_frames(exc)
             raise error from None
         except BaseException as exc:
-            job_failed(self.spec.callbacks, exc, self)
+            job_failed(self.spec.callbacks, exc, thread=self.callbacks, log=self.log)
             release_frames(exc)
             raise
         finally:
