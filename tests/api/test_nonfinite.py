@@ -11,7 +11,7 @@ import torch
 from distributed import Client
 
 import dask_train as dt
-from dask_train.controller._controller import no_finite_step
+from dask_train.controller._history import no_finite_step
 
 CHUNK = 100
 N_BLOCKS = 4

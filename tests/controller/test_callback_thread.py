@@ -75,3 +75,29 @@ def test_a_callback_may_use_the_client_and_stop_the_job(client):
     assert hook.sums == [i + 1 for i in result.history["i"].astype(int)]
     # The stop comes at the controller's next pass, after the report that asked for it.
     assert len(result.history) >= 3
+
+
+def test_a_failed_job_tells_its_callbacks_once_the_hooks_queued_before_ran() -> None:
+    from dask_train.controller._hook_thread import CallbackThread, job_failed
+    from dask_train.controller._state import JobLog
+
+    class Heard(dt.Callback):
+        def __init__(self) -> None:
+            self.heard: list[Any] = []
+
+        def on_score(self, record: Any) -> None:
+            time.sleep(0.2)  # still running as the job fails
+            self.heard.append(record["step"])
+
+        def on_fit_error(self, error: BaseException, partial: Any) -> None:
+            self.heard.append((error, partial))
+
+    heard = Heard()
+    thread, log, error = CallbackThread([heard]), JobLog(), RuntimeError("boom")
+    log.records.append({"step": 1})
+    thread.call("on_score", {"step": 1})
+    job_failed([heard], error, thread=thread, log=log)
+    assert heard.heard == [1, (error, {"records": [{"step": 1}], "checkpoints": [],
+                                       "failures": []})]
+    job_failed([heard], error)  # before the controller was made: nothing recorded yet
+    assert heard.heard[-1] == (error, {"records": [], "checkpoints": [], "failures": []})

@@ -26,11 +26,15 @@ import torch
 from distributed import Client
 
 import dask_train as dt
+from dask_train.controller import _interrupt
+from dask_train.controller._controller import Controller
 from dask_train.controller._interrupt import job_tasks_running
 from dask_train.data._cluster import live_workers
+from dask_train.policy._placement import Roles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dask_cli import dask_cli_cluster  # noqa: E402
+from _fake_engine import _spec  # noqa: E402
 
 SCRIPT = textwrap.dedent('''
     import sys
@@ -239,3 +243,70 @@ def test_ctrl_c_before_training_started_prints_one_line(
     again = dt.Trainer(torch.nn.Linear(16, 2), loss="cross_entropy", workers=2, epochs=1,
                        progress=False, client=client).fit(X2, (X2[:, 0] > 0).astype("int64"))
     assert again.stopped_by == "epochs=1"
+
+
+# -- the interrupt's path in the controller, without a cluster -----------------------------------
+class _Bar:
+    """The job's progress bar: what it was closed with, and what stderr had by then."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str]) -> None:
+        self.capsys = capsys
+        self.closed: list[tuple[str, str]] = []
+
+    def update(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self, reason: str = "") -> None:
+        self.closed.append((reason, self.capsys.readouterr().err))
+
+
+class _Loop:
+    def add_callback(self, callback: Any) -> None:
+        callback()
+
+
+class _CtrlCClient:
+    """A client whose ``sync`` gets Ctrl-C before the job ran, as distributed's raises it."""
+
+    loop = _Loop()
+
+    def sync(self, call: Any) -> Any:
+        call().close()  # the job's coroutine, never started
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_closes_the_progress_bar_before_the_line_under_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    monkeypatch.setattr(_interrupt, "CLEANUP_S", 0.0)  # no job ran: nothing to wait for
+    bar = _Bar(capsys)
+    controller = Controller(_CtrlCClient(), _spec(), make_engine=lambda *a: None,  # type: ignore[arg-type]
+                            plan_roles=lambda alive: Roles(), roles=Roles({"trainer": ["w"]}),
+                            rows=10, progress=bar)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        controller.run_sync()
+    line = capsys.readouterr().err.strip()
+    assert bar.closed == [("interrupted", "")]  # closed once, with its reason, before the line
+    assert line == str(raised.value)
+    assert line.startswith("dask-train: interrupted (Ctrl-C)")
+
+
+class _Unlisted:
+    """``checkpoint=``'s store, which cannot be listed now."""
+
+    class store:  # noqa: N801 - stands for the Checkpoints' store attribute
+        @staticmethod
+        def newest() -> None:
+            raise OSError("the bucket does not answer")
+
+
+def test_where_a_job_stopped_and_where_it_resumes_are_read_off_its_log() -> None:
+    assert _interrupt._where([]) == ""
+    assert _interrupt._where([{"step": 3}, {"step": 7, "epoch": 1.25}]) == \
+        " at step 7, epoch 1.25"
+    assert _interrupt._resume_point(None, written=[{"directory": "d", "step": 1}]) == \
+        (None, None)  # no checkpoint=: nothing to resume from, whatever the log says
+    written = [{"directory": "/c/step-1", "step": 1}, {"directory": "/c/step-9", "step": 9}]
+    unlisted: Any = _Unlisted()
+    assert _interrupt._resume_point(unlisted, written=written) == ("/c/step-9", 9)
+    assert _interrupt._resume_point(unlisted, written=[]) == (None, None)

@@ -123,6 +123,12 @@ class ScriptedHistory:
     def check_time(self, now: float) -> None:
         self.job._do("time")
 
+    def trainers_ended(self, engine: FakeEngine) -> None:
+        self.job._do("trainers ended")
+
+    def untrained(self, ending: Ending) -> NonFiniteLoss | None:
+        return self.job.untrained
+
 
 class ScriptedKeeper:
     """The job's ``keeper``, scripted: a pass's checkpoint work is recorded."""
@@ -130,8 +136,39 @@ class ScriptedKeeper:
     def __init__(self, job: ScriptedJob) -> None:
         self.job = job
 
+    copies = None
+
     async def step(self, engine: FakeEngine, now: float) -> None:
         self.job._do("checkpoint")
+
+    def manifest(self, ledger: dict[str, Any], rng: Any) -> dict[str, Any]:
+        return {}
+
+    def mark_copied(self) -> None:
+        pass
+
+
+class ScriptedReports:
+    """The job's ``reports``, scripted: a pass's look at a ``dt.run`` report is recorded."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        self.job = job
+
+    async def step(self, engine: FakeEngine, **per_call: Any) -> None:
+        self.job._do("report")
+
+
+class ScriptedEngine(FakeEngine):
+    """A generation's engine whose tick (its periodic work) is recorded in the job's calls."""
+
+    def __init__(self, job: ScriptedJob) -> None:
+        super().__init__()
+        self.job = job
+        self.roles = Roles({"trainer": ["w"]})
+
+    async def tick(self, now: float) -> str:
+        self.job._do("tick")
+        return ""
 
 
 class ScriptedLiveness:
@@ -167,8 +204,8 @@ class ScriptedRestarts:
 
 class ScriptedJob:
     """The ``Job`` protocol, scripted. ``starts``, ``finishes`` and ``lost`` are what successive
-    ``_start``, ``_finish`` and ``liveness.check`` calls return (an exception is raised). What enters a
-    phase itself in the controller (``_finish``, the restarts) enters it here too."""
+    ``start``, ``finish`` and ``liveness.check`` calls return (an exception is raised). What enters a
+    phase itself in the controller (``finish``, the restarts) enters it here too."""
 
     def __init__(self, *, starts: list[Any] | None = None, finishes: list[Any] | None = None,
                  lost: list[Any] | None = None, stop_on: str = "stops",
@@ -182,6 +219,7 @@ class ScriptedJob:
         self.calls: list[str] = []
         self.engines: list[FakeEngine] = []
         self.history, self.keeper = ScriptedHistory(self), ScriptedKeeper(self)
+        self.reports = ScriptedReports(self)
         self.liveness, self.restarts = ScriptedLiveness(self), ScriptedRestarts(self)
 
     def _do(self, name: str, script: list[Any] | None = None) -> Any:
@@ -193,33 +231,19 @@ class ScriptedJob:
             raise result
         return result
 
-    async def _new_engine(self) -> FakeEngine:
+    async def new_engine(self) -> FakeEngine:
         if self.make_error is not None:
             raise self.make_error
-        engine = FakeEngine()
-        engine.roles = Roles({"trainer": ["w"]})
+        engine = ScriptedEngine(self)
         self.engines.append(engine)
         return engine
 
-    async def _start(self, engine: FakeEngine) -> Failure | None:
+    async def start(self, engine: FakeEngine) -> Failure | None:
         return self._do("start", self.starts)
 
-    async def _tick(self, engine: FakeEngine, now: float) -> None:
-        self._do("tick")
-
-    async def _report_step(self, engine: FakeEngine) -> None:
-        self._do("report")
-
-    async def _finish(self, engine: FakeEngine) -> Any:
+    async def finish(self, engine: FakeEngine) -> Any:
         self.state.enter(Phase.FINISHING)
         return self._do("finish", self.finishes)
-
-    def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
-        return self.untrained
-
-    def _outcome(self, engine: FakeEngine, ending: Ending) -> Outcome:
-        return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
-                       roles=engine.roles, ledger=[], epochs_completed=0)
 
 
 S, R, C, RS, F, FD, E = (Phase.STARTING, Phase.RUNNING, Phase.CHECKPOINTING, Phase.RESTARTING,
@@ -243,7 +267,7 @@ def _drive(job: ScriptedJob) -> list[State]:
 def test_a_pass_runs_its_concerns_in_order_and_looks_at_the_roles_when_due() -> None:
     job = ScriptedJob(stop_on="")
     job.state.enter(Phase.RUNNING)
-    running = Running(FakeEngine())
+    running = Running(ScriptedEngine(job))
 
     async def passes() -> None:
         assert await running.one_pass(job) is None
@@ -267,7 +291,7 @@ def test_a_stop_decided_in_a_pass_leaves_out_the_work_after_it(stop_on: str,
                                                                calls: list[str]) -> None:
     job = ScriptedJob(stop_on=stop_on)
     job.state.enter(Phase.RUNNING)
-    asyncio.run(Running(FakeEngine()).one_pass(job))
+    asyncio.run(Running(ScriptedEngine(job)).one_pass(job))
     assert job.calls == calls
 
 
@@ -339,3 +363,18 @@ def test_a_job_that_trained_nothing_errors_once_its_engine_is_closed_and_closes_
     assert [*job.state.history, job.state.phase] == [S, R, F, E]
     assert job.engines[0].calls == ["close"]
     assert job.publisher.messages == [{"kind": "end", "error": "NonFiniteLoss: no finite step"}]
+
+
+def test_an_outcome_names_the_stopping_scores_step_only_when_its_parameters_were_kept() -> None:
+    state, log = JobState(), JobLog()
+    state.stop("score")
+    state.stop_step = 2
+    engine = FakeEngine()
+    engine.roles = Roles({"trainer": ["w"]})
+    kept = Ending(params=np.ones(2), steps=3, samples=30, trainers=[],
+                  final={"record": None, "params": np.ones(2)})
+
+    outcome = Outcome.of(engine, kept, log=log, state=state)
+    assert (outcome.model_step, outcome.stopped_by, outcome.roles) == (2, "score", engine.roles)
+    assert outcome.ledger == engine.ledger_records() and outcome.log is log
+    assert Outcome.of(engine, ENDING, log=log, state=state).model_step == 3  # the last ones

@@ -9,9 +9,9 @@ lost or failed roles and joined workers (:class:`~.cluster._liveness.Liveness`),
 pure failure policy decides (continue, replace the scorer, restart a new generation from the
 newest checkpoint, or raise: :class:`~._restarts.Restarts`). The job moves between the states
 of :mod:`._states` (starting, running, restarting, handing over, finishing, finished, errored),
-each state's step doing its work through those objects and the few methods here (a
-generation's engine made and started, its tick, a ``dt.run`` report, its end); phases live in
-one explicit :class:`~._state.JobState`.
+each state's step doing its work through those objects and the three steps here (a
+generation's engine made, started, finished); phases live in one explicit
+:class:`~._state.JobState`.
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ from dask_train.controller._reports import Reports
 from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller._states import Errored, Finished, Outcome, Starting, State
-from dask_train.controller.cluster._departures import Departure, HandOvers
+from dask_train.controller.cluster._departures import HandOvers
 from dask_train.controller.cluster._liveness import Liveness
 from dask_train.controller.cluster._losses import Losses
 from dask_train.controller.cluster._wanted import WantedWorkers
 from dask_train.engines._protocol import Ending, Engine, Reporting
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import NonFiniteLoss, release_frames
-from dask_train.policy._failure import Action, Failure
+from dask_train.errors import release_frames
+from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
-from dask_train.runtime._compat import forget_topics
 from dask_train.runtime._quiet_logs import quiet_job
 
 logger = logging.getLogger(__name__)
@@ -114,6 +113,11 @@ class Controller:
         """The current generation's roles."""
         return self.placement.roles
 
+    def _workers(self) -> set[str]:
+        """The workers of the job's roles: the current generation's, and its engine's."""
+        engine = self.engine
+        return set(self.roles.addresses) | set(engine.roles.addresses if engine else ())
+
     # -- the whole job ----------------------------------------------------------------------------
     def run_sync(self, *, resume: bool = False) -> Outcome:
         """:meth:`run` from the caller's thread (the one that called ``fit``). When the job
@@ -131,12 +135,15 @@ class Controller:
         try:
             return self.client.sync(call)
         except KeyboardInterrupt as exc:
-            error = interrupted(self, guard)
-            job_failed(self.spec.callbacks, error, self)
+            error = interrupted(guard, client=self.client, job_id=self.spec.job_id,
+                                workers=self._workers, log=self.log,
+                                checkpoints=self.keeper.checkpoints,
+                                progress=self.history.progress)
+            job_failed(self.spec.callbacks, error, thread=self.callbacks, log=self.log)
             release_frames(exc)
             raise error from None
         except BaseException as exc:
-            job_failed(self.spec.callbacks, exc, self)
+            job_failed(self.spec.callbacks, exc, thread=self.callbacks, log=self.log)
             release_frames(exc)
             raise
         finally:
@@ -163,15 +170,7 @@ class Controller:
                 logger.debug("job %s: its placeholder tasks were not cancelled", self.spec.job_id)
             await self.reports.drop()
             await self.keeper.close()
-            await self._forget_topics()
-
-    async def _forget_topics(self) -> None:
-        """The scheduler forgets the job's event topics once its last events landed."""
-        try:
-            await self.client.run_on_scheduler(forget_topics, self.publisher.topic,
-                                               asynchronous=True)
-        except Exception:  # noqa: BLE001 - a closed client, a scheduler that runs no functions
-            logger.debug("job %s: the scheduler keeps its event topics", self.spec.job_id)
+            await self.publisher.forget()
 
     async def _generations(self, *, resume: bool) -> Outcome:
         """Run the job's states (:mod:`._states`) from its first generation's start until it
@@ -191,8 +190,8 @@ class Controller:
         assert isinstance(state, Finished)
         return state.outcome
 
-    # -- a generation's start, its passes, its end (the work of the states in _states) -------------
-    async def _new_engine(self) -> Engine:
+    # -- a generation's start and its end (the controller's own steps of the states in _states) --
+    async def new_engine(self) -> Engine:
         """The engine of the generation whose roles were placed last, from the state to
         restore; with the in-memory copies it needs (:meth:`StateKeeper.prepare`)."""
         restore = self.restarts.restore
@@ -204,44 +203,26 @@ class Controller:
         await self.keeper.prepare(engine, self.roles.addresses)
         return engine
 
-    async def _start(self, engine: Engine) -> Failure | None:
+    async def start(self, engine: Engine) -> Failure | None:
         """Start a generation; None once it runs. A role's worker lost while it starts (a
         second loss while the job restarts) is a loss like any other: the failure policy
-        decides, and a restart returns the failure for the next generation. Any other error
-        in starting is the job's."""
+        decides (:meth:`Losses.start_failed`), and a restart returns the failure for the next
+        generation. Any other error in starting is the job's."""
         try:
             if self.state.generation:
                 await self.placement.schedule_stranded()
             await engine.start(self.history.events.put_nowait)
         except Exception as exc:
-            lost, alive = await self.losses.lost_in_start(self.client, engine, exc)
-            # A worker retired as the generation started (its lifetime ended just after it was
-            # placed) held no role's state yet, so it announced itself to no job; the
-            # scheduler's events of it say it left with notice.
-            noticed = bool(lost) and bool(await self.losses.noticed(self.client, engine,
-                                                                    [lost[0].worker]))
-            if not lost or self.losses.decide(engine, lost[0], alive, notice=noticed,
-                                              has_checkpoint=self.restarts.has_checkpoint()) \
-                    is not Action.RESTART:
+            lost = await self.losses.start_failed(self.client, engine, exc,
+                                                  has_checkpoint=self.restarts.has_checkpoint())
+            if lost is None:
                 raise
             logger.info("generation %d could not start: %s was lost", self.state.generation,
-                        lost[0].role)
-            return lost[0]
+                        lost.role)
+            return lost
         return None
 
-    async def _tick(self, engine: Engine, now: float) -> None:
-        """The engine's periodic work; a stop when its trainers ended on their own."""
-        if await engine.tick(now):
-            self.history.trainers_ended(engine)
-
-    async def _report_step(self, engine: Engine) -> Departure | None:
-        """A ``dt.run`` report every rank waits on (:class:`~._reports.Reports`): its
-        checkpoint written, or the hand-over at it; the departure that ends the generation."""
-        return await self.reports.step(engine, manifest=self.keeper.manifest,
-                                       copies=self.keeper.copies, copied=self.keeper.mark_copied)
-
-    # -- the end ----------------------------------------------------------------------------------
-    async def _finish(self, engine: Engine) -> Ending | Failure:
+    async def finish(self, engine: Engine) -> Ending | Failure:
         """Stop the engine, close the history with the final score, write the final checkpoint;
         a role lost while stopping that needs a new generation is returned instead."""
         self.state.enter(Phase.FINISHING)
@@ -255,62 +236,6 @@ class Controller:
             logger.info("the stop (%s) waits for the next generation: %s was lost",
                         self.state.withdraw_stop(), ending.role)
             return ending
-        while self.history.next_event():  # the trainers' last events
-            pass
-        final = ending.final
-        if final is not None and final["params"] is not None:
-            ending.params = final["params"]  # a score stopped the job: the parameters that earned it
-            ending.buffers = final.get("buffers")  # and the buffers they were scored with
-        elif final is not None and final["record"] is not None:
-            # The final parameters' score closes the history: the result holds them (the
-            # stopping score's snapshot, if there was one, was not kept).
-            self.state.stop_step = None
-            self.history.on_score(final["record"])
+        self.history.final(ending)
         await self.keeper.final(engine, ending)
         return ending
-
-    def _untrained(self, ending: Ending) -> NonFiniteLoss | None:
-        """The error of a job that ended without one finite step (:func:`no_finite_step`)."""
-        return no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
-
-    def _outcome(self, engine: Engine, ending: Ending) -> Outcome:
-        """What the job hands back once it finished."""
-        kept = ending.final is not None and ending.final.get("params") is not None
-        return Outcome(ending=ending, log=self.log, stopped_by=self.state.stopped_by,
-                       roles=engine.roles, ledger=engine.ledger_records(),
-                       epochs_completed=engine.epochs_completed(),
-                       model_step=int(self.state.stop_step) if kept and
-                       self.state.stop_step is not None else ending.steps)
-
-
-def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,
-                   on_nan: str) -> NonFiniteLoss | None:
-    """The error of a job that ended without one finite step, None for any other job.
-
-    ``nonfinite`` is the job's log of non-finite losses and scores (``JobLog.nonfinite``),
-    ``steps`` the steps its parameters took (a resumed job's count those before the resume).
-    A job with steps keeps its last good parameters, whatever came after them.
-    """
-    losses = [r for r in nonfinite if "loss" in r]  # scores' records name metrics instead
-    if steps > 0 or not losses:
-        return None
-    first = losses[0]
-    step, role, loss = int(first["step"]), str(first["role"]), str(first["loss"])
-    block, epoch = int(first.get("block", -1)), int(first.get("epoch", -1))
-    when = f", epoch {epoch}" if epoch >= 0 else ""
-    where = f"block {block} of X (its row chunk {block}{when})" if block >= 0 else \
-        f"a block not known{when}"
-    if on_nan == "skip":
-        what = (f"every batch's loss was non-finite and on_nan='skip' left each out; the first, "
-                f"on {role} at step {step}, was {loss}, from {where}")
-        fix = ("Clean the data (X or y holds NaN or inf: keep the rows where "
-               "np.isfinite(X).all(axis=1)), or check the model and the loss: they give a "
-               "non-finite loss before any step.")
-    else:
-        what = f"the first loss, on {role} at step {step}, was {loss}, from {where}"
-        fix = ("Clean the data (X or y holds NaN or inf there: keep the rows where "
-               "np.isfinite(X).all(axis=1)), or pass on_nan='skip' to leave batches whose loss "
-               "is not finite out of the steps.")
-    return NonFiniteLoss(f"the job made no finite step, so it has no trained parameters to "
-                         f"return: {what}. {fix}", step=step, trainer=role, block=block,
-                         epoch=epoch, loss=loss)

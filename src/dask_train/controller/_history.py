@@ -1,11 +1,14 @@
 """A job's events into its history: the engine's events (scores, non-finite losses, epochs,
 stats, a ``dt.run`` report) become history records, progress, callbacks and the stop
 conditions' decisions; and the stop itself, whatever decided it (a score, a non-finite loss, a
-callback, a time limit, the trainers' natural end).
+callback, a time limit, the trainers' natural end); at the job's end, the final score, and the
+error of a job that made no finite step (:func:`no_finite_step`).
 
 One object per job (:class:`JobHistory`), holding the queue the engine's events arrive on. The
 controller's states ask it, in a generation's pass, to take the next event, make a callback's
-stop, and look at the time limits; the controller, when the trainers ended on their own.
+stop, look at the time limits and stop when the trainers ended on their own; as the job ends, to
+close the history (:meth:`JobHistory.final`) and say whether anything was trained
+(:meth:`JobHistory.untrained`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from dask_train.engines._events import (
     Started,
     Stats,
 )
-from dask_train.engines._protocol import Engine
+from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
+from dask_train.errors import NonFiniteLoss
 from dask_train.policy.stop import check_stop
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,28 @@ class JobHistory:
         if self.state.stop(reason):
             self.log.stop_at = time.time()
             logger.info("job %s stopping: %s", self.spec.job_id, reason)
+
+    def final(self, ending: Ending) -> None:
+        """The job's roles stopped with ``ending``: the trainers' last events taken in, and its
+        final score closes the history. A score that stopped the job and whose parameters the
+        engine kept makes them (and their buffers) ``ending``'s; a final score of the last
+        parameters is the history's last record."""
+        while self.next_event():
+            pass
+        final = ending.final
+        if final is not None and final["params"] is not None:
+            ending.params = final["params"]  # a score stopped the job: the parameters that earned it
+            ending.buffers = final.get("buffers")  # and the buffers they were scored with
+        elif final is not None and final["record"] is not None:
+            # The final parameters' score closes the history: the result holds them (the
+            # stopping score's snapshot, if there was one, was not kept).
+            self.state.stop_step = None
+            self.on_score(final["record"])
+
+    def untrained(self, ending: Ending) -> NonFiniteLoss | None:
+        """The error of a job that ended with ``ending`` without one finite step
+        (:func:`no_finite_step`), None for any other job."""
+        return no_finite_step(self.log.nonfinite, steps=ending.steps, on_nan=self.spec.on_nan)
 
     def continue_from(self, restore: Restore) -> None:
         """Continue the history, the clock and the stop conditions of a resumed job."""
@@ -201,3 +227,36 @@ class JobHistory:
             return f"epochs={self.spec.epochs}"
         limits = [c for c in self.spec.stop if c.max_step is not None]
         return min(limits, key=lambda c: c.max_step or 0).describe() if limits else "trainers ended"
+
+
+def no_finite_step(nonfinite: list[dict[str, Any]], *, steps: int,
+                   on_nan: str) -> NonFiniteLoss | None:
+    """The error of a job that ended without one finite step, None for any other job.
+
+    ``nonfinite`` is the job's log of non-finite losses and scores (``JobLog.nonfinite``),
+    ``steps`` the steps its parameters took (a resumed job's count those before the resume).
+    A job with steps keeps its last good parameters, whatever came after them.
+    """
+    losses = [r for r in nonfinite if "loss" in r]  # scores' records name metrics instead
+    if steps > 0 or not losses:
+        return None
+    first = losses[0]
+    step, role, loss = int(first["step"]), str(first["role"]), str(first["loss"])
+    block, epoch = int(first.get("block", -1)), int(first.get("epoch", -1))
+    when = f", epoch {epoch}" if epoch >= 0 else ""
+    where = f"block {block} of X (its row chunk {block}{when})" if block >= 0 else \
+        f"a block not known{when}"
+    if on_nan == "skip":
+        what = (f"every batch's loss was non-finite and on_nan='skip' left each out; the first, "
+                f"on {role} at step {step}, was {loss}, from {where}")
+        fix = ("Clean the data (X or y holds NaN or inf: keep the rows where "
+               "np.isfinite(X).all(axis=1)), or check the model and the loss: they give a "
+               "non-finite loss before any step.")
+    else:
+        what = f"the first loss, on {role} at step {step}, was {loss}, from {where}"
+        fix = ("Clean the data (X or y holds NaN or inf there: keep the rows where "
+               "np.isfinite(X).all(axis=1)), or pass on_nan='skip' to leave batches whose loss "
+               "is not finite out of the steps.")
+    return NonFiniteLoss(f"the job made no finite step, so it has no trained parameters to "
+                         f"return: {what}. {fix}", step=step, trainer=role, block=block,
+                         epoch=epoch, loss=loss)

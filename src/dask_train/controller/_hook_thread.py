@@ -20,6 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dask_train.controller._state import JobLog
 from dask_train.policy.callbacks import Callback, run_callbacks
 
 logger = logging.getLogger(__name__)
@@ -115,19 +116,21 @@ class CallbackThread:
 _ERROR_WAIT_S = 10.0
 
 
-def job_failed(callbacks: Sequence[Callback], error: BaseException, controller: Any = None,
-               *, wait: float = _ERROR_WAIT_S) -> None:
+def job_failed(callbacks: Sequence[Callback], error: BaseException, *,
+               thread: CallbackThread | None = None, log: JobLog | None = None,
+               wait: float = _ERROR_WAIT_S) -> None:
     """Tell every callback that the job raised ``error`` (``on_fit_error``), in the caller's
-    thread, once the hooks the controller had queued ran (up to ``wait`` seconds).
+    thread, once the hooks the controller had queued on ``thread`` ran (up to ``wait``
+    seconds).
 
-    ``controller``: the job's :class:`~dask_train.controller._controller.Controller`, or None
-    when the job failed before one was made. A hook's own exception is logged: ``error`` is
-    what the caller raises next.
+    ``thread`` and ``log``: the job's callback thread and log (what it recorded so far is the
+    hook's ``partial``), None when the job failed before its controller was made. A hook's own
+    exception is logged: ``error`` is what the caller raises next.
     """
     partial: Mapping[str, Any] = {"records": [], "checkpoints": [], "failures": []}
-    if controller is not None:
-        controller.callbacks.close(wait=wait)
-        log = controller.log
+    if thread is not None:
+        thread.close(wait=wait)
+    if log is not None:
         partial = {"records": [dict(r) for r in log.records],
                    "checkpoints": [dict(c) for c in log.checkpoints],
                    "failures": [dict(f) for f in log.failures]}

@@ -25,11 +25,18 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from distributed import Client
+
+from dask_train.controller._checkpointing import Checkpoints
+from dask_train.controller._state import JobLog
 from dask_train.runtime._calls import run_on_live
+
+if TYPE_CHECKING:  # the bar's tqdm is imported where a job makes one, not here
+    from dask_train.controller._progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -107,33 +114,40 @@ class RunGuard:
         self.ended.set()
 
 
-def interrupted(controller: Any, guard: RunGuard) -> KeyboardInterrupt:
-    """Stop ``controller``'s job after Ctrl-C, wait for its roles, print the line; returns the
-    ``KeyboardInterrupt`` to raise. A second Ctrl-C while it waits is raised as it comes."""
+def interrupted(guard: RunGuard, *, client: Client, job_id: str,
+                workers: Callable[[], Iterable[str]], log: JobLog, checkpoints: Checkpoints | None,
+                progress: Progress | None = None) -> KeyboardInterrupt:
+    """Stop the job ``guard`` runs after Ctrl-C, wait for its roles, print the line; returns the
+    ``KeyboardInterrupt`` to raise. A second Ctrl-C while it waits is raised as it comes.
+
+    ``workers()``: the workers of the job's roles, asked once it stopped (the current
+    generation's, and its engine's: an async-ps engine adopts workers); ``log``: its records
+    (where it stopped) and the checkpoints it wrote; ``checkpoints``: ``checkpoint=``'s store,
+    None when the job has none; ``progress``: its progress bar, closed before the line.
+    """
     t0 = time.monotonic()
-    guard.interrupt(controller.client.loop)
+    guard.interrupt(client.loop)
     stopped = guard.ended.wait(CLEANUP_S)
     if stopped:
         # The roles were told to stop; their tasks end a few ms later. Until they have, a
         # program ending now would close the workers under them (embedded cluster: a WARNING
         # per role from each worker), and the next fit would find them busy.
-        stopped = controller.client.sync(_roles_ended, controller, deadline=t0 + CLEANUP_S)
-    checkpoint, step = _resume_point(controller)
-    line = f"dask-train: interrupted (Ctrl-C){_where(controller)}"
+        stopped = client.sync(_roles_ended, client, job_id, set(workers()),
+                              deadline=t0 + CLEANUP_S)
+    checkpoint, step = _resume_point(checkpoints, written=log.checkpoints)
+    line = f"dask-train: interrupted (Ctrl-C){_where(log.records)}"
     if checkpoint is not None:
         line += f"; resume=True continues from checkpoint {checkpoint} (step {step})"
-    elif controller.keeper.checkpoints is not None:
+    elif checkpoints is not None:
         line += "; no checkpoint was written yet"
     else:
         line += "; no checkpoint to resume from (checkpoint= keeps one)"
     if not stopped:
         line += f"; its roles were still stopping after {time.monotonic() - t0:.0f} s"
-    progress = getattr(controller, "progress", None)
     if progress is not None:
         progress.close("interrupted")  # the bar's last line first, then ours under it
     print(line, file=sys.stderr, flush=True)
-    logger.debug("job %s interrupted; stopped in %.2f s", controller.spec.job_id,
-                 time.monotonic() - t0)
+    logger.debug("job %s interrupted; stopped in %.2f s", job_id, time.monotonic() - t0)
     error = KeyboardInterrupt(line)
     setattr(error, _MARK, True)
     error.checkpoint = checkpoint  # type: ignore[attr-defined]
@@ -167,14 +181,12 @@ def job_tasks_running(job_id: str, dask_worker: Any = None) -> int:
                if job_id in str(key) and task.state in _RUNNING)
 
 
-async def _roles_ended(controller: Any, *, deadline: float) -> bool:
-    """Wait until no worker of the job runs one of its tasks; False at ``deadline``."""
-    engine = controller.engine
-    workers = set(controller.roles.addresses) | set(
-        engine.roles.addresses if engine is not None else ())
+async def _roles_ended(client: Client, job_id: str, workers: Iterable[str], *,
+                       deadline: float) -> bool:
+    """Wait until none of ``workers`` runs a task of job ``job_id``; False at ``deadline``."""
+    looked = sorted(workers)
     while True:
-        counts = await run_on_live(controller.client, job_tasks_running, controller.spec.job_id,
-                                   workers=sorted(workers))
+        counts = await run_on_live(client, job_tasks_running, job_id, workers=looked)
         if not any(isinstance(n, int) and n for n in counts.values()):
             return True
         if time.monotonic() >= deadline:
@@ -182,9 +194,8 @@ async def _roles_ended(controller: Any, *, deadline: float) -> bool:
         await asyncio.sleep(0.02)
 
 
-def _where(controller: Any) -> str:
-    """`` at step S, epoch E`` from the job's newest record ("" before the first)."""
-    records = controller.log.records
+def _where(records: Sequence[Mapping[str, Any]]) -> str:
+    """`` at step S, epoch E`` from the job's newest history record ("" before the first)."""
     if not records:
         return ""
     last = records[-1]
@@ -193,16 +204,16 @@ def _where(controller: Any) -> str:
                                              isinstance(epoch, (int, float)) else "")
 
 
-def _resume_point(controller: Any) -> tuple[str | None, int | None]:
-    """The newest complete checkpoint of the job's path (what ``resume=True`` loads)."""
-    checkpoints = controller.keeper.checkpoints
+def _resume_point(checkpoints: Checkpoints | None, *,
+                  written: Sequence[Mapping[str, Any]]) -> tuple[str | None, int | None]:
+    """The newest complete checkpoint of ``checkpoints``' path (what ``resume=True`` loads);
+    when the store cannot be listed, the newest of those this job ``written``."""
     if checkpoints is None:
         return None, None
     try:
         newest = checkpoints.store.newest()
     except Exception:  # a store that cannot be listed now: what this job wrote
         logger.debug("listing the checkpoints after Ctrl-C failed", exc_info=True)
-        written = controller.log.checkpoints
         return (str(written[-1]["directory"]), int(written[-1]["step"])) if written else \
             (None, None)
     if newest is None:

@@ -29,6 +29,7 @@ from distributed import Client
 
 from dask_train.monitor import ensure_dashboard
 from dask_train.policy._placement import Roles
+from dask_train.runtime._compat import forget_topics
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,14 @@ class JobEvents:
                 await asyncio.wait_for(asyncio.shield(self.sender), _SEND_TIMEOUT_S)
             except Exception:  # a slow scheduler must not hold the job's result back
                 logger.debug("the job's last events did not reach the scheduler in time")
+
+    async def forget(self) -> None:
+        """The scheduler forgets the job's event topics (``forget_topics``: its own and its
+        generations') once their last events landed."""
+        try:
+            await self.client.run_on_scheduler(forget_topics, self.topic, asynchronous=True)
+        except Exception:  # noqa: BLE001 - a closed client, a scheduler that runs no functions
+            logger.debug("%s: the scheduler keeps the job's event topics", self.topic)
 
     async def _send(self) -> None:
         while self.queue:

@@ -1,6 +1,6 @@
 """The controller's states: one small object per phase, each carrying its data, whose ``step``
-does that phase's work (through the objects that own each concern, or the controller's own
-methods) and returns the next state.
+does that phase's work (through the objects that own each concern, or the controller's three
+steps of its own: a generation's engine made, started, finished) and returns the next state.
 
 :class:`~._controller.Controller` runs them, and only that: from :class:`Starting` until
 :class:`Finished` (its :class:`Outcome` is returned) or :class:`Errored` (its error is raised).
@@ -9,7 +9,7 @@ A state's possible successors are its ``step``'s return annotation; every move s
 moves (``tests/controller/test_states.py`` checks the annotations against it). The move into a
 state is made as its step begins, by what does its work where that enters its phase itself
 (:class:`~._restarts.Restarts`' ``after_loss`` and ``after_departure``, the controller's
-``_finish``); a generation's STARTING is entered as its roles are placed
+``finish``); a generation's STARTING is entered as its roles are placed
 (:meth:`GenerationPlacement.place_next <._generations.GenerationPlacement.place_next>`, the
 restarts' last act), the first generation's is the job's first phase; a terminal state's is
 entered by the step that decides it.
@@ -26,13 +26,13 @@ from dask_train.controller._history import JobHistory
 from dask_train.controller._hook_thread import CallbackThread
 from dask_train.controller._keeping import StateKeeper
 from dask_train.controller._publish import JobEvents
+from dask_train.controller._reports import Reports
 from dask_train.controller._restarts import Restarts
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller.cluster._departures import Departure
 from dask_train.controller.cluster._liveness import Liveness
 from dask_train.engines._protocol import Ending, Engine
 from dask_train.engines._spec import JobSpec
-from dask_train.errors import NonFiniteLoss
 from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 
@@ -52,10 +52,21 @@ class Outcome:
     epochs_completed: int
     model_step: int = -1  # the step of the parameters returned (the scored one, or the last)
 
+    @classmethod
+    def of(cls, engine: Engine, ending: Ending, *, log: JobLog, state: JobState) -> Outcome:
+        """The outcome of a job that finished with ``ending`` from ``engine``'s generation:
+        its parameters are the stopping score's when the engine kept them
+        (``state.stop_step``), else the last ones."""
+        kept = ending.final is not None and ending.final.get("params") is not None
+        return cls(ending=ending, log=log, stopped_by=state.stopped_by, roles=engine.roles,
+                   ledger=engine.ledger_records(), epochs_completed=engine.epochs_completed(),
+                   model_step=int(state.stop_step) if kept and state.stop_step is not None
+                   else ending.steps)
+
 
 class Job(Protocol):
     """What the states use of the controller: its state and log, the objects that do a
-    concern's work, and the controller's own methods for the rest
+    concern's work, and the controller's three steps of its own
     (:class:`~._controller.Controller` is the one implementation)."""
 
     state: JobState
@@ -63,22 +74,20 @@ class Job(Protocol):
     spec: JobSpec
     callbacks: CallbackThread
     publisher: JobEvents
-    # Running: the engine's events and the stop; a checkpoint's pause; the cluster's changes
+    # Running: the engine's events and the stop; a checkpoint's pause; a dt.run report; the
+    # cluster's changes
     history: JobHistory
     keeper: StateKeeper
+    reports: Reports
     liveness: Liveness
     # Restarting, HandingOver: the generation ended, the next one's roles placed
     restarts: Restarts
 
-    # The controller's own: a generation's engine made and started, its tick and a dt.run
-    # report (Running), its end (Finishing)
-    async def _new_engine(self) -> Engine: ...
-    async def _start(self, engine: Engine) -> Failure | None: ...
-    async def _tick(self, engine: Engine, now: float) -> None: ...
-    async def _report_step(self, engine: Engine) -> Departure | None: ...
-    async def _finish(self, engine: Engine) -> Ending | Failure: ...
-    def _untrained(self, ending: Ending) -> NonFiniteLoss | None: ...
-    def _outcome(self, engine: Engine, ending: Ending) -> Outcome: ...
+    # The controller's own: a generation's engine made and started (Starting), its end
+    # (Finishing)
+    async def new_engine(self) -> Engine: ...
+    async def start(self, engine: Engine) -> Failure | None: ...
+    async def finish(self, engine: Engine) -> Ending | Failure: ...
 
 
 class State:
@@ -102,9 +111,9 @@ class Starting(State):
 
     async def step(self, job: Job) -> Running | Restarting | Errored:
         # Made outside the guard below, as it always was: an error here is raised as it is.
-        engine = await job._new_engine()
+        engine = await job.new_engine()
         try:
-            failure = await job._start(engine)
+            failure = await job.start(engine)
         except BaseException as exc:
             return await errored(job, exc, engine)
         if failure is not None:  # a role's worker lost while it started: the policy restarts
@@ -146,9 +155,12 @@ class Running(State):
         now = time.time()
         if not job.state.stopped_by:
             job.history.check_time(now)
-            await job._tick(engine, now)
+            if await engine.tick(now):  # its trainers ended on their own
+                job.history.trainers_ended(engine)
             await job.keeper.step(engine, now)
-            departure = await job._report_step(engine)
+            keeper = job.keeper
+            departure = await job.reports.step(engine, manifest=keeper.manifest,
+                                               copies=keeper.copies, copied=keeper.mark_copied)
             if departure is not None:
                 return departure
         if job.state.phase is Phase.RUNNING and not job.state.stopped_by:
@@ -200,7 +212,7 @@ class HandingOver(State):
 
 @dataclass
 class Finishing(State):
-    """A stop was decided: the roles stop, the final score and checkpoint (``_finish``); then
+    """A stop was decided: the roles stop, the final score and checkpoint (``finish``); then
     the engine closes and the callbacks finish."""
 
     engine: Engine
@@ -210,7 +222,7 @@ class Finishing(State):
     async def step(self, job: Job) -> Finished | Restarting | Errored:
         engine = self.engine
         try:
-            finished = await job._finish(engine)
+            finished = await job.finish(engine)
         except BaseException as exc:
             return await errored(job, exc, engine)
         if isinstance(finished, Failure):
@@ -218,14 +230,14 @@ class Finishing(State):
         # Outside the guard, as they always were: the job's own end.
         await engine.close()
         await job.callbacks.finish(job.spec.timeout)  # on_fit_end comes after every hook
-        error = job._untrained(finished)
+        error = job.history.untrained(finished)
         if error is not None:
             # Nothing was trained: parameters as they started are no result. Raised once the
             # engine is closed, so the job leaves nothing behind; callbacks hear on_fit_error.
             return await errored(job, error, None)
         job.state.enter(Phase.FINISHED)
         await job.publisher.end(stopped_by=job.state.stopped_by)
-        return Finished(job._outcome(engine, finished))
+        return Finished(Outcome.of(engine, finished, log=job.log, state=job.state))
 
 
 @dataclass

@@ -173,6 +173,24 @@ class Losses:
             lost, alive = await self.lost(client, engine)
         return lost, alive
 
+    async def start_failed(self, client: Client, engine: Engine, error: BaseException, *,
+                           has_checkpoint: bool) -> Failure | None:
+        """A generation's start raised ``error``: the lost role that restarts the job, decided
+        as any loss, or None when no role was lost or the policy does not restart (the
+        caller then raises ``error``; a RAISE decision raises its own typed error here).
+
+        A worker retired as the generation started (its lifetime ended just after it was
+        placed) held no role's state yet, so it announced itself to no job; the scheduler's
+        events of it say it left with notice (:meth:`noticed`)."""
+        lost, alive = await self.lost_in_start(client, engine, error)
+        if not lost:
+            return None
+        noticed = bool(await self.noticed(client, engine, [lost[0].worker]))
+        if self.decide(engine, lost[0], alive, notice=noticed,
+                       has_checkpoint=has_checkpoint) is not Action.RESTART:
+            return None
+        return lost[0]
+
     async def stop(self, client: Client, engine: Engine, *, keep_step: int | None,
                    has_checkpoint: bool,
                    notices: Callable[[Engine, set[str]], Awaitable[None]] | None = None
