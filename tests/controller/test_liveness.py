@@ -127,3 +127,46 @@ def test_a_failure_of_a_worker_the_view_no_longer_lists_needs_no_second_look() -
     assert asyncio.run(liveness._check_roles(engine, view)) is lost
     assert scheduler.identities == 0
     assert [(f["worker"], f["notice"], f["loss"]) for f in log.failures] == [(B, False, 1)]
+
+
+class _Listings(_Scheduler):
+    """A scheduler whose listing changes between looks: each look takes the next one."""
+
+    def __init__(self, listings: list[dict[str, dict[str, Any]]]) -> None:
+        super().__init__(listings[0], {})
+        self.listings = listings
+
+    async def identity(self) -> dict[str, Any]:
+        self.workers = self.listings[min(self.identities, len(self.listings) - 1)]
+        return await super().identity()
+
+
+def test_a_stop_takes_a_worker_an_engines_second_look_found_gone_for_a_loss() -> None:
+    # As the job stops, the engine (waiting for a peer's death to show) found B gone, while
+    # the scheduler's first listing still had it: a fresh look makes it a loss, not the job's
+    # own error with every worker alive.
+    running = {"nthreads": 1, "status": "running"}
+    scheduler = _Listings([{A: running, B: running}, {A: running}])
+    liveness, _, _ = _liveness(_Client(scheduler), max_failures=3)
+    gone = Failure("trainer", 1, B, f"the Dask worker {B} left the cluster")
+    engine = FakeEngine(faults=[Fault(gone)])
+    engine.roles = Roles({"trainer": [A, B]})
+
+    lost, alive = asyncio.run(liveness.losses.lost(_Client(scheduler), engine))  # type: ignore[arg-type]
+
+    assert lost == [gone]
+    assert set(alive) == {A}
+    assert scheduler.identities == 2
+
+
+def test_a_stop_with_every_failed_roles_worker_listed_twice_finds_no_loss() -> None:
+    running = {"nthreads": 1, "status": "running"}
+    scheduler = _Listings([{A: running, B: running}])
+    liveness, _, _ = _liveness(_Client(scheduler), max_failures=3)
+    engine = FakeEngine(faults=[Fault(Failure("scorer", 0, B, "the scorer raised"))])
+    engine.roles = Roles({"trainer": [A], "scorer": [B]})
+
+    lost, _ = asyncio.run(liveness.losses.lost(_Client(scheduler), engine))  # type: ignore[arg-type]
+
+    assert lost == []
+    assert scheduler.identities == 2

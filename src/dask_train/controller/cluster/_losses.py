@@ -152,7 +152,13 @@ class Losses:
         while when none is left, see :meth:`workers_back`)."""
         view = await look(client)
         alive = view.alive()
-        lost = [f for f in await engine.failures(view) if f.worker not in alive]
+        failures = await engine.failures(view)
+        if any(f.worker in alive for f in failures):
+            # The engine may have looked again (waiting for a peer's death to show) and found
+            # a worker gone that this older view still lists: a fresh look, or that loss would
+            # be taken for the job's own error (as in Liveness's role check).
+            alive = (await look(client)).alive()
+        lost = [f for f in failures if f.worker not in alive]
         if lost:
             alive = await self.workers_back(client, alive)
         return lost, alive
