@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._hosts import address_scheme, worker_host
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def enabled() -> bool:
 def same_host(a: str, b: str) -> bool:
     """Whether two Dask addresses are on one host (its address, as Dask sees it: the namespace
     hosts of the multi-host harness differ, although they share a ``/dev/shm``)."""
-    scheme = a.partition("://")[0]
+    scheme = address_scheme(a)
     if scheme == "inproc":
         # Kept as it was: an in-process address has no port, so the old parse compared whole
         # addresses, and only a worker with itself counted as one host.
