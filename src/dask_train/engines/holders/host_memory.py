@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from dask_train.runtime._hosts import address_scheme, worker_host
+from dask_train.runtime._processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +106,6 @@ def same_host(a: str, b: str) -> bool:
         # addresses, and only a worker with itself counted as one host.
         return a == b
     return scheme in ("tcp", "tls") and worker_host(a) == worker_host(b)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def owner(path: str) -> int | None:
