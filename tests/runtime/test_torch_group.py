@@ -275,14 +275,6 @@ def test_gloo_binds_the_interface_dask_reaches_the_worker_on() -> None:
     assert gloo_interface("no-such-host.invalid") is None
 
 
-def test_local_ranks_count_ranks_per_host_for_the_gpu_choice() -> None:
-    from dask_train.runtime._torch_group import local_ranks
-
-    addresses = ["tcp://10.0.0.5:1", "tcp://10.0.0.6:2", "tcp://10.0.0.5:3", "tcp://[::1]:4",
-                 "tcp://10.0.0.5:5", "tcp://[::1]:6"]
-    assert local_ranks(addresses) == [0, 0, 1, 0, 2, 1]
-
-
 def test_a_rank_whose_worker_dies_after_its_task_finished_is_lost_not_awaited() -> None:
     # The rendezvous store's task had finished when the ranks' wait looked, and its worker was
     # killed before the client fetched the master address: the result went with the worker, and

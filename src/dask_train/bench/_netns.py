@@ -35,6 +35,7 @@ from types import TracebackType
 
 from dask_train.errors import DaskTrainError, InvalidInput
 from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._processes import pid_alive
 
 #: Names of everything created start with this, then the owner's pid and a counter, in base 36:
 #: namespaces ``dtn<pid>x<n>-s`` (scheduler) and ``-0``, ``-1``...; the bridge ``...b``; the veth
@@ -131,16 +132,6 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _netns_pids(netns: str) -> list[int]:
     out = _run("ip", "netns", "pids", netns, check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]
@@ -164,7 +155,7 @@ def cleanup_leftovers() -> list[str]:
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1), 36)):
+        if match and not pid_alive(int(match.group(1), 36)):
             _kill_netns(name)
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
@@ -172,7 +163,7 @@ def cleanup_leftovers() -> list[str]:
         parts = line.split(":")
         name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1), 36)):
+        if match and not pid_alive(int(match.group(1), 36)):
             _run("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,32 +146,43 @@ def _is_table(path: str) -> bool:
 
 def load_config(path: str | Path, *, command: str) -> Config:
     """Read and check ``path`` for ``command`` (``"train"``, ``"search"`` or ``"predict"``)."""
-    import yaml
-
     file = Path(path)
-    if not file.is_file():
-        raise InvalidInput([f"config {str(path)!r} does not exist: pass the path of a YAML file "
-                            "(dask-train train --help shows an example)."])
-    try:
-        raw = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise InvalidInput([f"config {str(path)!r} is not valid YAML: {exc}"]) from exc
-    if not isinstance(raw, dict):
-        raise InvalidInput([f"config {str(path)!r} must be a mapping of sections "
-                            f"({', '.join(SECTIONS)})."])
-    problems = [f"{key}: unknown section; use {', '.join(SECTIONS)}." for key in raw
-                if key not in SECTIONS]
-    sections = {k: raw.get(k) or {} for k in SECTIONS if k != "out"}
-    problems += [f"{k}: must be a mapping, got {type(v).__name__}." for k, v in sections.items()
-                 if not isinstance(v, dict)]
-    if problems:
-        raise InvalidInput(problems)
-    config = Config(path=file.resolve(), out=raw.get("out"), **sections)
+    sections, out = read_sections(file, SECTIONS, command="train")
+    config = Config(path=file.resolve(), out=out, **sections)
     problems = _model_problems(config, command) + _data_problems(config, command)
     problems += _section_problems(config, command)
     if problems:
         raise InvalidInput(problems)
     return config
+
+
+def read_sections(path: Path | None, names: Sequence[str], *,
+                  command: str) -> tuple[dict[str, dict[str, Any]], Any]:
+    """The sections ``names`` of the YAML config at ``path`` (every one empty without a
+    path), each a mapping but ``out``, and the value of ``out``; every problem raised at once
+    (``command`` names the ``dask-train`` command whose ``--help`` shows an example)."""
+    import yaml
+
+    raw: Any = {}
+    if path is not None:
+        if not path.is_file():
+            raise InvalidInput([f"config {str(path)!r} does not exist: pass the path of a YAML "
+                                f"file (dask-train {command} --help shows an example)."])
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise InvalidInput([f"config {str(path)!r} is not valid YAML: {exc}"]) from exc
+        if not isinstance(raw, dict):
+            raise InvalidInput([f"config {str(path)!r} must be a mapping of sections "
+                                f"({', '.join(names)})."])
+    problems = [f"{key}: unknown section; use {', '.join(names)}." for key in raw
+                if key not in names]
+    sections = {k: raw.get(k) or {} for k in names if k != "out"}
+    problems += [f"{k}: must be a mapping, got {type(v).__name__}." for k, v in sections.items()
+                 if not isinstance(v, dict)]
+    if problems:
+        raise InvalidInput(problems)
+    return sections, raw.get("out")
 
 
 def _model_problems(config: Config, command: str) -> list[str]:

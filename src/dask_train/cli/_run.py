@@ -84,31 +84,14 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """The checked config and the function; every problem at once."""
-    import yaml
+    from dask_train.cli._config import Config, read_sections
 
-    from dask_train.cli._config import Config
-
-    raw: dict[str, Any] = {}
-    problems: list[str] = []
     path = args.config
-    if path is not None:
-        if not path.is_file():
-            raise InvalidInput([f"config {str(path)!r} does not exist: pass a YAML file "
-                                "(dask-train run --help shows an example)."])
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise InvalidInput([f"config {str(path)!r} must be a mapping of sections "
-                                f"({', '.join(_SECTIONS)})."])
-    problems += [f"{k}: unknown section; use {', '.join(_SECTIONS)}." for k in raw
-                 if k not in _SECTIONS]
-    sections = {k: raw.get(k) or {} for k in _SECTIONS if k != "out"}
-    problems += [f"{k}: must be a mapping, got {type(v).__name__}." for k, v in sections.items()
-                 if not isinstance(v, dict)]
-    if problems:
-        raise InvalidInput(problems)
+    sections, out = read_sections(path, _SECTIONS, command="run")
+    problems: list[str] = []
     base = (path or Path("x")).resolve()
     config = Config(path=base, model={}, data=sections["data"], trainer={},
-                    stop=sections["stop"], cluster=sections["cluster"], out=raw.get("out"))
+                    stop=sections["stop"], cluster=sections["cluster"], out=out)
     problems += [f"run.{k}: unknown setting; use {', '.join(_RUN_KEYS)}."
                  for k in sections["run"] if k not in _RUN_KEYS]
     problems += [f"data.{k}: unknown data set; use train, validation (or any name), chunk_rows."

@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.comm import get_address_host
-
 from dask_train.errors import InvalidInput
 from dask_train.launcher._job import LaunchJob
 from dask_train.launcher._output import Output
 from dask_train.launcher._rank import Program, forget_run, launch_rank, master_port, stop_ranks
+from dask_train.runtime._hosts import local_ranks, worker_host
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -285,20 +284,17 @@ class Gang:
         :meth:`_placement` for ``size``) and start them."""
         workers = self._placement(size=size)
         ranks = len(workers)
-        hosts: list[str] = []
-        for address in workers:
-            if get_address_host(address) not in hosts:
-                hosts.append(get_address_host(address))
-        local = _local_ranks(workers)
-        per_host = {h: sum(get_address_host(w) == h for w in workers) for h in hosts}
+        hosts = list(dict.fromkeys(worker_host(address) for address in workers))
+        local = local_ranks(workers)
+        per_host = {h: sum(worker_host(w) == h for w in workers) for h in hosts}
         # rank 0's worker picks the port its program's env:// store binds.
         port = self.client.run(master_port, workers=[workers[0]])[workers[0]]
-        master = get_address_host(workers[0])
+        master = worker_host(workers[0])
         futures: list[Any] = []
         # Known before its first task is submitted: Ctrl-C from here on stops its ranks.
         self.attempt = _Attempt(number=number, workers=workers, futures=futures)
         for rank, address in enumerate(workers):
-            host = get_address_host(address)
+            host = worker_host(address)
             env = {"RANK": str(rank), "LOCAL_RANK": str(local[rank]), "WORLD_SIZE": str(ranks),
                    "LOCAL_WORLD_SIZE": str(per_host[host]), "GROUP_RANK": str(hosts.index(host)),
                    "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_RANK": str(rank),
@@ -334,7 +330,7 @@ class Gang:
             least, most = self.job.cluster.bounds(len(alive))
             if len(alive) >= least and (len(alive) >= min(size, most) or
                                         time.monotonic() > back_by):
-                ordered = sorted(alive, key=lambda a: (get_address_host(a), a))
+                ordered = sorted(alive, key=lambda a: (worker_host(a), a))
                 return ordered[:most]
             if time.monotonic() > deadline:
                 raise InvalidInput([f"workers={self.job.cluster.workers!r}: {least} Dask workers "
@@ -502,12 +498,6 @@ class Gang:
                 self.client.unsubscribe_topic(topic)
             drop_topic_handler(self.client, topic)
         self.output.close()
-
-
-def _local_ranks(workers: Sequence[str]) -> list[int]:
-    from dask_train.runtime._torch_group import local_ranks
-
-    return local_ranks(workers)
 
 
 def _status(code: int) -> str:

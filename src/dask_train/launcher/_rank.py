@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from distributed import get_worker
-from distributed.comm import get_address_host
 
+from dask_train.runtime._hosts import worker_host
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._ports import free_port
 
@@ -122,7 +122,7 @@ def _prctl() -> Any:
 def master_port(*, dask_worker: Any) -> int:
     """``client.run`` on rank 0's worker: a free port on its host for the program's
     ``env://`` rendezvous (``MASTER_PORT``), as torchrun's agent picks one."""
-    return free_port(get_address_host(dask_worker.address))
+    return free_port(worker_host(dask_worker.address))
 
 
 def stop_ranks(run_id: str, attempt: int, grace: float, *, dask_worker: Any = None) -> int:
@@ -183,7 +183,7 @@ def launch_rank(program: Program, env: dict[str, str], *, run_id: str, rank: int
         root = _unpacked(program.bundle, run_id=run_id) if program.bundle else program.cwd
         child_env = {**os.environ, **program.env, **env}
         child_env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the user as printed
-        host = get_address_host(worker.address)
+        host = worker_host(worker.address)
         iface = _gloo_interface(host)
         if iface and "GLOO_SOCKET_IFNAME" not in child_env:
             child_env["GLOO_SOCKET_IFNAME"] = iface

@@ -14,7 +14,7 @@ from dask_train.data._cluster import live_workers as live_workers
 from dask_train.errors import InvalidInput
 from dask_train.runtime._cluster_view import LEAVING_STATES as LEAVING_STATES
 from dask_train.runtime._cluster_view import look
-from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._hosts import split_endpoint
 
 
 async def alive_workers(client: Client, *, placeable: bool = False) -> dict[str, int]:
@@ -87,7 +87,7 @@ async def listens(address: str, timeout: float = 2.0) -> bool:
     if "://" in address and not address.startswith(("tcp://", "tls://")):
         return False
     try:
-        host, port = worker_host(address), int(address.rpartition(":")[2])
+        host, port = split_endpoint(address)
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (InvalidInput, OSError, ValueError, asyncio.TimeoutError):
         return False

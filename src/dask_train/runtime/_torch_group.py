@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from dask.utils import funcname
 from distributed import Client, Future, as_completed
-from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput, TrainingTimeout, WorkerLost
 from dask_train.runtime._calls import live_workers, run_on_live
+from dask_train.runtime._hosts import local_ranks
 from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
 
 BACKENDS = ("gloo", "nccl")
@@ -271,23 +271,6 @@ def start_torch(
     return TorchGroup(
         client=client, group_id=gid, ranks=ranks, master=master, backend=backend, timeout=timeout
     )
-
-
-def local_ranks(addresses: Sequence[str]) -> list[int]:
-    """Each rank's index among the ranks on the same host, in rank order.
-
-    Examples
-    --------
-    >>> local_ranks(["tcp://10.0.0.5:1", "tcp://10.0.0.6:2", "tcp://10.0.0.5:3"])
-    [0, 0, 1]
-    """
-    seen: dict[str, int] = {}
-    out = []
-    for address in addresses:
-        host = get_address_host(address)
-        out.append(seen.get(host, 0))
-        seen[host] = out[-1] + 1
-    return out
 
 
 def _await_all(

@@ -18,12 +18,12 @@ from typing import Any
 
 from dask.utils import funcname
 from distributed import get_worker
-from distributed.comm import get_address_host
 
 from dask_train.errors import InvalidInput
 from dask_train.runtime._adopt import torch_own
 from dask_train.runtime._compat import reset_torch_group_count
 from dask_train.runtime._denormals import flushed
+from dask_train.runtime._hosts import split_endpoint, worker_host
 from dask_train.runtime._plugin import worker_state
 
 # One lock per process, not per worker: the default process group it guards is process-wide.
@@ -114,7 +114,7 @@ def start_store(gid: str, world: int, timeout: float) -> str:
         if problem := _membership(groups, worker.address):
             raise InvalidInput([problem])
         # The worker's own host, never 127.0.0.1: the other ranks may be on other machines.
-        host = get_address_host(worker.address)
+        host = worker_host(worker.address)
         # Port 0: a free port chosen by the OS, so groups sharing a host never collide (a fixed port
         # such as dask-pytorch-ddp's 23456 does). wait_for_workers=False: with True the constructor
         # blocks until every rank connects, but no rank can connect before it returns the port.
@@ -168,15 +168,15 @@ def join(gid: str, rank: int, world: int, master: str, backend: str, timeout: fl
     try:
         store = st.store
         if store is None:
-            host, _, port = master.rpartition(":")
-            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=delta)
+            host, port = split_endpoint(master)
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=delta)
         if not _check_in(store, world, st, timeout):
             return False  # abandoned meanwhile (leave): the finally below ends the record
         # gloo binds the address the machine's host name resolves to, often a loopback one (127.0.1.1
         # on Debian) that peers on other hosts cannot reach; the interface Dask reaches this worker
         # on is reachable by construction. A GLOO_SOCKET_IFNAME set by the user wins; ours is set
         # only while the group is created (when gloo reads it), so user code never inherits it.
-        iface = gloo_interface(get_address_host(worker.address)) if backend == "gloo" else None
+        iface = gloo_interface(worker_host(worker.address)) if backend == "gloo" else None
         env = {"GLOO_SOCKET_IFNAME": iface} if iface and "GLOO_SOCKET_IFNAME" not in os.environ else {}
         os.environ.update(env)
         if backend == "nccl":

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import get_worker
-from distributed.comm import get_address_host
+
+from dask_train.runtime._hosts import worker_host
 
 _ATTR = "_dask_train_tensorflow"
 _LOCK = threading.Lock()
@@ -74,7 +75,7 @@ def prepare(start: str, roles: Sequence[tuple[str, int]]) -> list[str]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     import tensorflow  # noqa: F401  (the slow part: seconds, and more on a busy machine)
 
-    host = get_address_host(worker.address)
+    host = worker_host(worker.address)
     out = []
     with _LOCK:
         if start in state.abandoned:  # given up while TensorFlow was importing

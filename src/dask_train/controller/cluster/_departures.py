@@ -51,7 +51,7 @@ from dask_train.errors import WorkerLost
 from dask_train.policy._copies import MemoryPlace, memory_place, on_one_machine
 from dask_train.policy._placement import KINDS
 from dask_train.runtime._calls import alive_workers, listens
-from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._hosts import worker_hosts
 from dask_train.runtime._worker_files import PROTOCOL, holders_for, register_protocol, remove
 from dask_train.runtime._worker_files import url as worker_files_url
 
@@ -105,11 +105,6 @@ def _what(leaving: set[str], joined: set[str]) -> str:
     parts = ([f"{', '.join(sorted(leaving))} is leaving"] if leaving else []) + \
         ([f"{', '.join(sorted(joined))} joined"] if joined else [])
     return " and ".join(parts)
-
-
-def worker_hosts(addresses: Iterable[str]) -> list[str]:
-    """The hosts of worker addresses, those of workers in this process left out."""
-    return [worker_host(a) for a in addresses if not a.startswith("inproc://")]
 
 
 def on_this_machine(addresses: Iterable[str]) -> bool:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dask_train.engines.holders import host_memory
 from dask_train.engines.holders.host_memory import HostSegment
+from dask_train.runtime._processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class HostSum:
                 f"Connection closed by peer: rank {aborted - 1} left the group's host-memory sum")
         for peer in waiting_for:
             pid = int(self.pids[peer])
-            if pid and not host_memory.pid_alive(pid):
+            if pid and not pid_alive(pid):
                 raise ConnectionResetError(
                     f"Connection reset: rank {peer}'s process ({pid}) is gone")
         if self.in_group and not dist.is_initialized():

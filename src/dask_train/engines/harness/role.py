@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from distributed import get_worker, secede
 
-from dask_train.data._feed import FeedReader
+from dask_train.data._feed import FeedItem, FeedReader
 from dask_train.engines._events import Block, Exit, NonFinite, Paused, Started
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.control import close_released_segments
@@ -97,9 +97,9 @@ class TrainerRole:
 
         role = TrainerRole(job=job, index=index, config=config, kind="rank")
         model = role.model(module)
-        feed = role.feed()
+        cursor = BlockCursor(role)
         ...
-        role.block(epoch, block, rows=rows, done=True, steps=steps)
+        cursor.close_block(steps=steps)  # role.block(epoch, block, rows=..., done=..., steps=...)
         role.exit(steps=steps)
         return role.result(steps=steps, samples=samples, allreduce_s=comm_s)
     """
@@ -182,6 +182,87 @@ class TrainerRole:
                 "worker": self.address, "busy_s": time.perf_counter() - self.started_at,
                 **timings, "nonfinite": self.nans.count, "rng": rng_state(),
                 **self.memory()}
+
+
+class BlockCursor:
+    """Where a trainer is in its feed: the block being read and its rows handed out so far,
+    reported to the controller (:meth:`TrainerRole.block`) once the trainer leaves the block.
+
+    The one reader of a role's blocks: a sync rank's batches, ``dt.run``'s ``ctx.batches``
+    and an async-ps trainer's loop each cut batches their own way, and each moves the cursor
+    with :meth:`take`. ``consumed`` counts from the block's ``skip``: rows applied before a
+    resume count as consumed, so :meth:`position` is what a checkpoint records.
+
+    Parameters
+    ----------
+    role : TrainerRole
+        Whose feed is read (:meth:`TrainerRole.feed`) and who reports the blocks.
+    on_idle : callable, optional
+        Called while the feed waits for a block (:class:`~dask_train.data.FeedReader`).
+
+    Examples
+    --------
+    ::
+
+        cursor = BlockCursor(role)
+        while (item := cursor.next_block()) is not None:
+            for x, y, w in batches(item, batch_size):
+                ...  # train on the batch
+                cursor.take(len(y))
+            cursor.close_block(steps=steps)
+    """
+
+    def __init__(self, role: TrainerRole, on_idle: Callable[[], None] | None = None) -> None:
+        self.role = role
+        self.reader = role.feed(on_idle)
+        self.item: FeedItem | None = None  # the block being read
+        self.consumed = 0  # its rows handed out, those a resume skipped included
+        self.samples = 0  # rows handed out over every block (none skipped)
+        self.batches = 0  # batches handed out over every block
+        self.ahead: FeedItem | None = None  # a later epoch's first block, read too early
+        self.ended = False  # the end marker came (or the job stopped)
+
+    def next_block(self, upto: int | None = None) -> FeedItem | None:
+        """Move to the next block and return it; None once the feed has ended, or (``upto``
+        given) once the blocks of epoch ``upto`` and earlier are read: a block of a later epoch
+        waits for its turn."""
+        item: FeedItem | None
+        if self.ahead is not None:
+            if upto is not None and self.ahead.epoch > upto:
+                return None
+            item, self.ahead = self.ahead, None
+        elif self.ended:
+            return None
+        else:
+            item = self.reader.next()
+        if item is None or item.x is None:
+            self.ended = True
+            return None
+        if upto is not None and item.epoch > upto:
+            self.ahead = item
+            return None
+        # Rows skipped after a resume count as consumed: they were applied before it.
+        self.item, self.consumed = item, item.skip
+        return item
+
+    def take(self, rows: int) -> None:
+        """A batch of ``rows`` rows of the current block was handed out."""
+        self.consumed += rows
+        self.samples += rows
+        self.batches += 1
+
+    def position(self) -> list[int] | None:
+        """[epoch, block, rows consumed] of the block being read, None between blocks."""
+        return None if self.item is None else [self.item.epoch, self.item.block, self.consumed]
+
+    def close_block(self, *, steps: int) -> None:
+        """Report the block being read (in full or in part) with the role's ``steps`` so far,
+        and forget it."""
+        item = self.item
+        if item is not None:
+            self.role.block(item.epoch, item.block, rows=self.consumed - item.skip,
+                            done=self.consumed == item.rows, steps=steps)
+        self.item = None
 
 
 def model_for(module: Any, address: str, config: RoleConfig, device: str | None = None) -> Any:

@@ -57,7 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._hosts import address_scheme, worker_host
+from dask_train.runtime._processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -99,23 +100,12 @@ def enabled() -> bool:
 def same_host(a: str, b: str) -> bool:
     """Whether two Dask addresses are on one host (its address, as Dask sees it: the namespace
     hosts of the multi-host harness differ, although they share a ``/dev/shm``)."""
-    scheme = a.partition("://")[0]
+    scheme = address_scheme(a)
     if scheme == "inproc":
         # Kept as it was: an in-process address has no port, so the old parse compared whole
         # addresses, and only a worker with itself counted as one host.
         return a == b
     return scheme in ("tcp", "tls") and worker_host(a) == worker_host(b)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def owner(path: str) -> int | None:

@@ -42,7 +42,7 @@ from distributed import Worker
 
 from dask_train.engines.holders.reach import holder_or_reason
 from dask_train.runtime._denormals import call_flushed
-from dask_train.runtime._hosts import worker_host
+from dask_train.runtime._hosts import split_endpoint, worker_host
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +217,7 @@ class PushConnection:
                  secret: bytes) -> None:
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"a push secret has {SECRET_BYTES} bytes, not {len(secret)}")
-        host, port = endpoint.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock = socket.create_connection(split_endpoint(endpoint), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         name = job.encode()
         self.sock.sendall(_HELLO.pack(len(name)) + name + _SHARD.pack(shard) + secret)

@@ -24,6 +24,7 @@ from dask_train.engines.holders.host_memory import HostSegment
 from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.models._torch import OPTIMIZERS, build_optimizer
 from dask_train.policy._settings import OptimizerSettings
+from dask_train.runtime._processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class ShardServer(FlatOptimizer):
         if not self.attached or self.host is None or now - self._owner_seen < OWNER_CHECK_S:
             return None
         pid = int(self.host.header[host_memory.OWNER])
-        if host_memory.pid_alive(pid):
+        if pid_alive(pid):
             self._owner_seen = now
             return None
         return pid

@@ -20,7 +20,7 @@ import torch
 
 from dask_train.data._feed import FeedItem, batches
 from dask_train.engines._spec import RoleConfig
-from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.harness.role import BlockCursor, TrainerRole, role_task
 from dask_train.engines.holders.params import PSClient, ShardRef, write_params
 from dask_train.models._buffers import BufferSet
 from dask_train.models._flat import FlatModel
@@ -65,7 +65,8 @@ def run_trainer(
         ps.close()  # connections and mapped shards, also when the trainer fails or is lost
     loop.report_stats(force=True)
     role.exit(steps=pusher.pushes)
-    return role.result(steps=pusher.pushes, samples=loop.samples, feed_wait_s=loop.feed.wait_s,
+    return role.result(steps=pusher.pushes, samples=loop.cursor.samples,
+                       feed_wait_s=loop.cursor.reader.wait_s,
                        ps_wait_s=pusher.wait_s, prefetch=pusher.depth,
                        host_memory_shards=host_shards)
 
@@ -78,14 +79,12 @@ class _TrainerLoop:
         self.loss_fn = model.loss_fn(role.config.trains.loss)
         self.stats = role.stats()
         self.stopped = False
-        self.samples = 0
-        self.feed = role.feed(on_idle=self._pause_idle)
+        self.cursor = BlockCursor(role, on_idle=self._pause_idle)
 
-    def report_stats(self, *, samples: int | None = None, force: bool = False) -> None:
-        """Publish this trainer's last second (``samples``: the total so far, block included)."""
-        self.stats.report(step=self.pusher.version, force=force,
-                          samples=self.samples if samples is None else samples,
-                          steps=self.pusher.pushes, feed_wait_s=self.feed.wait_s,
+    def report_stats(self, *, force: bool = False) -> None:
+        """Publish this trainer's last second."""
+        self.stats.report(step=self.pusher.version, force=force, samples=self.cursor.samples,
+                          steps=self.pusher.pushes, feed_wait_s=self.cursor.reader.wait_s,
                           server_wait_s=self.pusher.wait_s)
 
     def _pause_idle(self) -> None:
@@ -98,24 +97,22 @@ class _TrainerLoop:
     def run(self) -> None:
         """Train on every block the feed brings, until it ends or the job stops."""
         while not self.stopped:
-            item = self.feed.next()
-            if item is None or item.x is None:
+            item = self.cursor.next_block()
+            if item is None:
                 break
-            consumed = self._block(item)
+            self._block(item)
             self.stopped = self.pusher.flush() or self.stopped
-            self.samples += consumed
-            self.role.block(item.epoch, item.block, rows=consumed,
-                            done=item.skip + consumed == item.rows, steps=self.pusher.pushes)
+            self.cursor.close_block(steps=self.pusher.pushes)
 
-    def _block(self, item: FeedItem) -> int:
-        """Train on one block's batches; the rows consumed."""
-        role, pusher, consumed = self.role, self.pusher, 0
+    def _block(self, item: FeedItem) -> None:
+        """Train on one block's batches (the cursor counts the rows consumed)."""
+        role, pusher, cursor = self.role, self.pusher, self.cursor
         for xn, yn, wn in batches(item, role.config.batch_size):
             xb, yb, wb = self.model.batch(xn, yn, wn)
             if role.stopped() or self.stopped:
                 self.stopped = True
                 break
-            pusher.position = [role.index, item.epoch, item.block, item.skip + consumed + len(yn)]
+            pusher.position = [role.index, item.epoch, item.block, cursor.consumed + len(yn)]
             stop, loss = pusher.add(xb, yb, self.loss_fn, wb)
             if pusher.pushes == 1 and pusher.count == 0:
                 role.started()  # the first gradient is on its way (FitResult.timings)
@@ -124,19 +121,17 @@ class _TrainerLoop:
                 if role.config.on_nan == "stop":
                     self.stopped = True
                     break
-            consumed += len(yn)
-            self.report_stats(samples=self.samples + consumed)
+            cursor.take(len(yn))
+            self.report_stats()
             if stop:
                 self.stopped = True
                 break
             if pusher.count == 0 and role.pauser.requested():
                 # A consistent point: nothing half-accumulated; drain the pushes in flight.
                 self.stopped = pusher.drain()
-                position = [item.epoch, item.block, item.skip + consumed]
-                if not role.pauser.pause(position, steps=pusher.pushes) or self.stopped:
+                if not role.pauser.pause(cursor.position(), steps=pusher.pushes) or self.stopped:
                     self.stopped = True
                     break
-        return consumed
 
 
 #: ``prefetch="auto"``: the most pushes in flight it goes to, and how it decides (see _Adapt).

@@ -29,7 +29,7 @@ from dask_train.checkpoint._io import options_of
 from dask_train.checkpoint._sharded import load_sharded, save_sharded
 from dask_train.data._feed import FeedItem, block_order
 from dask_train.engines._events import Reported, ShareDone
-from dask_train.engines.harness.role import TrainerRole, rng_state
+from dask_train.engines.harness.role import BlockCursor, TrainerRole, rng_state
 from dask_train.engines.run.metrics import REDUCTIONS, numbers
 from dask_train.errors import InvalidInput
 
@@ -67,53 +67,6 @@ class RunSettings:
     may_grow: bool = False
 
 
-class _Cursor:
-    """Where a rank is in its feed: the block being read and the rows of it already handed out."""
-
-    def __init__(self, role: TrainerRole) -> None:
-        self.role = role
-        self.reader = role.feed()
-        self.item: FeedItem | None = None
-        self.consumed = 0
-        self.ahead: FeedItem | None = None  # the next epoch's first block, read too early
-        self.ended = False  # the end marker came (or the job stopped)
-        self.samples = 0
-        self.steps = 0
-
-    def position(self) -> list[int] | None:
-        """[epoch, block, rows consumed] of the block being read, None between blocks."""
-        return None if self.item is None else [self.item.epoch, self.item.block, self.consumed]
-
-    def close_block(self) -> None:
-        """Report the block being read (in full or in part) and forget it."""
-        item = self.item
-        if item is not None:
-            self.role.block(item.epoch, item.block, rows=self.consumed - item.skip,
-                            done=self.consumed == item.rows, steps=self.steps)
-        self.item = None
-
-    def next_block(self, upto: int) -> FeedItem | None:
-        """The next block of epoch ``upto`` or an earlier one, or None once the rank's share of
-        it is read (a block of a later epoch waits for its turn)."""
-        item: FeedItem | None
-        if self.ahead is not None:
-            if self.ahead.epoch > upto:
-                return None
-            item, self.ahead = self.ahead, None
-        elif self.ended:
-            return None
-        else:
-            item = self.reader.next()
-        if item is None or item.x is None:
-            self.ended = True
-            return None
-        if item.epoch > upto:
-            self.ahead = item
-            return None
-        self.item, self.consumed = item, item.skip
-        return item
-
-
 class RunContext:
     """A rank's view of its ``dt.run`` job (see the module docstring).
 
@@ -141,7 +94,7 @@ class RunContext:
         self.device = device
         self._restore_info = restore
         self._restored: Any = None
-        self._cursor = _Cursor(role) if run.train is not None else None
+        self._cursor = BlockCursor(role) if run.train is not None else None
         # A rank's last second, as every trainer's: the Training page, Prometheus, on_stats.
         restored_steps = int(restore["step"]) if restore else 0
         self._stats = role.stats(start={"steps": restored_steps}) if run.train is not None \
@@ -307,7 +260,7 @@ class RunContext:
             self._last_batch = batch
             yield batch
 
-    def _epoch_batches(self, cursor: _Cursor, size: int, epoch: int) -> Iterator[Any]:
+    def _epoch_batches(self, cursor: BlockCursor, size: int, epoch: int) -> Iterator[Any]:
         from dask_train.models._torch import model_inputs
 
         while True:
@@ -319,9 +272,7 @@ class RunContext:
             while cursor.consumed < item.rows:
                 i = cursor.consumed
                 xb, yb = order_x[i:i + size], order_y[i:i + size]
-                cursor.consumed += len(xb)
-                cursor.samples += len(xb)
-                cursor.steps += 1
+                cursor.take(len(xb))
                 self.step += 1
                 self._role.started()
                 self._report_stats(cursor)
@@ -330,9 +281,9 @@ class RunContext:
                     yield x
                 else:
                     yield x, _tensor(np.ascontiguousarray(yb), self.device)
-            cursor.close_block()
+            cursor.close_block(steps=cursor.batches)
 
-    def _report_stats(self, cursor: _Cursor, *, force: bool = False) -> None:
+    def _report_stats(self, cursor: BlockCursor, *, force: bool = False) -> None:
         """This rank's rows, batches and time waiting for data, once a second."""
         if self._stats is not None:
             self._stats.report(step=self.step, force=force, samples=cursor.samples,
@@ -509,7 +460,7 @@ class RunContext:
     def close(self) -> None:
         """Report the block being read, as far as it was read (the function returned)."""
         if self._cursor is not None:
-            self._cursor.close_block()
+            self._cursor.close_block(steps=self._cursor.batches)
             self._report_stats(self._cursor, force=True)
         if self._host is not None:
             self._host.close()

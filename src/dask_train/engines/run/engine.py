@@ -44,7 +44,8 @@ from dask_train.policy._failure import Failure
 from dask_train.policy._placement import Roles
 from dask_train.runtime._calls import run_on_live
 from dask_train.runtime._cluster_view import ClusterView, look
-from dask_train.runtime._torch_group import _collateral, local_ranks
+from dask_train.runtime._hosts import local_ranks
+from dask_train.runtime._torch_group import _collateral
 
 logger = logging.getLogger(__name__)
 

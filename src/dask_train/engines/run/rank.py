@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
-from distributed.comm import get_address_host
 
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.harness.role import TrainerRole, role_task
 from dask_train.engines.run.context import RunContext, RunSettings
 from dask_train.runtime._adopt import job_group
+from dask_train.runtime._hosts import split_endpoint, worker_host
 from dask_train.runtime._ports import free_port
 from dask_train.runtime._torch_rank import rank_device
 
@@ -40,11 +40,13 @@ def run_user_rank(
     local_rank = run.local_ranks[index] if index < len(run.local_ranks) else 0
     # As torchrun sets them: libraries that read them (Lightning, accelerate) and the function's
     # own init_process_group (env://) find the job's group.
-    host, _, port = run.master.rpartition(":")
-    if not host:  # a rank alone, with no group of the job: its function's own init finds one
-        host, port = get_address_host(role.address), str(free_port(get_address_host(role.address)))
+    if run.master:
+        host, port = split_endpoint(run.master)
+    else:  # a rank alone, with no group of the job: its function's own init finds one
+        host = worker_host(role.address)
+        port = free_port(host)
     torchrun_env = {"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-                    "MASTER_ADDR": host, "MASTER_PORT": port}
+                    "MASTER_ADDR": host, "MASTER_PORT": str(port)}
     before = {name: os.environ.get(name) for name in torchrun_env}
     os.environ.update(torchrun_env)
     try:

@@ -28,18 +28,18 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dask_train.checkpoint import read_slice
-from dask_train.data._feed import FeedItem, FeedReader, batches
+from dask_train.data._feed import batches
 from dask_train.engines._spec import RoleConfig
 from dask_train.engines.collectives.host_sum import HostSum
 from dask_train.engines.collectives.reducer import META, GradientReducer
-from dask_train.engines.harness.role import TrainerRole, role_task
+from dask_train.engines.harness.role import BlockCursor, TrainerRole, role_task
 from dask_train.engines.harness.stats import StatsReporter
 from dask_train.engines.holders.optim import FlatOptimizer
 from dask_train.engines.holders.ref import ShardRef
@@ -55,41 +55,37 @@ _END = object()  # a block with no batch left
 DEVICE_STEPS_ENV = "DASK_TRAIN_DEVICE_STEPS"
 
 
-class _RankFeed:
-    """A rank's batches across blocks, reporting each block to the controller once consumed."""
+class _RankBatches:
+    """A rank's batches across its blocks (read and reported by a :class:`BlockCursor`), the
+    next one cut ahead and already on the model's device."""
 
-    def __init__(self, reader: FeedReader, *, batch_size: int, report: Any, model: Any) -> None:
-        self.reader, self.batch_size, self.report = reader, batch_size, report
+    def __init__(self, cursor: BlockCursor, *, batch_size: int, model: Any,
+                 steps: Callable[[], int]) -> None:
+        self.cursor, self.batch_size, self.steps = cursor, batch_size, steps
+        self.reader = cursor.reader
         self.model = model  # turns numpy batches into the model's tensors, on its device
-        self.item: FeedItem | None = None
         self.it: Iterator[tuple[Any, Any, Any]] | None = None
         # A batch cut ahead of time, as (rows, tensors) already on the model's device (or _END
         # when the block has none left); it counts as consumed only once next() hands it out,
         # so positions and resumes ignore it.
         self.ahead: tuple[int, Any] | object | None = None
-        self.consumed = 0
-        self.ended = False
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The next batch, or None once the feed has ended (or the job was stopped)."""
-        while not self.ended:
+        while True:
             if self.it is not None:
                 if self.ahead is None:
                     self.prefetch()
                 batch, self.ahead = self.ahead, None
                 if isinstance(batch, tuple):
                     rows, out = batch
-                    self.consumed += rows
+                    self.cursor.take(rows)
                     return out  # type: ignore[no-any-return]
                 self.close_block()
-            item = self.reader.next()
-            if item is None or item.x is None:
-                self.ended = True
+            item = self.cursor.next_block()
+            if item is None:
                 return None
-            # Rows skipped after a resume count as consumed: they were applied before it.
-            self.item, self.consumed = item, item.skip
             self.it = batches(item, self.batch_size)
-        return None
 
     def prefetch(self) -> None:
         """Cut the current block's next batch now and start its copy to the model's device,
@@ -101,15 +97,12 @@ class _RankFeed:
 
     def close_block(self) -> None:
         """Report the current block (in full or in part) and forget it."""
-        if self.item is not None:
-            self.report(self.item, self.consumed)
-        self.item, self.it, self.ahead = None, None, None
+        self.cursor.close_block(steps=self.steps())
+        self.it, self.ahead = None, None
 
     def position(self) -> list[int] | None:
         """[epoch, block, rows consumed] of the block being read, None between blocks."""
-        if self.item is None:
-            return None
-        return [self.item.epoch, self.item.block, self.consumed]
+        return self.cursor.position()
 
 
 @role_task
@@ -147,11 +140,8 @@ def run_rank(
     # worker, so a survivor of a lost rank can write them (the engine's ``survivors``).
     role.state.params[0] = server
 
-    def report(item: FeedItem, consumed: int) -> None:
-        role.block(item.epoch, item.block, rows=consumed - item.skip, done=consumed == item.rows,
-                   steps=server.version)
-
-    feed = _RankFeed(role.feed(), batch_size=config.batch_size, report=report, model=model)
+    feed = _RankBatches(BlockCursor(role), batch_size=config.batch_size, model=model,
+                     steps=lambda: server.version)
     # Steps count from the restored step: the first report must not count those as its own.
     stats = role.stats(start={"steps": server.version})
     loop = _RankLoop(role, model, server, reducer, feed, buffers, stats)
@@ -191,7 +181,7 @@ class _RankLoop:
     """A rank's steps: batches in, one all-reduce of gradients and votes, one update."""
 
     def __init__(self, role: TrainerRole, model: FlatModel, server: FlatOptimizer,
-                 reducer: GradientReducer, feed: _RankFeed, buffers: _BufferSync,
+                 reducer: GradientReducer, feed: _RankBatches, buffers: _BufferSync,
                  stats: StatsReporter) -> None:
         self.role, self.model, self.server, self.reducer = role, model, server, reducer
         self.feed, self.buffers, self.stats = feed, buffers, stats
