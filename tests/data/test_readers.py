@@ -74,9 +74,14 @@ def test_numpy_given_to_fit_is_scattered_in_blocks_not_embedded(client: Client) 
         result = dt.Trainer(net, lr=3e-3, batch_size=64, epochs=1, progress=False,
                             client=client).fit(X, y, validation=dt.datasets.digits_test())
     assert result.samples == 40_000 and result.history["accuracy"].iloc[-1] > 0.8
-    # Read where they were sent, but for the epoch's tail: a trainer out of blocks takes one
-    # of the other worker's rather than idle.
-    assert result.ledger["local"].mean() >= 0.75
+    # Read where they were sent: a trainer takes one of the other worker's blocks only once its
+    # own are all handed out, rather than idle. How many move depends on the trainers' speeds
+    # (a loaded machine slows one: 5 of 16 moved in one CI run), so the test reads the order:
+    # per trainer, its own blocks first and none after one of the other's.
+    for _, reads in result.ledger.groupby("trainer"):
+        local = reads["local"].tolist()
+        assert local[0] and local == sorted(local, reverse=True), local
+    assert result.ledger["local"].sum() >= 8  # at least the faster trainer's own eight
 
 
 def _blocks_of(client: Client, X, y):
