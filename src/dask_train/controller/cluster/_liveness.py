@@ -94,14 +94,7 @@ class Liveness:
         """Act on lost or failed roles (the workers as ``view`` lists them); the failure that
         needs a new generation, if any."""
         await self.placement.saw(view)
-        alive = view.alive()
-        failures = await engine.failures(view)
-        if any(f.worker in alive for f in failures):
-            # The engine may have looked again (waiting for a peer's death to show) and found
-            # a worker gone that this pass's older view still lists, a retiring one among
-            # them: a fresh look, so that the notice and retire checks below see it gone (on
-            # the older view it counted against max_failures as a crash).
-            alive = (await look(self.client)).alive()
+        failures, alive = await self.losses.failures(self.client, engine, view)
         gone = {f.worker for f in failures if f.worker not in alive}
         if gone - engine.leaving():
             await self.hand_overs.wait_for_notices(engine, gone)

@@ -24,7 +24,7 @@ from dask_train.errors import WorkerLost
 from dask_train.policy._failure import Action, Failure, JobStatus, decide, failure_error
 from dask_train.policy._scope import current_scope
 from dask_train.runtime._calls import alive_workers, asked_to_retire
-from dask_train.runtime._cluster_view import look
+from dask_train.runtime._cluster_view import ClusterView, look
 
 logger = logging.getLogger(__name__)
 
@@ -147,17 +147,25 @@ class Losses:
                                           "trainer")
         return restart
 
-    async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
-        """The roles whose worker has left the cluster, and the live workers (waited for a
-        while when none is left, see :meth:`workers_back`)."""
-        view = await look(client)
+    @staticmethod
+    async def failures(client: Client, engine: Engine,
+                       view: ClusterView) -> tuple[list[Failure], dict[str, int]]:
+        """The engine's lost or failed roles over ``view``, and the live workers they are
+        judged against: ``view``'s, or a fresh look's when a failure names a worker ``view``
+        still lists. The engine may have looked again (waiting for a peer's death to show) and
+        found that worker gone: on the older view a retiring one counted against
+        ``max_failures`` as a crash, and a loss as the job stopped was taken for the job's own
+        error."""
         alive = view.alive()
         failures = await engine.failures(view)
         if any(f.worker in alive for f in failures):
-            # The engine may have looked again (waiting for a peer's death to show) and found
-            # a worker gone that this older view still lists: a fresh look, or that loss would
-            # be taken for the job's own error (as in Liveness's role check).
             alive = (await look(client)).alive()
+        return failures, alive
+
+    async def lost(self, client: Client, engine: Engine) -> tuple[list[Failure], dict[str, int]]:
+        """The roles whose worker has left the cluster, and the live workers (waited for a
+        while when none is left, see :meth:`workers_back`)."""
+        failures, alive = await self.failures(client, engine, await look(client))
         lost = [f for f in failures if f.worker not in alive]
         if lost:
             alive = await self.workers_back(client, alive)
