@@ -10,8 +10,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from dask_train.engines.run.metrics import HISTORY_COLUMNS, REDUCTIONS
-from dask_train.errors import InvalidInput
+from dask_train.engines.run.metrics import check_report_options, logged_numbers
 from dask_train.huggingface import _checkpoint
 
 logger = logging.getLogger(__name__)
@@ -59,17 +58,7 @@ class Report(TrainerCallback):
 
     def __init__(self, ctx: Any, *, metrics: Sequence[str] | None = None,
                  reduce: str | None = None, checkpoint: bool = False) -> None:
-        problems = []
-        if not callable(getattr(ctx, "report", None)):
-            problems.append(f"Report(ctx={ctx!r}): pass the ctx your dt.run function received.")
-        if isinstance(metrics, str):
-            problems.append(f"Report(metrics={metrics!r}): pass a list of names.")
-        if reduce not in REDUCTIONS:
-            problems.append(f"Report(reduce={reduce!r}): use one of {REDUCTIONS}.")
-        if not isinstance(checkpoint, bool):
-            problems.append(f"Report(checkpoint={checkpoint!r}): pass True or False.")
-        if problems:
-            raise InvalidInput(problems)
+        check_report_options(ctx, metrics, reduce, checkpoint)
         self.ctx, self.reduce, self.checkpoint = ctx, reduce, checkpoint
         self.metrics = None if metrics is None else list(metrics)
         self.pending: dict[str, float] = {}
@@ -124,14 +113,7 @@ class Report(TrainerCallback):
 
     # -- the report ---------------------------------------------------------------------------------
     def _keep(self, values: Mapping[str, Any] | None) -> None:
-        for name, value in (values or {}).items():
-            if name in HISTORY_COLUMNS or (self.metrics is not None and name not in self.metrics):
-                continue
-            number = _number(value)
-            if number is None:
-                logger.debug("Report: %s=%r is not a number; not reported", name, value)
-            else:
-                self.pending[str(name)] = number
+        self.pending.update(logged_numbers(values, self.metrics))
 
     def _report(self, state: Any, control: Any, *, checkpoint: Any = None,
                 always: bool = False) -> Any:
@@ -174,11 +156,3 @@ def checkpoint_path(ctx: Any) -> str | None:
     _checkpoint.check(state)
     return _checkpoint.rebuild(state, ctx.scratch_dir)
 
-
-def _number(value: Any) -> float | None:
-    item = getattr(value, "item", None)
-    if callable(item) and getattr(value, "numel", lambda: 1)() == 1:
-        value = item()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None

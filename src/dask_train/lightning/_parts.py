@@ -3,7 +3,6 @@ callback and the data loader (see the package docstring)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,9 +12,8 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, IterableDataset
 
+from dask_train.engines.run.metrics import check_report_options, logged_numbers
 from dask_train.errors import InvalidInput
-
-logger = logging.getLogger(__name__)
 
 
 class DaskEnvironment(ClusterEnvironment):
@@ -130,13 +128,7 @@ class Report(Callback):
 
     def __init__(self, ctx: Any, *, metrics: Sequence[str] | None = None,
                  reduce: str | None = None, checkpoint: bool = False) -> None:
-        if not callable(getattr(ctx, "report", None)):
-            raise InvalidInput([f"Report(ctx={ctx!r}): pass the ctx your dt.run function "
-                                "received."])
-        if isinstance(metrics, str):
-            raise InvalidInput([f"Report(metrics={metrics!r}): pass a list of names."])
-        if not isinstance(checkpoint, bool):
-            raise InvalidInput([f"Report(checkpoint={checkpoint!r}): pass True or False."])
+        check_report_options(ctx, metrics, reduce, checkpoint)
         self.ctx, self.reduce, self.checkpoint = ctx, reduce, checkpoint
         self.metrics = None if metrics is None else list(metrics)
         self.reports = 0
@@ -145,11 +137,7 @@ class Report(Callback):
         """Report the epoch's metrics; stop the trainer when the job stops."""
         if trainer.sanity_checking:
             return
-        # A logged "step" or "epoch" is Lightning's count: the job's history keeps its own, and
-        # ctx.report refuses the history's column names.
-        values = {name: value for name, value in _numbers(trainer.callback_metrics).items()
-                  if (self.metrics is None or name in self.metrics)
-                  and name not in ("time_s", "step", "epoch", "samples", "samples_per_s")}
+        values = logged_numbers(trainer.callback_metrics, self.metrics)
         state = None
         if self.checkpoint:
             # Every rank builds it, as Lightning's ModelCheckpoint does (a strategy may gather
@@ -222,22 +210,6 @@ def batches(ctx: Any, name: str | None = None, batch_size: int | None = None) ->
                                    not isinstance(batch_size, int) or batch_size < 1):
         raise InvalidInput([f"batches(batch_size={batch_size!r}): use an integer >= 1."])
     return DataLoader(_Share(ctx, name, batch_size), batch_size=None)
-
-
-def _numbers(metrics: Any) -> dict[str, float]:
-    """The one-number entries of Lightning's metrics dict, as floats (NaN ones too: the job's
-    ``on_nan`` decides about them)."""
-    out: dict[str, float] = {}
-    for name, value in dict(metrics).items():
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                continue
-            value = value.item()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[str(name)] = float(value)
-        else:
-            logger.debug("Report: %s=%r is not a number; not reported", name, value)
-    return out
 
 
 __all__ = ["DaskEnvironment", "Report", "batches", "checkpoint_path"]
