@@ -293,13 +293,44 @@ def _stop_after_departure(client: Client, workers: int,
 def _train_until_one_left(client: Client, leaving: subprocess.Popen[bytes],
                           *callbacks: dt.Callback) -> Any:
     """An async job that runs until the cluster has two workers and ``leaving`` has ended, and
-    two scores more; every worker holds a role (the one that leaves holds one too)."""
+    two scores more; every worker holds a role (the one that leaves holds one too). Its batches
+    take 10 ms each (a sleep, not CPU): the job trains for as long as the departure takes (a
+    lifetime of 24 s, a SIGTERM'd nanny's close), whatever its rate, and a full-speed job
+    spent that time on three worker processes' CPU; a score still comes about every 0.4 s."""
     client.wait_for_workers(3, timeout=30)
     X, Y, validation = _data()
-    return dt.Trainer(mlp(8, 16, 3), lr=1e-2, ps=1, workers=2, batch_size=32, epochs=1000,
-                      score_every=0.2, timeout=30, progress=False, client=client,
+    return dt.Trainer(Slow(mlp(8, 16, 3), 0.01), lr=1e-2, ps=1, workers=2, batch_size=32,
+                      epochs=1000, score_every=0.2, timeout=30, progress=False, client=client,
                       callbacks=[*callbacks, _stop_after_departure(client, 2, leaving)],
                       stop=[dt.StopAfter(seconds=120)]).fit(X, Y, validation=validation)
+
+
+@pytest.fixture(scope="module")
+def dask_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """``dask scheduler`` and a ``dask worker`` of two processes, started from a shell's
+    programs, for the tests of a `dask worker` that leaves: each adds the worker that leaves
+    (its own ``dask worker``, ended by the test) and leaves these as it found them. One for the
+    module: a cluster per test started a scheduler and two worker processes (their imports,
+    torch's among them) three times. Yields the address and the cluster's log."""
+    directory = tmp_path_factory.mktemp("dask-cli")
+    with dask_cli_cluster(directory) as (address, _):
+        yield address, directory / "cluster.log"
+
+
+def _cluster_log(shared: Path, tmp_path: Path) -> Callable[[], str]:
+    """A reader of what the cluster logs from now on: the shared cluster's log from here (not
+    the earlier tests': a SIGTERM'd worker's departure may log Dask's own ERROR there), and the
+    test's own workers' (``tmp_path/cluster.log``, where :func:`dask_worker` writes)."""
+    start = shared.stat().st_size
+
+    def output() -> str:
+        with shared.open("rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+        own = tmp_path / "cluster.log"
+        return text + (own.read_text() if own.exists() else "")
+
+    return output
 
 
 def _assert_handed_over(result: Any, output: str, caplog: pytest.LogCaptureFixture, *,
@@ -336,18 +367,20 @@ def _assert_handed_over(result: Any, output: str, caplog: pytest.LogCaptureFixtu
 
 
 def test_a_dask_worker_whose_lifetime_ends_hands_its_roles_over(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        dask_cli: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # What dask-jobqueue recommends: `dask worker --lifetime` closes each worker before its
     # batch job's walltime (Worker.close_gracefully: retired, then closed). The lifetime must
     # end once the worker's trainer runs: 12 s ended, in a full suite on a 2-core machine, as
     # the role was still starting on the fresh workers (11 s from their start to the trainers'
     # first pause), and such a worker holds nothing, so it is a loss with notice, not a
     # hand-over (docs/cluster-changes.md).
-    with dask_cli_cluster(tmp_path, ["--lifetime", "24s"]) as (address, [leaving]), \
+    address, log = dask_cli
+    output = _cluster_log(log, tmp_path)
+    with dask_worker(address, tmp_path, "--lifetime", "24s") as leaving, \
             Client(address) as client:
         result = _train_until_one_left(client, leaving)
-        output = (tmp_path / "cluster.log").read_text()  # the job's, not the cluster's end
-    _assert_handed_over(result, output, caplog)
+        text = output()  # the job's, not the leaving worker's end
+    _assert_handed_over(result, text, caplog)
 
 
 def _own_data_loop(ctx: Any) -> dict[str, Any]:
@@ -447,26 +480,30 @@ class _TerminateAt(dt.Callback):
 
 
 def test_a_dask_worker_sent_sigterm_hands_its_roles_over(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        dask_cli: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # SIGTERM to `dask worker` closes its nanny (10 s, then the process is killed), without
     # retiring: the worker's close still holds for the hand-over, well inside those 10 s.
-    with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
+    address, log = dask_cli
+    output = _cluster_log(log, tmp_path)
+    with dask_worker(address, tmp_path) as leaving, Client(address) as client:
         client.wait_for_workers(3, timeout=30)
         result = _train_until_one_left(client, leaving, _TerminateAt(client, leaving))
-        output = (tmp_path / "cluster.log").read_text()
-    _assert_handed_over(result, output, caplog, retired=False)
+        text = output()
+    _assert_handed_over(result, text, caplog, retired=False)
 
 
 def test_a_dask_worker_whose_every_process_gets_sigterm_hands_its_roles_over(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        dask_cli: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # The worker process gets SIGTERM beside its nanny. It once died of it at once, before the
     # nanny's close: a loss. It now closes as the nanny asks, holding for the hand-over.
-    with dask_cli_cluster(tmp_path, []) as (address, [leaving]), Client(address) as client:
+    address, log = dask_cli
+    output = _cluster_log(log, tmp_path)
+    with dask_worker(address, tmp_path) as leaving, Client(address) as client:
         client.wait_for_workers(3, timeout=30)
         result = _train_until_one_left(client, leaving,
                                        _TerminateAt(client, leaving, whole_job=True))
-        output = (tmp_path / "cluster.log").read_text()
-    _assert_handed_over(result, output, caplog, retired=False)
+        text = output()
+    _assert_handed_over(result, text, caplog, retired=False)
 
 
 def _model_and_state(ctx: Any, n_out: int) -> tuple[Any, Any, Any]:
