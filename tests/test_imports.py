@@ -454,49 +454,16 @@ def test_package_import_stays_light(module: str, light_imports: dict[str, Any]) 
     assert not result["loaded"], f"import {module} loaded {result['loaded']}"
 
 
-@pytest.mark.timeout(300)
-def test_classical_fit_loads_no_torch_in_client_or_workers() -> None:
-    result = _run_fresh(
+@pytest.fixture(scope="module")
+def jobs_on_a_cluster() -> dict[str, Any]:
+    """A classical fit, then a dt.run job, in one fresh interpreter on one embedded cluster (one
+    cluster's start less than a cluster each): what each loaded where, read right after it; a
+    part that raised gives its traceback instead."""
+    return _run_fresh(
         """
-        import json, sys
+        import json, sys, traceback
 
         import dask.array as da
-        import numpy as np
-
-        import dask_train as dt
-
-        client = dt.connect(n_workers=2, threads_per_worker=1, quiet=True)
-        try:
-            rng = np.random.default_rng(0)
-            X = rng.normal(size=(400, 5))
-            y = (X @ rng.normal(size=5) > 0).astype(int)
-            model = dt.LogisticRegression().fit(
-                da.from_array(X, chunks=100), da.from_array(y, chunks=100)
-            )
-            accuracy = float(np.mean(np.asarray(model.predict(X)) == y))
-            workers = client.run(lambda: "torch" in sys.modules)
-        finally:
-            cluster = client.cluster
-            client.close()
-            if cluster is not None:
-                cluster.close()
-        print(json.dumps({"client": "torch" in sys.modules, "workers": workers, "accuracy": accuracy}))
-        """
-    )
-    assert result["accuracy"] > 0.9  # the fit really ran
-    assert result["client"] is False, "the classical fit imported torch in the client"
-    assert len(result["workers"]) == 2
-    loaded = [address for address, has in result["workers"].items() if has]
-    assert not loaded, f"the classical fit imported torch in workers {loaded}"
-
-
-def test_dt_run_loads_no_torch_in_the_client() -> None:
-    # The ranks import torch; the client only places them and follows their reports. Importing
-    # torch there put a second (more on a loaded machine) before the job's first step.
-    result = _run_fresh(
-        """
-        import json, sys
-
         import numpy as np
 
         import dask_train as dt
@@ -509,18 +476,60 @@ def test_dt_run_loads_no_torch_in_the_client() -> None:
             ctx.report({"rows": float(torch.tensor(ctx.step))})
             return ctx.rank
 
+        found = {}
         client = dt.connect(n_workers=2, threads_per_worker=1, quiet=True)
         try:
-            x = np.arange(64, dtype="float32").reshape(32, 2)
-            result = dt.run(train, workers=2, data={"train": (x, np.zeros(32))}, client=client)
+            # First the classical fit: its workers are asked before the job's ranks import torch.
+            try:
+                rng = np.random.default_rng(0)
+                X = rng.normal(size=(400, 5))
+                y = (X @ rng.normal(size=5) > 0).astype(int)
+                model = dt.LogisticRegression().fit(
+                    da.from_array(X, chunks=100), da.from_array(y, chunks=100)
+                )
+                accuracy = float(np.mean(np.asarray(model.predict(X)) == y))
+                workers = client.run(lambda: "torch" in sys.modules)
+                found["classical"] = {"client": "torch" in sys.modules, "workers": workers,
+                                      "accuracy": accuracy}
+            except Exception:
+                found["classical"] = {"error": traceback.format_exc()}
+            before = "torch" in sys.modules
+            try:
+                x = np.arange(64, dtype="float32").reshape(32, 2)
+                result = dt.run(train, workers=2, data={"train": (x, np.zeros(32))}, client=client)
+                found["run"] = {"before": before, "client": "torch" in sys.modules,
+                                "returns": result.returns, "history": len(result.history)}
+            except Exception:
+                found["run"] = {"error": traceback.format_exc()}
         finally:
             cluster = client.cluster
             client.close()
             if cluster is not None:
                 cluster.close()
-        print(json.dumps({"client": "torch" in sys.modules, "returns": result.returns,
-                          "history": len(result.history)}))
+        print(json.dumps(found))
         """
     )
+
+
+@pytest.mark.timeout(300)
+def test_classical_fit_loads_no_torch_in_client_or_workers(
+        jobs_on_a_cluster: dict[str, Any]) -> None:
+    result = jobs_on_a_cluster["classical"]
+    assert "error" not in result, f"the classical fit failed:\n{result.get('error')}"
+    assert result["accuracy"] > 0.9  # the fit really ran
+    assert result["client"] is False, "the classical fit imported torch in the client"
+    assert len(result["workers"]) == 2
+    loaded = [address for address, has in result["workers"].items() if has]
+    assert not loaded, f"the classical fit imported torch in workers {loaded}"
+
+
+@pytest.mark.timeout(300)
+def test_dt_run_loads_no_torch_in_the_client(jobs_on_a_cluster: dict[str, Any]) -> None:
+    # The ranks import torch; the client only places them and follows their reports. Importing
+    # torch there put a second (more on a loaded machine) before the job's first step.
+    result = jobs_on_a_cluster["run"]
+    assert "error" not in result, f"dt.run failed:\n{result.get('error')}"
+    assert result["before"] is False, \
+        "torch was in the client before dt.run (see test_classical_fit_loads_no_torch_...)"
     assert result["returns"] == [0, 1] and result["history"] == 1  # the job really ran
     assert result["client"] is False, "dt.run imported torch in the client"
