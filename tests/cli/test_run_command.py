@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dask_train.cli.main import main
 
@@ -106,7 +107,15 @@ def train(ctx, lr=1e-3, epochs=5):
 """
 
 
-def _own_loop(tmp_path: Path, name: str) -> Path:
+@pytest.fixture(scope="module")
+def help_example() -> str:
+    """The example config ``dask-train run --help`` prints (asked once: the tests only read it)."""
+    help_text = subprocess.run([sys.executable, "-m", "dask_train.cli.main", "run", "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    return help_text.split("example config:\n\n", 1)[1]
+
+
+def _own_loop(tmp_path: Path, name: str, example: str) -> Path:
     """The docs' function beside the config ``dask-train run --help`` prints, on small data."""
     import dask_train as dt
 
@@ -116,9 +125,6 @@ def _own_loop(tmp_path: Path, name: str) -> Path:
     for key, value in {"X": X[:2_000], "y": y[:2_000], "Xv": Xv, "yv": yv}.items():
         np.save(tmp_path / "data" / f"{key}.npy", value)
     (tmp_path / "mytrain.py").write_text(OWN_LOOP.replace("NAME", name))
-    help_text = subprocess.run([sys.executable, "-m", "dask_train.cli.main", "run", "--help"],
-                               capture_output=True, text=True, check=True).stdout
-    example = help_text.split("example config:\n\n", 1)[1]
     config = tmp_path / "run.yaml"
     config.write_text(example.replace("epochs: 5", "epochs: 1"))
     return config
@@ -129,8 +135,8 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_the_docs_function_runs_with_the_help_config(tmp_path: Path) -> None:
-    config = _own_loop(tmp_path, '"val"')
+def test_the_docs_function_runs_with_the_help_config(tmp_path: Path, help_example: str) -> None:
+    config = _own_loop(tmp_path, '"val"', help_example)
     assert _cli("run", "mytrain:train", str(config), "--check", cwd=tmp_path).returncode == 0
     proc = _cli("run", "mytrain:train", str(config), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -139,8 +145,8 @@ def test_the_docs_function_runs_with_the_help_config(tmp_path: Path) -> None:
 
 
 def test_check_names_a_data_set_the_function_asks_for_and_the_config_lacks(
-        tmp_path: Path) -> None:
-    config = _own_loop(tmp_path, '"validation"')
+        tmp_path: Path, help_example: str) -> None:
+    config = _own_loop(tmp_path, '"validation"', help_example)
     proc = _cli("run", "mytrain:train", str(config), "--check", cwd=tmp_path)
     assert proc.returncode == 2 and "ok" not in proc.stdout
     assert "mytrain:train reads ctx.dataset('validation'), but the config's data has no set " \
@@ -152,10 +158,10 @@ def test_check_names_a_data_set_the_function_asks_for_and_the_config_lacks(
 
 
 def test_a_ranks_invalid_input_reaches_the_user_without_dasks_tracebacks(
-        tmp_path: Path) -> None:
+        tmp_path: Path, help_example: str) -> None:
     # A name the check cannot read (computed): every rank raises InvalidInput; the user reads
     # dask-train's one line, not distributed's "Compute Failed" ERRORs with their tracebacks.
-    config = _own_loop(tmp_path, '"va" + "lid"')
+    config = _own_loop(tmp_path, '"va" + "lid"', help_example)
     proc = _cli("run", "mytrain:train", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "failed: InvalidInput: ctx.dataset('valid'): the job's data sets are ['val']" \
