@@ -50,10 +50,12 @@ ROOT = "dask_train"  # the top-level package itself (its __init__: the lazy faca
 #     the controller registers it and publishes the job's events;
 #   * callbacks (public callbacks: TensorBoard, MLflow): imports errors, policy and checkpoint
 #     (MLflow logs the model as safetensors); used by users;
-#   * lightning (PyTorch Lightning inside dt.run): imports errors only; used by users;
-#   * huggingface (transformers' Trainer inside dt.run): imports errors, from engines the names
-#     ctx.report checks (the history's own columns, the reductions), and from data the reading of
-#     a datasets.Dataset in blocks (from_dataset and dt.run(data=) read it one way); used by users;
+#   * lightning (PyTorch Lightning inside dt.run): imports errors, and from engines what its
+#     report callback shares with Hugging Face's (engines.run.metrics: the check of its options,
+#     the numbers of a framework's log); used by users;
+#   * huggingface (transformers' Trainer inside dt.run): imports errors, from engines the same
+#     report parts, and from data the reading of a datasets.Dataset in blocks (from_dataset and
+#     dt.run(data=) read it one way); used by users;
 #   * prediction (dt.predict): at the engines level, beside it: policy, data, runtime, models;
 #   * tuning (dt.search): above api, it runs Trainer fits, GLM fits and XGBoost jobs as trials;
 #   * tensorflow (start_tensorflow): a user of the runtime, beside the engines; imports errors,
@@ -78,7 +80,7 @@ ALLOWED: dict[str, set[str]] = {
     "datasets": _BASE | {"policy", "data"},
     "monitor": _BASE,
     "callbacks": _BASE | {"policy", "checkpoint"},
-    "lightning": _BASE,
+    "lightning": _BASE | {"engines"},
     "huggingface": _BASE | {"data", "engines"},
     "controller": _BASE | {"policy", "data", "runtime", "models", "checkpoint", "engines", "report",
                            "monitor"},
