@@ -229,17 +229,36 @@ def test_sync_regroups_on_the_survivors_when_a_rank_is_retired(
 
 
 def _kill_mid_hand_over(dask_worker: Any) -> None:
-    """Run on the victim: SIGKILL this process in the middle of its hand-over: the moment the
-    controller answers its leaving notice, just before it asks the trainer to pause. Woken by
-    the answer itself, not by a poll: a poll of the pause request lost the race once, when the
-    trainer had already sent its pause report (its state taken, the hand-over rightly done)."""
+    """Run on the victim: SIGKILL this process in the middle of its hand-over, at the first
+    word of the controller's after it heard the leaving notice: its answer to the notice, or
+    its request that the leaving worker's trainer pause, whichever comes first. The controller
+    sends both at once (the answer as a task of its own), and either may arrive first: killed
+    on the answer alone, a worker under load had already paused and sent its state (the
+    hand-over rightly done). Each kill runs inside the call that delivers it, not in a thread
+    woken by it (a poll of the pause request, then a thread waiting for the answer, lost that
+    race)."""
+    from dask_train.engines.harness import control
     from dask_train.runtime._plugin import worker_state
 
-    def watch() -> None:
-        worker_state(dask_worker).hand_over_heard.wait()
+    def die(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, daemon=True).start()
+    class _Answered(threading.Event):
+        def set(self) -> None:
+            die()
+
+    worker_state(dask_worker).hand_over_heard = _Answered()
+    request_pause = control.request_pause
+
+    def pause_or_die(job: str, pause_id: int, dask_worker: Any = None) -> None:
+        # A pause while the worker still runs is not the hand-over's (none is asked of this
+        # job before the retirement, but the kill must not come early if one is).
+        if dask_worker is not None and dask_worker.status.name != "running":
+            die()
+        request_pause(job, pause_id, dask_worker=dask_worker)
+
+    # Calls reach a worker by the function's name: this module's attribute is what runs here.
+    control.request_pause = pause_or_die
 
 
 def test_a_worker_killed_during_its_hand_over_is_a_loss(three_workers: Client,
