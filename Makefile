@@ -55,13 +55,9 @@ demo: $(VENV)/.setup
 # suite in 604 s against 790 s. Two still leave a fifth of it idle, but three were no faster
 # (fresh clones: 701 s with three, 706 s with two; each test slower under the load) and load
 # the timing of the kill and departure tests more. PYTEST_WORKERS=1 runs them one at a time.
-# --dist loadfile: a file's tests run in one process, so a module's fixtures (its own killable
-# cluster, a `dask scheduler`, a Slurm, a reference trained in the test, TensorFlow's or
-# Lightning's import in its workers) are made once, not once in each process: the same tests
-# of tests/api, engines and classical took 386 CPU s against 444 with tests spread one by one.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
 bench: $(VENV)/.setup
 	$(PY) benchmarks/throughput.py
