@@ -155,4 +155,3 @@ def checkpoint_path(ctx: Any) -> str | None:
         return None
     _checkpoint.check(state)
     return _checkpoint.rebuild(state, ctx.scratch_dir)
-
