@@ -29,7 +29,9 @@ from distributed import Client
 import dask_train as dt
 from dask_train.data._cluster import live_workers
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 sys.path.insert(0, str(Path(__file__).parent))
+from _models import Slow  # noqa: E402
 from _slurm import slurm, slurm_available  # noqa: E402
 
 ROWS, BLOCK = 12_000, 1000
@@ -111,9 +113,12 @@ def _slurm_cluster(directory: Path, *, walltime: str, worker_extra_args: list[st
 
 
 def _fit(client: Client, directory: Path, callback: dt.Callback, seconds: float) -> Any:
-    """An async-ps job on one or two workers, until ``callback`` stops it (or ``seconds``)."""
+    """An async-ps job on one or two workers, until ``callback`` stops it (or ``seconds``).
+    Its batches take 10 ms each (a sleep, not CPU): the job trains until a worker's lifetime
+    or its batch job's walltime ends (30-60 s), whatever its rate, and at full speed it spent
+    that time on both cores; a score still comes every 0.5 s."""
     X, Y, validation, net = _job()
-    return dt.Trainer(net, strategy="async-ps", ps=1, workers=(1, 2), scorer=1, lr=1e-2,
+    return dt.Trainer(Slow(net, 0.01), strategy="async-ps", ps=1, workers=(1, 2), scorer=1, lr=1e-2,
                       batch_size=32, epochs=1000, score_every=0.5, timeout=60, progress=False,
                       client=client, callbacks=[callback],
                       # the hand-over writes the state here: on a real Slurm the workers are
