@@ -14,6 +14,7 @@ kills later than its end. ``_faults.Schedule`` draws them, the victims' kinds an
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from distributed import Client
 
 import dask_train as dt
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 sys.path.insert(0, str(Path(__file__).parent))
 from _faults import (  # noqa: E402
     JobWatch,
@@ -34,11 +36,16 @@ from _faults import (  # noqa: E402
     running_trainers,
     summary,
 )
+from _models import Slow  # noqa: E402
 
 SEED = 24
 # Epochs enough for three kills: each waits for the nanny's new worker and a score after the
 # one before, and with 12 the job (faster now) had trained to its end before the third once.
-ROWS, EPOCHS, BATCH = 32_000, 30, 32
+ROWS, EPOCHS, BATCH = 8_000, 30, 32
+# Seconds each training batch of 32 first sleeps (not CPU), a dt.run batch of 64 twice that: the
+# jobs last about as long as 32,000 rows an epoch did at full speed (20-30 s: time for the three
+# kills, their restarts and scores), on a quarter of the rows. The file took 68 CPU s, not 138.
+PACE = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,7 @@ def _trainer(client: Client, strategy: str, **kw: object) -> dt.Trainer:
         strategy=strategy, lr=1e-2, ps=0 if strategy == "sync" else 1, workers=2,
         batch_size=BATCH, epochs=EPOCHS, score_every=0.3, timeout=30, progress=False,
         client=client, failure=dt.FailureConfig(max_failures=3))
-    return dt.Trainer(_net(), **{**options, **kw})
+    return dt.Trainer(Slow(_net(), PACE), **{**options, **kw})
 
 
 def _assert_every_sample_once(result: dt.FitResult) -> None:
@@ -143,6 +150,7 @@ def _loop(ctx: Any, *, validation: tuple[np.ndarray, np.ndarray]) -> None:
     xv, yv = (torch.from_numpy(a) for a in validation)
     for _ in ctx.epochs():
         for xb, yb in ctx.batches("train", batch_size=2 * BATCH):
+            time.sleep(2 * PACE)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(xb), yb).backward()
             optimizer.step()
