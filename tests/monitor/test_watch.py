@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -28,6 +29,9 @@ from distributed import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 import dask_train as dt
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
+from _models import Slow  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 WAIT_S = 120.0  # longest wait for anything the job must show (a loaded 2-core machine is slow)
@@ -109,9 +113,10 @@ def job(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jo
                   tensorboard=tmp_path_factory.mktemp("runs") / "exp1", stopper=StopWhenAsked())
     # Epochs it never reaches: the module stops it, StopAfter bounds it. Fifty (5M samples) took
     # under 10 s once training got faster, and the live page then waited 120 s for new scores of
-    # a job that had ended.
+    # a job that had ended. Its batches take 10 ms each (a sleep, not CPU): it runs while the
+    # module's tests look at it, and at full speed it took both cores meanwhile.
     trainer = dt.Trainer(
-        net, ps=1, workers=2, scorer=1, batch_size=128, epochs=10_000, score_every=0.25,
+        Slow(net, 0.01), ps=1, workers=2, scorer=1, batch_size=128, epochs=10_000, score_every=0.25,
         stop=[dt.StopAfter(seconds=600)], progress=False, client=client,
         callbacks=[dt.callbacks.TensorBoard(watched.tensorboard), watched.stopper])
 
