@@ -42,9 +42,10 @@ SEED = 24
 # Epochs enough for three kills: each waits for the nanny's new worker and a score after the
 # one before, and with 12 the job (faster now) had trained to its end before the third once.
 ROWS, EPOCHS, BATCH = 8_000, 30, 32
-# Seconds each training batch of 32 first sleeps (not CPU), a dt.run batch of 64 twice that: the
-# jobs last about as long as 32,000 rows an epoch did at full speed (20-30 s: time for the three
-# kills, their restarts and scores), on a quarter of the rows. The file took 68 CPU s, not 138.
+# Seconds each training batch of 32 first sleeps (not CPU), a dt.run batch of 64 twice that: on a
+# quarter of the rows the jobs last a little longer than 32,000 rows an epoch did at full speed
+# (27-41 s against 19-24 s, run alone: time for the three kills, their restarts and scores). The
+# file took 68 CPU s, not 138.
 PACE = 0.005
 
 
