@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -143,6 +144,30 @@ def test_a_worker_in_an_open_group_is_refused(client: Client) -> None:
     assert f"worker {group.ranks[1]} belongs to open torch group {group.id!r}" in str(named.value)
     assert "close it first" in str(named.value)
     assert "(2 unavailable: worker" in str(counted.value)
+
+
+def _held(name: str) -> int:
+    Event(name).wait(30)  # released by the test; a running Dask task cannot be cancelled
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("by", ["address", "count"])
+def test_a_worker_still_leaving_a_closed_group_is_waited_for(client: Client, by: str) -> None:
+    # A job's next generation starts at once on the workers of the last one, whose join may
+    # still be blocked in torch's rendezvous on a lost peer (uninterruptible, it ends within
+    # its group's timeout): that generation failed with "still leaving" (chaos/test_moments).
+    # Here a task of the closed group is held instead, and released while the next start waits.
+    name = f"held-{uuid.uuid4().hex}"
+    group = dt.start_torch(client, workers=2, timeout=30)
+    group.run(_held, name)
+    group.timeout = 0.2  # how long close() waits for the group's tasks before leaving them
+    group.close()
+    workers: int | list[str] = list(group.ranks.values()) if by == "address" else 2
+    with pytest.raises(dt.InvalidInput, match="still leaving torch group"):
+        dt.start_torch(client, workers=workers, timeout=0.5)  # waited 0.5 s, then refused
+    threading.Timer(1.0, Event(name, client=client).set).start()
+    with dt.start_torch(client, workers=workers, timeout=30) as again:
+        assert [r["sum"] for r in again.gather(again.run(_all_reduce, 1.0))] == [3.0, 3.0]
 
 
 def test_user_exception_is_reraised_and_peers_fail_fast(client: Client) -> None:

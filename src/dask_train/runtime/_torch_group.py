@@ -226,7 +226,10 @@ def start_torch(
         sees: one GPU each for several workers on a multi-GPU host, and device 0 for workers
         that see one GPU each (``CUDA_VISIBLE_DEVICES``, as dask-cuda sets it).
     timeout : float
-        Seconds every rank has to join; also the group's timeout for collectives and :meth:`gather`.
+        Seconds every rank has to join; also the group's timeout for collectives and :meth:`gather`,
+        and the longest wait for a chosen worker still leaving a closed group (a task of that group
+        still running there, such as a join blocked on a lost peer, which ends within its group's
+        timeout).
 
     Returns
     -------
@@ -235,7 +238,8 @@ def start_torch(
     Raises
     ------
     InvalidInput
-        Every problem with the arguments or the chosen workers, before anything is submitted.
+        Every problem with the arguments or the chosen workers, before anything is submitted (a
+        worker still leaving a closed group: once ``timeout`` has passed).
     TrainingTimeout
         A rank did not join within ``timeout``; the ranks that had started are torn down.
     WorkerLost
@@ -250,7 +254,8 @@ def start_torch(
     problems = _check_args(workers=workers, backend=backend, timeout=timeout)
     addrs: list[str] = []
     if not problems:
-        addrs, problems = _place(client=client, workers=workers, nccl=backend == "nccl")
+        addrs, problems = _place_when_free(client=client, workers=workers,
+                                           nccl=backend == "nccl", timeout=timeout)
     if problems:
         raise InvalidInput(problems)
     gid, world, ranks = f"torch-{uuid.uuid4().hex[:8]}", len(addrs), dict(enumerate(addrs))
@@ -371,8 +376,28 @@ def _check_args(*, workers: object, backend: object, timeout: object) -> list[st
     return problems
 
 
-def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple[list[str], list[str]]:
-    """Chosen worker addresses in rank order, and every problem with them."""
+def _place_when_free(*, client: Client, workers: int | Sequence[str], nccl: bool, timeout: float
+                     ) -> tuple[list[str], list[str]]:
+    """:func:`_place`, again while a worker it needs is still leaving a closed group, up to
+    ``timeout``.
+
+    A rank's join blocked in torch's rendezvous (connecting to a store whose worker was lost)
+    cannot be interrupted and ends within its group's timeout: a job's next generation, started
+    at once on the same workers, found them "still leaving" and failed with InvalidInput
+    (tests/chaos/test_moments.py, one run in several hundred).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        addrs, problems, waits = _place(client=client, workers=workers, nccl=nccl)
+        if not waits or time.monotonic() > deadline:
+            return addrs, problems
+        time.sleep(0.1)
+
+
+def _place(*, client: Client, workers: int | Sequence[str], nccl: bool
+           ) -> tuple[list[str], list[str], bool]:
+    """Chosen worker addresses in rank order, every problem with them, and whether they would
+    all be solved by workers leaving the closed groups they are still leaving."""
     known = sorted(live_workers(client))
     wanted = known if isinstance(workers, int) else list(workers)
     problems = [f"workers lists {a!r} {wanted.count(a)} times: one rank per worker process."
@@ -397,6 +422,9 @@ def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple
             if not info[a]["problem"] and len(processes) < workers:
                 processes.setdefault(info[a]["process"], a)
         chosen = list(processes.values())
+        soon = {info[a]["process"] for a in candidates
+                if not info[a]["problem"] or info[a].get("leaving")}
+        waits = len(chosen) < workers <= len(soon)
         if len(chosen) < workers:
             taken = [info[a]["problem"] for a in candidates if info[a]["problem"]]
             problems.append(
@@ -407,10 +435,14 @@ def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple
             )
     else:
         chosen = candidates
+        # Only the chosen workers' leaving stands in the way: no other problem, now or after.
+        waits = not problems and any(info[a].get("leaving") for a in chosen) and all(
+            info[a].get("leaving") or not info[a]["problem"] for a in chosen)
         problems += [info[a]["problem"] for a in chosen if info[a]["problem"]]
         seen: dict[str, str] = {}
         for a in chosen:
             if (first := seen.setdefault(info[a].get("process", a), a)) != a:
+                waits = False
                 problems.append(
                     f"workers {first!r} and {a!r} run in one process, and torch's default process "
                     "group is per process: use worker processes (LocalCluster(processes=True))."
@@ -418,4 +450,4 @@ def _place(*, client: Client, workers: int | Sequence[str], nccl: bool) -> tuple
     if nccl:
         problems += [f"backend='nccl' needs CUDA, but torch.cuda.is_available() is False on {a}: "
                      "use backend='gloo' for CPU workers." for a in chosen if not info[a].get("cuda")]
-    return chosen, problems
+    return chosen, problems, waits and not (nccl and not all(info[a].get("cuda") for a in chosen))

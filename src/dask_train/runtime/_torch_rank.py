@@ -92,13 +92,18 @@ def gloo_interface(host: str) -> str | None:
 
 
 def probe(nccl: bool, *, dask_worker: Any) -> dict[str, Any]:
-    """``client.run``: which process this worker is, why it cannot join a group, whether it has CUDA."""
+    """``client.run``: which process this worker is, why it cannot join a group (and whether only
+    because a task of a closed group still runs there), whether it has CUDA."""
     import torch
 
     with _LOCK:
-        problem = _membership(worker_state(dask_worker).torch_groups, dask_worker.address)
+        groups = worker_state(dask_worker).torch_groups
+        problem = _membership(groups, dask_worker.address)
+        # Only leaving, which ends by itself: within that group's timeout at the latest.
+        leaving = bool(problem) and all(st.closing for st in groups.values())
     cuda = bool(nccl and torch.cuda.is_available())
-    return {"process": f"{socket.gethostname()}:{os.getpid()}", "problem": problem, "cuda": cuda}
+    return {"process": f"{socket.gethostname()}:{os.getpid()}", "problem": problem,
+            "leaving": leaving, "cuda": cuda}
 
 
 def start_store(gid: str, world: int, timeout: float) -> str:
