@@ -147,6 +147,7 @@ def test_a_worker_in_an_open_group_is_refused(client: Client) -> None:
 
 
 def _held(name: str) -> int:
+    Event(f"{name}-{dist.get_rank()}").set()
     Event(name).wait(30)  # released by the test; a running Dask task cannot be cancelled
     return dist.get_rank()
 
@@ -160,11 +161,17 @@ def test_a_worker_still_leaving_a_closed_group_is_waited_for(client: Client, by:
     name = f"held-{uuid.uuid4().hex}"
     group = dt.start_torch(client, workers=2, timeout=30)
     group.run(_held, name)
+    for rank in group.ranks:  # running: a task not yet started would be cancelled by close()
+        assert Event(f"{name}-{rank}", client=client).wait(30)
     group.timeout = 0.2  # how long close() waits for the group's tasks before leaving them
     group.close()
     workers: int | list[str] = list(group.ranks.values()) if by == "address" else 2
-    with pytest.raises(dt.InvalidInput, match="still leaving torch group"):
-        dt.start_torch(client, workers=workers, timeout=0.5)  # waited 0.5 s, then refused
+    try:
+        dt.start_torch(client, workers=workers, timeout=0.5).close()  # waits 0.5 s, refused
+        refused = ""
+    except dt.InvalidInput as exc:
+        refused = str(exc)
+    assert "still leaving torch group" in refused, refused
     threading.Timer(1.0, Event(name, client=client).set).start()
     with dt.start_torch(client, workers=workers, timeout=30) as again:
         assert [r["sum"] for r in again.gather(again.run(_all_reduce, 1.0))] == [3.0, 3.0]
