@@ -100,7 +100,8 @@ def probe(nccl: bool, *, dask_worker: Any) -> dict[str, Any]:
         groups = worker_state(dask_worker).torch_groups
         problem = _membership(groups, dask_worker.address)
         # Only leaving, which ends by itself: within that group's timeout at the latest.
-        leaving = bool(problem) and all(st.closing for st in groups.values())
+        leaving = bool(problem) and all(st.closing for st in groups.values()) and any(
+            st.busy for st in groups.values())
     cuda = bool(nccl and torch.cuda.is_available())
     return {"process": f"{socket.gethostname()}:{os.getpid()}", "problem": problem,
             "leaving": leaving, "cuda": cuda}
