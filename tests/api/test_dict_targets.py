@@ -101,13 +101,16 @@ def test_two_heads_train_on_a_dict_of_targets(client: Client, data: tuple, strat
                         # one push at a time: staleness that load cannot grow
                         prefetch=strategy == "sync").fit(X, yd, validation=validation)
     acc, mae = _scores(result.model, xv, yv)
-    # Twelve async-ps runs here, idle and under load, ended at MAE 0.198-0.242 (references
-    # 0.202-0.231); CI saw 0.405 and 0.60 once each, cause unknown: say what the run did.
+    # async-ps ends at MAE 0.20-0.26 mostly, at 0.30 or more in 8 of 200 runs with a worker
+    # stopped now and then (CI saw 0.405, 0.447 and 0.60): nothing is lost or applied twice
+    # (every update replayed), the two trainers took turns at the end, each gradient one or
+    # two updates old, and Adam at lr=1e-2 makes the value head swing on such gradients. Plain
+    # torch with every gradient 1, 2 or 3 updates old ends at up to 0.38-0.62 (six seeds
+    # each), so the bar is 3 times the reference: an untrained value head is off by about 1.8.
     run = (f"failures={result.failures} departures={result.departures} steps={result.steps} "
            f"trainers={[(t['trainer'], t['steps']) for t in result.trainers]}")
     assert acc >= ref_acc - (0.1 if strategy == "async-ps" else 0.05), (acc, ref_acc, run)
-    # An untrained value head is off by about 1.8; async staleness adds to the final noise.
-    assert mae <= ref_mae * (1.75 if strategy == "async-ps" else 1.25), (mae, ref_mae, run)
+    assert mae <= ref_mae * (3.0 if strategy == "async-ps" else 1.25), (mae, ref_mae, run)
     last = result.history.iloc[-1]
     assert last["acc"] == pytest.approx(acc, abs=1e-6)
     assert last["mae"] == pytest.approx(mae, rel=1e-4)
