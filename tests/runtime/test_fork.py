@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import dask
 import pytest
@@ -212,3 +213,36 @@ def test_connect_names_bad_imports() -> None:
         dt.connect(imports="torch")
     with pytest.raises(InvalidInput, match=r"imports=\['torch', 3\] is invalid"):
         dt.connect(imports=["torch", 3])
+
+
+def _leave_things_for_exit(marker: str) -> dict[str, Any]:
+    """In a worker: what libraries leave for the interpreter's exit (TensorFlow's AutoGraph
+    registers the removal of each file it writes with ``atexit``; a ``TemporaryDirectory``
+    still open is removed by a ``weakref.finalize`` at exit)."""
+    import atexit
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from distributed import get_worker
+
+    atexit.register(Path(marker).write_text, "ran")
+    kept = tempfile.TemporaryDirectory(prefix="dask-train-test-exit-")
+    get_worker().dask_train_test_kept = kept  # open until the process ends
+    return {"directory": kept.name, "forked": "dask_train.runtime._fork_ready" in sys.modules}
+
+
+def test_a_forked_worker_runs_its_exit_handlers_as_a_spawned_one_does(tmp_path: Path) -> None:
+    # A process forked by multiprocessing ends with os._exit: a forked worker skipped what its
+    # libraries clean up at exit, and every worker that ran a Keras job left TensorFlow's
+    # AutoGraph files in /tmp for good (a spawned worker, Dask's default, removes them).
+    from distributed import Client, LocalCluster
+
+    marker = tmp_path / "exit-handler-ran"
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        left = client.submit(_leave_things_for_exit, str(marker), pure=False).result()
+        assert left["forked"]  # the session's fork server started it (tests/conftest.py)
+        assert Path(left["directory"]).is_dir() and not marker.exists()
+    assert marker.read_text() == "ran"
+    assert not Path(left["directory"]).exists()
