@@ -288,6 +288,31 @@ def _create_and_die(path: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def test_a_segment_whose_maker_is_killed_while_making_it_is_removed(
+        helper: concurrent.futures.ProcessPoolExecutor) -> None:
+    # Killed with the space reserved and no header written yet: the file used to sit at the
+    # segment's own name, whole to nobody and with no owner to check, for good.
+    path = _path("making")
+
+    def left() -> list[str]:
+        return [n for n in os.listdir(host_memory.SEGMENT_DIR)
+                if n.startswith(os.path.basename(path))]
+
+    helper.submit(_run, _die_while_making, path).result(timeout=60)
+    assert left() and not os.path.exists(path)  # not under the name others attach by
+    host_memory.sweep()
+    assert not left()
+
+
+def _die_while_making(path: str) -> None:
+    def killed(fd: int, offset: int, length: int) -> None:  # as the space is reserved
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    os.posix_fallocate = killed  # this process's own (a fork of the helper)
+    ShardServer(np.zeros(10, dtype=np.float32), OptimizerSettings("adam", 0.1, {})
+                ).to_host_memory(path, OptimizerSettings("adam", 0.1, {}))
+
+
 def _digits(n: int) -> tuple[da.Array, da.Array]:
     X, y = dt.datasets.digits(n_samples=n)
     return X.rechunk((n // 8, 64)), y.rechunk(n // 8)

@@ -34,10 +34,11 @@ and the position from that intent. So a torn update's rows count as applied, onc
 part of its gradient was written: had the count moved and the position not (a kill between the
 two), the controller would re-feed rows the count already held, and apply them twice.
 
-Lifetime: the shard's server creates the file (``O_EXCL``, mode 0600, space reserved with
-``posix_fallocate`` so a full ``/dev/shm`` is an error at creation, never a SIGBUS later) and
-unlinks it when the job drops the shard. A server killed first leaves its file; the next segment
-created on the host removes files whose owner process is gone.
+Lifetime: the shard's server creates the file (mode 0600, space reserved with
+``posix_fallocate`` so a full ``/dev/shm`` is an error at creation, never a SIGBUS later; made
+whole under a name that carries its process id, then linked to its own name, which must be free)
+and unlinks it when the job drops the shard. A server killed first leaves its file; the next
+segment created on the host removes files whose owner (or maker) process is gone.
 """
 
 from __future__ import annotations
@@ -119,9 +120,20 @@ def owner(path: str) -> int | None:
     return int(head[OWNER]) if len(head) == _HEADER_WORDS and head[MAGIC] == _MAGIC else None
 
 
+#: A segment is made whole under its name, this, and its maker's process id, then linked to its
+#: name (see :meth:`HostSegment.create`).
+_MAKING = ".making-"
+
+
+def _maker(name: str) -> int | None:
+    """The process id that is making the segment file ``name``; None when it is a whole one."""
+    _, sep, pid = name.rpartition(_MAKING)
+    return int(pid) if sep and pid.isdigit() else None
+
+
 def sweep() -> int:
     """Remove segments whose owner process is gone (a server killed before it unlinked its
-    file); the number removed."""
+    file), and those whose maker was killed while it made them; the number removed."""
     removed = 0
     try:
         names = [n for n in os.listdir(SEGMENT_DIR) if n.startswith(PREFIX)]
@@ -129,7 +141,7 @@ def sweep() -> int:
         return 0
     for name in names:
         path = os.path.join(SEGMENT_DIR, name)
-        pid = owner(path)
+        pid = _maker(name) or owner(path)
         if pid is not None and not pid_alive(pid):
             with contextlib.suppress(OSError):  # another process removed it first
                 os.unlink(path)
@@ -217,19 +229,25 @@ class HostSegment:
         text = json.dumps(layout).encode()
         if len(text) > _LAYOUT_MAX:
             raise ValueError(f"segment layout of {len(text)} bytes does not fit its header")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Made whole under a name of its own that names this process, then linked to ``path``:
+        # a server killed while it made its segment (the fallocate of a large shard takes a
+        # while) left a file with no header at ``path``, which no sweep could tell from one
+        # still being made, for good (one after a fresh clone's test run).
+        making = f"{path}{_MAKING}{os.getpid()}"
+        fd = os.open(making, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, offset)  # ENOSPC now, not a SIGBUS on a later write
-        except OSError:
+            header = np.zeros(_HEADER_WORDS, dtype=np.int64)  # a new file reads as zeros
+            header[LAYOUT_BYTES], header[OWNER], header[MAGIC] = len(text), os.getpid(), _MAGIC
+            os.pwrite(fd, text, _LAYOUT_AT)
+            os.pwrite(fd, header.tobytes(), 0)
+            os.link(making, path)  # FileExistsError where a segment has the name, as O_EXCL
+        except BaseException:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(making)
             raise
-        seg = cls(path, fd, layout, owner=True)  # a new file reads as zeros
-        seg.map[_LAYOUT_AT:_LAYOUT_AT + len(text)] = text
-        seg.header[LAYOUT_BYTES] = len(text)
-        seg.header[OWNER] = os.getpid()
-        seg.header[MAGIC] = _MAGIC  # last: a segment is whole once its magic is there
-        return seg
+        os.unlink(making)
+        return cls(path, fd, layout, owner=True)
 
     @classmethod
     def create_shard(cls, path: str, *, n: int, n_buffers: int | None,
