@@ -220,16 +220,28 @@ def _leave_things_for_exit(marker: str) -> dict[str, Any]:
     registers the removal of each file it writes with ``atexit``; a ``TemporaryDirectory``
     still open is removed by a ``weakref.finalize`` at exit)."""
     import atexit
+    import multiprocessing
+    import os
     import sys
     import tempfile
     from pathlib import Path
 
     from distributed import get_worker
 
-    atexit.register(Path(marker).write_text, "ran")
+    def ran() -> None:
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+    atexit.register(ran)
     kept = tempfile.TemporaryDirectory(prefix="dask-train-test-exit-")
     get_worker().dask_train_test_kept = kept  # open until the process ends
-    return {"directory": kept.name, "forked": "dask_train.runtime._fork_ready" in sys.modules}
+    # A process the worker forks (a DataLoader's worker does) inherits the handlers, which are
+    # the worker's, not its own to run.
+    child = multiprocessing.get_context("fork").Process(target=os.getpid)
+    child.start()
+    child.join(30)
+    return {"directory": kept.name, "forked": "dask_train.runtime._fork_ready" in sys.modules,
+            "pid": os.getpid(), "child": child.exitcode, "ran_in_child": Path(marker).exists()}
 
 
 def test_a_forked_worker_runs_its_exit_handlers_as_a_spawned_one_does(tmp_path: Path) -> None:
@@ -239,10 +251,13 @@ def test_a_forked_worker_runs_its_exit_handlers_as_a_spawned_one_does(tmp_path: 
     from distributed import Client, LocalCluster
 
     marker = tmp_path / "exit-handler-ran"
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+    # Not daemonic, so that the worker may start a process (as for a DataLoader's workers).
+    with dask.config.set({"distributed.worker.daemon": False}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
         left = client.submit(_leave_things_for_exit, str(marker), pure=False).result()
         assert left["forked"]  # the session's fork server started it (tests/conftest.py)
+        assert left["child"] == 0 and not left["ran_in_child"]
         assert Path(left["directory"]).is_dir() and not marker.exists()
-    assert marker.read_text() == "ran"
+    assert marker.read_text() == f"{left['pid']}\n"  # once, in the worker
     assert not Path(left["directory"]).exists()

@@ -16,15 +16,22 @@ and removes each file at exit: every worker that ran a Keras job left its files;
 
 import atexit
 import gc
+import os
 from multiprocessing import util
+
+#: This fork server's process id (its workers inherit the value).
+_SERVER_PID = os.getpid()
 
 
 def _exit_as_spawned(_: object) -> None:
     # multiprocessing calls this in each child as it starts, after it has dropped the finalizers
     # the child inherited, and runs the child's finalizers as its target returns, before
     # os._exit: lowest priority, so after multiprocessing's own, where a spawned process's
-    # interpreter exit runs its atexit handlers.
-    util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1000)
+    # interpreter exit runs its atexit handlers. Only in the server's own children: a process a
+    # worker forks in turn (a DataLoader's worker) inherits its parent's handlers, which are
+    # not its to run (they would remove files the worker still uses).
+    if os.getppid() == _SERVER_PID:
+        util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1000)
 
 
 class _Forks:
