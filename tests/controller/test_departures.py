@@ -430,15 +430,18 @@ def _own_data_loop(ctx: Any) -> dict[str, Any]:
 
 def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # Both workers of one `dask worker --nworkers 2 --lifetime 12s` leave: no other worker is
-    # left to hold the state. On one machine it goes to /dev/shm and the job waits for workers
-    # to join (it once gave the hand-over up: a loss, from the last report's copy, or from the
-    # start when every rank held the state); two join once it says it waits (a `dask worker`
-    # without a lifetime: `--lifetime-restart`'s workers end their own lifetimes again, and
-    # on a loaded machine a generation started on them met the next end, again and again).
-    # Their lifetimes may end a moment apart: the first's ranks then go to the second, which
-    # leaves next with no other worker left; the job waits in either case.
-    with dask_cli_cluster(tmp_path, first=["--lifetime", "12s"]) as (address, _), \
+    # Both workers of one `dask worker --nworkers 2 --lifetime 24s` leave: no other worker is
+    # left to hold the state. (12 s ended, on a doubly loaded machine, two suites at once,
+    # before the ranks ran on one of them, its event loop 8 s unresponsive as a rank imported
+    # torch: it held nothing, left as a loss, and the job started again from the beginning.)
+    # On one machine the state goes to /dev/shm and the job waits for workers to join (it
+    # once gave the hand-over up: a loss, from the last report's copy, or from the start when
+    # every rank held the state); two join once it says it waits (a `dask worker` without a
+    # lifetime: `--lifetime-restart`'s workers end their own lifetimes again, and on a loaded
+    # machine a generation started on them met the next end, again and again). Their
+    # lifetimes may end a moment apart: the first's ranks then go to the second, which leaves
+    # next with no other worker left; the job waits in either case.
+    with dask_cli_cluster(tmp_path, first=["--lifetime", "24s"]) as (address, _), \
             Client(address) as client, contextlib.ExitStack() as joined:
         client.wait_for_workers(2, timeout=30)
         waits = _WhenLogged("for workers to join",  # either wait says so

@@ -18,7 +18,7 @@ import dask_train as dt
 from dask_train.checkpoint import CheckpointStore, load_shard
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
-from _models import mlp  # noqa: E402
+from _models import Slow, mlp  # noqa: E402
 
 
 def _data(n: int = 3000, chunks: int = 500, n_in: int = 8, n_out: int = 3):
@@ -28,7 +28,8 @@ def _data(n: int = 3000, chunks: int = 500, n_in: int = 8, n_out: int = 3):
     return da.from_array(x, chunks=(chunks, n_in)), da.from_array(y, chunks=chunks), x, y
 
 
-def _trainer(client: Client, path: Path | None, steps: int, **kw) -> dt.Trainer:
+def _trainer(client: Client, path: Path | None, steps: int, model: torch.nn.Module | None = None,
+             **kw) -> dt.Trainer:
     options = dict(
         lr=1e-2, optimizer="adam", ps=1, workers=1, scorer=0, batch_size=32, epochs=3,
         prefetch=0, shuffle=True, seed=3, stop=[dt.StopAtStep(steps)], progress=False,
@@ -37,7 +38,7 @@ def _trainer(client: Client, path: Path | None, steps: int, **kw) -> dt.Trainer:
                                                                    every_steps=None, keep=5),
     )
     options.update(kw)
-    return dt.Trainer(mlp(8, 16, 3), **options)
+    return dt.Trainer(mlp(8, 16, 3) if model is None else model, **options)
 
 
 def _flat(module: torch.nn.Module) -> torch.Tensor:
@@ -96,7 +97,10 @@ def test_resume_from_a_mid_run_checkpoint(client: Client, tmp_path: Path) -> Non
 def test_checkpoints_keep_the_newest_and_resume_needs_a_path(client: Client, tmp_path: Path) -> None:
     X, Y, _, _ = _data()
     config = dt.CheckpointConfig(str(tmp_path), every_seconds=None, every_steps=20, keep=2)
-    run = _trainer(client, tmp_path, 150, checkpoint=config).fit(X, Y)
+    # Paced (20 ms a batch, a sleep): the controller looks at the step count between its
+    # events, and at full speed on a doubly loaded machine (two suites at once) the job ran
+    # from step 48 to its end at 150 between two looks (two checkpoints, none to drop).
+    run = _trainer(client, tmp_path, 150, Slow(mlp(8, 16, 3), 0.02), checkpoint=config).fit(X, Y)
     assert len(run.checkpoints) >= 3
     store = CheckpointStore(config)
     assert len(store.complete()) == 2

@@ -331,6 +331,11 @@ async def hold_for_hand_over(worker: Worker, state: WorkerState) -> None:
         logger.warning("worker %s leaves with its jobs %s not handed over after %g s "
                        "(dask-train.hand-over-hold): they recover as from a lost worker",
                        worker.address, sorted(state.jobs), hold)
+    elif state.holding():
+        # Was said "hand-over done" too, and read so in a failed hand-over's log.
+        logger.info("worker %s: its connection to the scheduler closed while it still held "
+                    "%s: it goes (a hand-over not finished by then is handled as a loss)",
+                    worker.address, sorted(state.jobs))
     else:
         logger.info("worker %s: hand-over done", worker.address)
 
