@@ -100,6 +100,19 @@ def _held(record: dict[str, Any]) -> dict[str, Any]:
             "threads": _threads(record["thread_names"])}
 
 
+#: Scheduler address -> the client process's socket allowance (asked once: it never changes,
+#: and the state is read four times a second while it settles).
+_ALLOWANCE: dict[str, int] = {}
+
+
+def _pooled_allowance(client: Client) -> int:
+    address = client.scheduler.address
+    if address not in _ALLOWANCE:
+        hosts = client.run_on_scheduler(os.getpid) == os.getpid()
+        _ALLOWANCE[address] = POOLED_SOCKETS_WITH_SCHEDULER if hosts else POOLED_SOCKETS
+    return _ALLOWANCE[address]
+
+
 def _state(client: Client, workers: list[str] | None = None, *,
            with_client: bool = True) -> dict[str, Any]:
     state = {"workers": {w: _held(r) for w, r in
@@ -107,9 +120,7 @@ def _state(client: Client, workers: list[str] | None = None, *,
              "scheduler_tasks": client.run_on_scheduler(scheduler_tasks)}
     if with_client:
         state["client"] = _held(process_resources())
-        state["client"]["pooled"] = (POOLED_SOCKETS_WITH_SCHEDULER
-                                     if client.run_on_scheduler(os.getpid) == os.getpid()
-                                     else POOLED_SOCKETS)
+        state["client"]["pooled"] = _pooled_allowance(client)
         # Topics the client still listens to (a dropped one's no-op that takes late events
         # for a few seconds is not listening): each holds its handler, and with it its engine.
         state["client_topics"] = sorted(
