@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -209,8 +210,10 @@ def test_a_crashed_runs_namespaces_and_processes_are_cleaned_up() -> None:
     assert f"{tag}-s" in left
     stray = _netns_pids(f"{tag}-s")
     assert stray  # the scheduler outlived its harness
+    assert list(Path(tempfile.gettempdir()).glob(f"{tag}-*"))  # and so did its directory
     removed = cleanup_leftovers()
     assert f"{tag}-s" in removed and f"{tag}b" in removed
+    assert not list(Path(tempfile.gettempdir()).glob(f"{tag}-*"))
     assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert tag not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     time.sleep(0.5)

@@ -146,12 +146,18 @@ def _kill_netns(netns: str, sig: int = signal.SIGKILL) -> list[int]:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Remove namespaces and links left by a harness whose process is gone; return their names.
+    """Remove namespaces, links and files left by a harness whose process is gone; return their names.
 
-    Only names of this module's form (``dm<pid>x<n>...``) whose ``<pid>`` is no longer running
+    Only names of this module's form (``dtn<pid>x<n>...``) whose ``<pid>`` is no longer running
     are touched: a live run's cluster, or anything else on the machine, is left alone.
     """
     removed = []
+    # A harness killed with its cluster up also leaves its directory (config, scheduler log).
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*x*-*"):
+        match = _NAME.match(path.name.rsplit("-", 1)[0] + "-s")
+        if path.is_dir() and match and not pid_alive(int(match.group(1), 36)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = _NAME.match(name)
