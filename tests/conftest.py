@@ -43,10 +43,18 @@ def _fork_the_workers() -> None:
     workers are (``runtime._fork``): a spawned worker imports them itself, 1.4 s of CPU each,
     and this suite starts hundreds (a cluster per module, a restart per kill). Programs the
     tests run as users do (scripts, ``dask worker``) keep their own start; tests whose workers
-    must read an environment set after this server started spawn theirs."""
+    must read an environment set after this server started spawn theirs.
+
+    The server also imports ``torch._dynamo`` (``imports=``, as ``dt.connect(imports=...)``
+    offers a program): a torch optimizer imports it when it is built, 0.9 s of CPU, and the
+    dt.run loops here build one on every worker the suite starts (the departure tests' file
+    took 101 CPU s with each worker importing it, 90 with the server's). dask-train's own
+    optimizers never import it; ``tests/models/test_optimizers.py`` checks that in a fresh
+    process."""
     from dask_train.runtime._fork import fork_workers
 
-    dask.config.set(fork_workers(dask.config.get("distributed.nanny.pre-spawn-environ", {})))
+    dask.config.set(fork_workers(dask.config.get("distributed.nanny.pre-spawn-environ", {}),
+                                 imports=("torch._dynamo",)))
 
 # Plain-torch references in the test process train on one thread, as each worker does: two
 # OpenMP threads spinning on a loaded 2-core machine took a 157-step reference from 0.4 s to 29 s.
