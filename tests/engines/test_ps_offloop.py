@@ -150,10 +150,14 @@ def test_event_loop_stays_responsive_during_large_updates(client: Client, path: 
         stop.set()
         client.run(drop_job, job)
     assert pushes >= 1 + PUSHES
-    # An RPC to the worker does not wait for an update: typically it would wait half of one.
-    slow = float(np.quantile(latencies, 0.8))
+    # An RPC to the worker does not wait for an update. One that did would wait half of one
+    # on average, so were the updates on the loop, the median round trip would be over half an
+    # update. The median, not a higher quantile: on a loaded 2-core machine (a fresh clone's
+    # suite, updates of 22 ms) the 80th percentile of round trips that never waited for an
+    # update reached 13 ms, the loop's thread waiting for a core now and then.
+    slow = float(np.median(latencies))
     assert slow < apply_s / 2, (
-        f"80% of round trips to the shard's worker took up to {slow * 1e3:.0f} ms (max "
+        f"half of the round trips to the shard's worker took over {slow * 1e3:.0f} ms (max "
         f"{max(latencies) * 1e3:.0f} ms, fastest idle {baseline * 1e3:.0f} ms) while one update "
         f"takes {apply_s * 1e3:.0f} ms"
     )
