@@ -30,7 +30,9 @@ from dask_train.bench._resources import process_resources, scheduler_tasks, sche
 from dask_train.runtime._compat import _late_event
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
 from _dask_cli import dask_cli_cluster  # noqa: E402
+from _models import Slow  # noqa: E402
 
 #: How long a worker may take to let go of what a finished job held (tasks released after the
 #: result arrived, a connection closed by its peer's thread): the state is read until it matches.
@@ -341,7 +343,9 @@ def test_a_fit_that_lost_a_worker_leaves_the_survivors_as_it_found_them(
         survivors = workers[1:]
 
         def losing(victim: str) -> None:
-            result = dt.Trainer(_net(), loss="cross_entropy", strategy=strategy,
+            # Paced at 20 ms a batch (about 2.5 s a job): at full speed a job once ended in
+            # 0.56 s, before the first stats (about one a second) killed its worker.
+            result = dt.Trainer(Slow(_net(), 0.02), loss="cross_entropy", strategy=strategy,
                                 workers=(1, 3), epochs=3, batch_size=64, progress=False,
                                 client=client, callbacks=[_KillOne(client, victim)]
                                 ).fit(X, y, validation=validation)
