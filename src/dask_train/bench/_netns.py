@@ -146,7 +146,8 @@ def _kill_netns(netns: str, sig: int = signal.SIGKILL) -> list[int]:
 
 
 def cleanup_leftovers() -> list[str]:
-    """Remove namespaces, links and files left by a harness whose process is gone; return their names.
+    """Remove what a harness whose process is gone left (namespaces, links, its directory);
+    return their names.
 
     Only names of this module's form (``dtn<pid>x<n>...``) whose ``<pid>`` is no longer running
     are touched: a live run's cluster, or anything else on the machine, is left alone.

@@ -182,7 +182,7 @@ def function_imports(fn: Callable[..., Any]) -> list[str]:
                         found.setdefault(module, set())
     # A torch optimizer imports torch._dynamo as it is built (torch._disable_dynamo wraps
     # add_param_group): 0.9 s of CPU on each rank whose loop builds one, before its first step.
-    if "torch" in found and (optim or "optim" in found["torch"]) or "torch.optim" in found:
+    if ("torch" in found and (optim or "optim" in found["torch"])) or "torch.optim" in found:
         found.setdefault("torch._dynamo", set())
     return [f"{module}:{','.join(sorted(attrs))}" if attrs else module
             for module, attrs in sorted(found.items()) if _installed(module)]

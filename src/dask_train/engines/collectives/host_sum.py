@@ -14,11 +14,11 @@ loads in order (TSO), which this relies on, so other architectures keep gloo.
 
 Waiting: a short spin, then yielding the core (``sleep(0)``), then naps of a twentieth of the
 wait so far (100 us to 1 ms), so a waiting rank leaves the CPU to its peers on a machine with
-fewer cores than processes (a nap of 100 us took 12% of a core here, one of 1 ms 2%). Every few milliseconds
-it checks that its peers' processes live, that no rank aborted the group (a rank whose own code
-raised marks it) and that the process group was not destroyed (the controller's way of releasing
-ranks), raising ``ConnectionError`` as gloo would. A stopped job is not a reason: the ranks stop
-together, after the sum their stop votes travel in.
+fewer cores than processes (naps of 100 us took 12% of a core here, of 1 ms 2%). Every few
+milliseconds it checks that its peers' processes live, that no rank aborted the group (a rank
+whose own code raised marks it) and that the process group was not destroyed (the controller's
+way of releasing ranks), raising ``ConnectionError`` as gloo would. A stopped job is not a
+reason: the ranks stop together, after the sum their stop votes travel in.
 """
 
 from __future__ import annotations
