@@ -52,18 +52,20 @@ async def gather_watching(client: Client, futures: list[Future], *, what: str,
     """
     gather = asyncio.ensure_future(client.gather(futures, asynchronous=True))
     deadline = time.monotonic() + timeout
-    while True:
-        done, _ = await asyncio.wait({gather}, timeout=1.0)
-        if done:
-            return list(gather.result())
-        try:
+    try:
+        while True:
+            done, _ = await asyncio.wait({gather}, timeout=1.0)
+            if done:
+                return list(gather.result())
             await raise_if_gone(client, holders, futures if release else [], what)
-        except WorkerLost:
-            gather.cancel()
-            raise
-        if time.monotonic() >= deadline:
-            gather.cancel()
-            raise TrainingTimeout(f"{what}: the results did not come back within {timeout:g} s")
+            if time.monotonic() >= deadline:
+                raise TrainingTimeout(
+                    f"{what}: the results did not come back within {timeout:g} s")
+    finally:
+        # Given up (a holder gone, the deadline, or this wait cancelled: a hand-over's write
+        # given up cancels its futures next): a gather left running ends in the futures'
+        # FutureCancelledError, which nobody reads and asyncio logs as an ERROR.
+        _drop(gather)
 
 
 class RoleTasks:
@@ -184,6 +186,15 @@ async def raise_role_error(fut: Future, role: str) -> None:
     exc = await fut.exception()
     tb = await fut.traceback()
     raise RoleFailed(f"{role} failed: {type(exc).__name__}: {exc}") from exc.with_traceback(tb)
+
+
+def _drop(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task``, or read its outcome when it has one: either way asyncio logs no
+    "exception was never retrieved" when it is collected."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 async def _done_within(task: asyncio.Future[Any], seconds: float) -> bool:
