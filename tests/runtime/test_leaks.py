@@ -168,7 +168,37 @@ def _assert_back(client: Client, before: dict[str, Any], what: str,
         time.sleep(0.25)
     assert _same(before, after, once_pipes=once_pipes), \
         f"{what} left its workers or client changed:\n" \
-        f"before {before}\nafter  {after}"
+        f"before {before}\nafter  {after}\n{_holders_of_tasks(client)}"
+
+
+def _wanters(dask_scheduler: Any) -> dict[str, Any]:
+    return {str(k): [str(c.client_key) for c in ts.who_wants or ()] + [ts.state]
+            for k, ts in dask_scheduler.tasks.items()}
+
+
+def _holders_of_tasks(client: Client) -> str:
+    """What still wants the scheduler's tasks, and which objects hold this client's futures of
+    them (through up to three lists, dicts, tuples or sets): a failure's own account, for a
+    cause that showed once in a run."""
+    import gc
+
+    wanted = client.run_on_scheduler(_wanters)
+    lines = [f"scheduler tasks (wanters, state): {wanted}; this client is {client.id}"]
+    futures = [o for o in gc.get_objects()
+               if type(o).__name__ == "Future" and str(getattr(o, "key", "")) in wanted]
+    containers = (list, dict, tuple, set)
+    for fut in futures[:6]:
+        owners, level, seen = set(), [fut], {id(futures)}
+        for _ in range(3):
+            seen.add(id(level))
+            up = [r for o in level for r in gc.get_referrers(o) if id(r) not in seen]
+            seen.update(id(r) for r in up)
+            owners.update(type(r).__name__ + (f" {r.f_code.co_name}" if hasattr(r, "f_code")
+                                              else "")
+                          for r in up if not isinstance(r, containers))
+            level = [r for r in up if isinstance(r, containers)]
+        lines.append(f"{fut.key} held by {sorted(owners)}")
+    return "\n".join(lines)
 
 
 def _settled(client: Client, workers: list[str] | None = None, *,
