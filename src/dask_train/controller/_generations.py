@@ -21,13 +21,13 @@ from distributed import Client
 
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobState, Phase
-from dask_train.data._stall import schedule_stranded
+from dask_train.data._stall import drop_fetches_from, schedule_stranded
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import InvalidInput
 from dask_train.policy._placement import Roles
 from dask_train.policy._scaling import restart_wait
 from dask_train.policy._scope import current_scope
-from dask_train.runtime._calls import alive_workers
+from dask_train.runtime._calls import alive_workers, run_on_live
 from dask_train.runtime._cluster_view import ClusterView
 
 logger = logging.getLogger(__name__)
@@ -60,14 +60,25 @@ class GenerationPlacement:
         self.roles = roles
         self.most_seen = len(roles.addresses)  # the most workers seen alive at once
         self.seen: set[str] = set(roles.addresses)  # a worker not in it joined
+        self.listed: set[str] = set(roles.addresses)  # the last liveness pass's workers
         self.stranded_watch = False  # blocks may wait in no-worker (see schedule_stranded)
 
     async def saw(self, view: ClusterView) -> None:
-        """A liveness pass's listing: the workers seen, and stranded blocks moved when workers
-        joined (or while some still wait)."""
+        """A liveness pass's listing: the workers seen, stranded blocks moved when workers
+        joined (or while some still wait), and the survivors' fetches from workers that left
+        given up."""
         alive = view.alive()
         if self.stranded_watch or view.joined(since=self.seen):
             await self.schedule_stranded()
+        left, self.listed = self.listed - set(alive), set(alive)
+        if left and alive:
+            # A block fetch begun from a worker as it left would wait out Dask's connect
+            # timeout, and the feeds that need the block with it (see drop_fetches_from).
+            dropped = await run_on_live(self.client, drop_fetches_from, sorted(left),
+                                        workers=sorted(alive))
+            if any(isinstance(n, int) and n for n in dropped.values()):
+                logger.info("connections to %s given up on the workers that held them: %s",
+                            sorted(left), {a: n for a, n in dropped.items() if n})
         self.seen |= set(alive)
         self.most_seen = max(self.most_seen, len(alive))
 

@@ -136,6 +136,30 @@ def relax_placement(keys: list[Any], dask_scheduler: Any = None) -> int:
     return loosened
 
 
+def drop_fetches_from(addresses: list[str], dask_worker: Any = None) -> int:
+    """Run on the live workers (``client.run``, on each one's event loop) once ``addresses``
+    left the cluster: close this worker's connections to them and give up its attempts to
+    connect, as Dask does itself when the scheduler says a worker left. How many of the
+    addresses this worker was connected or connecting to.
+
+    Why again: a worker told in one message batch to fetch a block from a peer and that the
+    peer left starts the fetch after it has dropped that peer, and its connect to the dead
+    address is retried for Dask's connect timeout (30 s by default). The block, which the
+    scheduler then asked it to compute, waits for that fetch ("resumed"), and so does every
+    feed of a trainer that needs it (seen: an async trainer fed nothing for 30 s after the
+    worker holding its next block was killed, 2 runs in about 40; the worker's story showed
+    the fetch requested after the worker's removal). Given up, the fetch fails at once and
+    the worker computes the block.
+    """
+    pool = dask_worker.rpc
+    connecting = getattr(pool, "_connecting", {})  # not public: only counted
+    held = sum(1 for a in addresses
+               if a in pool.available or a in pool.occupied or connecting.get(a))
+    for address in addresses:
+        pool.remove(address)
+    return held
+
+
 #: Key prefixes of the tasks that place data blocks on chosen workers (``data._blocks``): the
 #: only strictly placed tasks :func:`schedule_stranded` may send elsewhere. A role's task is
 #: strictly placed too, and must never run elsewhere: the controller replaces a lost role.
