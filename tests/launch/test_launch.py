@@ -298,3 +298,26 @@ def test_workers_that_joined_are_taken_at_the_next_restart(cluster, tmp_path, mo
     deadline = time.monotonic() + 60
     while len(client.scheduler_info()["workers"]) != 2 and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def test_the_rank_blamed_is_the_one_that_failed_for_its_own_reason():
+    from dask_train.launcher._launcher import _first_failure
+    from dask_train.launcher._rank import PEER_GONE
+
+    # A suite run's case: rank 1 raised and exited 7; rank 0's gloo saw the connection close
+    # and aborted (SIGABRT), and its answer came first. Its stderr, as gloo words it:
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [127.0.0.1]:31129. This is typically caused by a remote worker "
+            "crashing. Check the logs of the remote worker be")
+    assert any(words in gloo for words in PEER_GONE)
+    exits = {0: {"exit": -6, "order": 0, "ended": 10.2, "peer_gone": True},
+             1: {"exit": 7, "order": 1, "ended": 10.1, "peer_gone": False}}
+    assert _first_failure(exits, [0, 1]) == 1
+    # Neither said a peer went: the program that ended first, whatever answered first.
+    exits[0]["peer_gone"] = False
+    exits[0]["ended"] = 10.3
+    assert _first_failure(exits, [0, 1]) == 1
+    # A rank whose task raised has no end time: after those that have one, then by answer.
+    assert _first_failure({0: {"exit": 1, "order": 0}, 1: {"exit": 7, "order": 1, "ended": 5.0}},
+                          [0, 1]) == 1
+    assert _first_failure({0: {"exit": 1, "order": 1}, 1: {"exit": 1, "order": 0}}, [0, 1]) == 1

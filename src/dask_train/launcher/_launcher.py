@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -390,7 +390,7 @@ class Gang:
                     failed_at, next_look = now, now
                     continue
                 if now - failed_at > FAILED_LOOK_S or len(bad) == len(attempt.workers):
-                    first = min(bad, key=lambda i: attempt.exits[i]["order"])
+                    first = _first_failure(attempt.exits, bad)
                     got = attempt.exits[first]
                     return "failed", (
                         f"rank {first} (worker {got['worker']}, pid {got.get('pid')}) exited "
@@ -468,7 +468,7 @@ class Gang:
     def _exit_code(self, attempt: _Attempt, ended: str) -> int:
         if ended == "failed":
             bad = [i for i in attempt.exits if attempt.code(i) != 0]
-            first = min(bad, key=lambda i: attempt.exits[i]["order"])
+            first = _first_failure(attempt.exits, bad)
             return _shell_status(int(attempt.exits[first]["exit"]))
         return 1
 
@@ -498,6 +498,19 @@ class Gang:
                 self.client.unsubscribe_topic(topic)
             drop_topic_handler(self.client, topic)
         self.output.close()
+
+
+def _first_failure(exits: Mapping[int, Mapping[str, Any]], bad: Iterable[int]) -> int:
+    """The failed rank to blame: one that failed for its own reason before one whose
+    collective broke because a peer ended (its stderr said so), then the one whose program
+    ended first (on its worker's clock), then the first whose answer came.
+
+    Answers alone misled: a rank that raised exits through Python's teardown, and its peer,
+    aborted by gloo on the closed connection (SIGABRT), answered first once in a suite run;
+    the launcher then exited 134 for a job whose cause was the other rank's exit code 7."""
+    return min(bad, key=lambda i: (bool(exits[i].get("peer_gone")),
+                                   float(exits[i].get("ended", float("inf"))),
+                                   int(exits[i]["order"])))
 
 
 def _status(code: int) -> str:

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 FLUSH_S = 0.05
 #: Most output lines in one event (a program that prints in a tight loop).
 LINES_PER_EVENT = 2000
+#: What a rank's stderr says when its collective broke because a peer ended (gloo's and NCCL's
+#: words): that rank's failure is the peer's effect, not the job's cause.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
+             "caused by a remote worker crashing", "NCCL communicator was aborted")
 
 _PR_SET_PDEATHSIG = 1
 _CHILDREN: dict[tuple[str, int], _Child] = {}
@@ -205,7 +209,9 @@ def launch_rank(program: Program, env: dict[str, str], *, run_id: str, rank: int
             child = _Child(proc)
             _CHILDREN[(run_id, attempt)] = child
         try:
-            code = _relay(proc, worker=worker, topic=topic, rank=rank, attempt=attempt)
+            code, peer_gone = _relay(proc, worker=worker, topic=topic, rank=rank,
+                                     attempt=attempt)
+            ended = time.time()
         finally:
             if proc.poll() is None:
                 _signal(proc, signal.SIGKILL)
@@ -217,8 +223,11 @@ def launch_rank(program: Program, env: dict[str, str], *, run_id: str, rank: int
                     pipe.close()
             state.drop(run_id)
     worker.log_event(topic, {"rank": rank, "attempt": attempt, "exit": code})
+    # ``ended`` and ``peer_gone`` let the launcher name the rank that failed first for its
+    # own reason (a peer that aborted on the closed connection may end, and answer, sooner).
     return {"rank": rank, "attempt": attempt, "exit": code, "worker": worker.address,
-            "pid": proc.pid, "signalled": child.signalled, "seconds": time.time() - started}
+            "pid": proc.pid, "signalled": child.signalled, "seconds": ended - started,
+            "ended": ended, "peer_gone": peer_gone}
 
 
 def _gloo_interface(host: str) -> str | None:
@@ -231,8 +240,9 @@ def _gloo_interface(host: str) -> str | None:
 
 
 def _relay(proc: subprocess.Popen[bytes], *, worker: Any, topic: str, rank: int,
-           attempt: int) -> int:
-    """Send the program's output lines until both its streams close; its exit code."""
+           attempt: int) -> tuple[int, bool]:
+    """Send the program's output lines until both its streams close; its exit code, and
+    whether its stderr said a peer's connection closed (:data:`PEER_GONE`)."""
     lines: queue.Queue[tuple[str, str] | None] = queue.Queue()
 
     def read(stream: IO[bytes], name: str) -> None:
@@ -245,7 +255,7 @@ def _relay(proc: subprocess.Popen[bytes], *, worker: Any, topic: str, rank: int,
                for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for reader in readers:
         reader.start()
-    open_streams = len(readers)
+    open_streams, peer_gone = len(readers), False
     while open_streams:
         batch: list[list[str]] = []
         deadline = time.monotonic() + FLUSH_S
@@ -258,8 +268,10 @@ def _relay(proc: subprocess.Popen[bytes], *, worker: Any, topic: str, rank: int,
                 open_streams -= 1
             else:
                 batch.append(list(item))
+                if item[0] == "stderr" and not peer_gone:
+                    peer_gone = any(words in item[1] for words in PEER_GONE)
         if batch:
             worker.log_event(topic, {"rank": rank, "attempt": attempt, "lines": batch})
     for reader in readers:
         reader.join()
-    return int(proc.wait())
+    return int(proc.wait()), peer_gone
