@@ -302,7 +302,7 @@ def test_workers_that_joined_are_taken_at_the_next_restart(cluster, tmp_path, mo
 
 def test_the_rank_blamed_is_the_one_that_failed_for_its_own_reason():
     from dask_train.launcher._launcher import _first_failure
-    from dask_train.launcher._rank import PEER_GONE
+    from dask_train.runtime._torch_rank import PEER_GONE
 
     # A suite run's case: rank 1 raised and exited 7; rank 0's gloo saw the connection close
     # and aborted (SIGABRT), and its answer came first. Its stderr, as gloo words it:

@@ -29,6 +29,7 @@ from distributed import get_worker
 from dask_train.runtime._hosts import worker_host
 from dask_train.runtime._plugin import worker_state
 from dask_train.runtime._ports import free_port
+from dask_train.runtime._torch_rank import PEER_GONE
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,6 @@ logger = logging.getLogger(__name__)
 FLUSH_S = 0.05
 #: Most output lines in one event (a program that prints in a tight loop).
 LINES_PER_EVENT = 2000
-#: What a rank's stderr says when its collective broke because a peer ended (gloo's and NCCL's
-#: words): that rank's failure is the peer's effect, not the job's cause.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
-             "caused by a remote worker crashing", "NCCL communicator was aborted")
 
 _PR_SET_PDEATHSIG = 1
 _CHILDREN: dict[tuple[str, int], _Child] = {}

@@ -22,7 +22,14 @@ from distributed import Client, Future, as_completed
 from dask_train.errors import InvalidInput, TrainingTimeout, WorkerLost
 from dask_train.runtime._calls import live_workers, run_on_live
 from dask_train.runtime._hosts import local_ranks
-from dask_train.runtime._torch_rank import call_on_rank, join, leave, probe, start_store
+from dask_train.runtime._torch_rank import (
+    PEER_GONE,
+    call_on_rank,
+    join,
+    leave,
+    probe,
+    start_store,
+)
 
 BACKENDS = ("gloo", "nccl")
 
@@ -58,7 +65,7 @@ def _collateral(exc: BaseException) -> bool:
     """An error a rank got because a peer failed (gloo reports a closed connection as RuntimeError)."""
     import torch.distributed as dist
 
-    markers = ("gloo", "NCCL", "Connection closed by peer", "Connection reset")
+    markers = ("gloo", "NCCL", *PEER_GONE)
     return isinstance(exc, (dist.DistError, ConnectionError, CancelledError)) or (
         isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers)
     )

@@ -30,6 +30,12 @@ from dask_train.runtime._plugin import worker_state
 _LOCK = threading.Lock()
 
 
+#: What a rank says when its collective broke because a peer ended (gloo's and NCCL's words):
+#: its failure is the peer's effect, not the cause (a torch group's error, a launched rank's
+#: stderr).
+PEER_GONE = ("Connection closed by peer", "Connection reset",
+             "caused by a remote worker crashing", "NCCL communicator was aborted")
+
 @dataclass
 class RankRecord:
     """What one rank of one group keeps on its worker."""
