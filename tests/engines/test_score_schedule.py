@@ -52,3 +52,16 @@ def test_without_a_budget_nothing_is_skipped_and_slow_scores_run_back_to_back() 
     assert schedule.skipped == 0 and schedule.cpu_s == pytest.approx(1.2)
     schedule.spent(0.5)  # the final score: counted, never skipped
     assert schedule.record(now=2.0)["cpu_s"] == pytest.approx(1.7)
+
+
+def test_a_due_time_with_nothing_new_is_neither_a_score_nor_skipped() -> None:
+    schedule = ScoreSchedule(every=0.1, budget=0.5, start=0.0)
+    schedule.done(cpu_s=0.01, started=0.1)
+    # The trainers waited: the parameters pulled were those scored last, nothing evaluated.
+    schedule.done(cpu_s=0.001, started=0.2, scored=False)
+    schedule.done(cpu_s=0.01, started=0.3)
+    assert (schedule.scores, schedule.unchanged, schedule.skipped) == (2, 1, 0)
+    assert schedule.due == pytest.approx(0.4)  # the grid goes on as if it had scored
+    record = schedule.record(now=0.4)
+    assert record["cpu_s"] == pytest.approx(0.021)  # the pull's CPU is counted all the same
+    assert record["unchanged"] == 1 and record["scores"] == 2

@@ -102,8 +102,9 @@ class FitResult(JobResult):
         What the scorer spent: ``cpu_s`` (CPU seconds scoring: its own thread's, and where the
         validation blocks were evaluated), ``share`` (``cpu_s`` over ``wall_s``: the cores it
         took, on average), ``budget`` (the share of one core allowed, None for no limit),
-        ``scores`` taken and ``skipped`` (due by ``score_every`` but left out to keep within
-        the budget). Empty without a scorer.
+        ``scores`` taken, ``skipped`` (due by ``score_every`` but left out to keep within
+        the budget) and ``unchanged`` (due, but the parameters were those scored last: not
+        scored again). Empty without a scorer.
     """
 
     model: torch.nn.Module | ArrayModel | Any

@@ -103,7 +103,9 @@ class ScoreSchedule:
     seconds since ``start`` (a score is never cut short, so the last one may lift it above
     until the next is due). Scores are due on the grid ``start + k * every``; a slow score is
     followed by the next at once (a fixed rate, not a fixed pause), an expensive one by the
-    first due time within the budget, and the due times passed over are counted as skipped.
+    first due time within the budget, and the due times passed over are counted as skipped. A
+    due time that found nothing new to score (the parameters unchanged since the last score, or
+    not published yet) counts as ``unchanged``: its CPU (the pull) is counted, no score is.
 
     Examples
     --------
@@ -116,22 +118,28 @@ class ScoreSchedule:
     >>> clock.done(cpu_s=0.1, started=0.2)  # 0.15 CPU-s in all: not before 0.6 s
     >>> round(clock.due, 3), clock.skipped
     (0.6, 3)
+    >>> clock.done(cpu_s=0.001, started=0.6, scored=False)  # the same parameters: not scored
+    >>> round(clock.due, 3), clock.scores, clock.unchanged
+    (0.7, 2, 1)
     """
 
     def __init__(self, *, every: float, budget: float | None, start: float) -> None:
         self.every, self.budget, self.start = float(every), budget, float(start)
         self.due = self.start + self.every
-        self.cpu_s, self.scores, self.skipped = 0.0, 0, 0
+        self.cpu_s, self.scores, self.skipped, self.unchanged = 0.0, 0, 0, 0
 
     def wait_s(self, now: float) -> float:
         """Seconds until the next score is due."""
         return max(0.0, self.due - now)
 
-    def done(self, *, cpu_s: float, started: float) -> None:
-        """Count a score begun at ``started`` that took ``cpu_s`` CPU seconds; set the next due
-        time."""
+    def done(self, *, cpu_s: float, started: float, scored: bool = True) -> None:
+        """Count a score begun at ``started`` that took ``cpu_s`` CPU seconds (``scored``
+        False: a due time that found nothing new to score); set the next due time."""
         self.cpu_s += max(0.0, cpu_s)
-        self.scores += 1
+        if scored:
+            self.scores += 1
+        else:
+            self.unchanged += 1
         due = max(self.due + self.every, started)
         if self.budget:
             earliest = self.start + self.cpu_s / self.budget
@@ -150,4 +158,4 @@ class ScoreSchedule:
         """What the scorer spent, for the result: CPU, wall seconds, the budget, the counts."""
         return {"cpu_s": self.cpu_s, "wall_s": max(0.0, now - self.start),
                 "budget": self.budget, "scores": self.scores, "skipped": self.skipped,
-                "score_every": self.every}
+                "unchanged": self.unchanged, "score_every": self.every}

@@ -91,12 +91,13 @@ def _score_until_stopped(worker: Any, state: Any, ps: PSClient, module: Any,
             if state.dropped:  # its parameters were freed under this score: the job moved on
                 break
             raise
-        if record is not None and record.step not in keeper:
+        if record is not None:
             step = record.step
             keeper.keep_snapshot(record.step,
                                  (record, model.read_params(), scorer.buffers.gather()))
             worker.log_event(config.topic, record.message())
-        clock.done(cpu_s=time.thread_time() - cpu + scorer.remote_cpu(), started=started)
+        clock.done(cpu_s=time.thread_time() - cpu + scorer.remote_cpu(), started=started,
+                   scored=record is not None)
         stats.report(step=step, cpu_s=clock.cpu_s, scores=clock.scores, skipped=clock.skipped)
 
     def where() -> dict[str, Any]:
@@ -117,7 +118,7 @@ def _score_until_stopped(worker: Any, state: Any, ps: PSClient, module: Any,
     deadline = time.monotonic() + min(10.0, float(config.timeout))
     while True:
         cpu = time.thread_time()
-        record = scorer.score()
+        record = scorer.score(again=True)
         clock.spent(time.thread_time() - cpu + scorer.remote_cpu())
         if record is not None or time.monotonic() >= deadline:
             break
@@ -145,18 +146,24 @@ class _Scorer:
         self.ps, self.model, self.validation, self.spread = ps, model, validation, spread
         self.config = config
         self.buffers = model.buffers()
+        self.last_step: int | None = None  # the version last scored
 
     def remote_cpu(self) -> float:
         """CPU seconds the last score took where the validation blocks live (0 when local)."""
         return self.spread.take_cpu() if self.spread is not None else 0.0
 
-    def score(self) -> Score | None:
-        """One score's event; None when the parameters or the data cannot be read yet."""
+    def score(self, *, again: bool = False) -> Score | None:
+        """One score's event; None when the parameters or the data cannot be read yet, or
+        when the parameters are those scored last (``again``: score them all the same)."""
         try:
             exchange = self.ps.pull()
         except KeyError:
             # The parameters are not published yet (a sync job's rank 0 is still starting);
             # a worker that vanished instead is the controller's to report.
+            return None
+        if exchange.version == self.last_step and not again:
+            # Trainers that wait (for blocks, at a checkpoint's pause) leave the parameters as
+            # they were: scoring them again would spend the budget on a row the history has.
             return None
         write_params(self.model, exchange)
         self.buffers.scatter(exchange.buffers)
@@ -168,4 +175,5 @@ class _Scorer:
             x, y = self.validation
             train = self.config.trains
             scores = self.model.evaluate(x, y, loss=train.loss, metrics=train.metrics)
+        self.last_step = exchange.version
         return score_event(step=exchange.version, samples=exchange.samples, scores=scores)
