@@ -2,7 +2,7 @@
 
 One object per job (:class:`StateKeeper`), the controller's one place for them: whether a job
 keeps copies in memory and where (:func:`~dask_train.policy._copies.copies_wanted`,
-:func:`~dask_train.controller.cluster._departures.memory_store`), when a checkpoint or a copy is
+:func:`~dask_train.controller.cluster._memory.memory_store`), when a checkpoint or a copy is
 due, the pause that writes it (RUNNING -> CHECKPOINTING -> RUNNING), the final checkpoint, which
 store a restart loads from (:func:`~dask_train.policy._restore.restart_store`), and dropping the
 copies once ``checkpoint=`` holds one or the job ends. The controller decides when a generation
@@ -22,7 +22,7 @@ from distributed import Client
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._generations import GenerationPlacement
 from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
-from dask_train.controller.cluster._departures import (
+from dask_train.controller.cluster._memory import (
     drop_store,
     in_workers,
     memory_store,

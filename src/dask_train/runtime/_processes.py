@@ -3,9 +3,11 @@ a host sum's peer, the process that made a network namespace)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 
-__all__ = ["pid_alive"]
+__all__ = ["pid_alive", "remove_orphans"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -26,3 +28,24 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def remove_orphans(where: str, prefix: str | tuple[str, ...], *,
+                   owner: Callable[[str], int | None], remove: Callable[[str], None]) -> int:
+    """Remove the entries of directory ``where`` named with ``prefix`` whose owner process
+    (``owner(name)``, None for an entry it does not claim) is gone; the number removed.
+
+    ``remove(path)`` removes one; an entry another process removed first is not counted.
+    """
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        pid = owner(name)
+        if pid is not None and not pid_alive(pid):
+            with contextlib.suppress(OSError):  # another process removed it first
+                remove(os.path.join(where, name))
+                removed += 1
+    return removed

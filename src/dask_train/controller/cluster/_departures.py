@@ -27,33 +27,30 @@ it at the next look at the roles.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import shutil
-import socket
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from distributed import Client
 
-from dask_train.checkpoint import CheckpointConfig
 from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
+from dask_train.controller.cluster._memory import (
+    drop_store,
+    memory_place_of,
+    memory_store,
+    on_this_machine,
+    rehold,
+)
 from dask_train.engines._protocol import Engine, Reporting, Snapshot, Survivable
 from dask_train.engines._spec import JobSpec
 from dask_train.errors import WorkerLost
-from dask_train.policy._copies import MemoryPlace, memory_place, on_one_machine
+from dask_train.policy._copies import MemoryPlace
 from dask_train.policy._placement import KINDS
 from dask_train.runtime._calls import alive_workers, listens
-from dask_train.runtime._hosts import worker_hosts
-from dask_train.runtime._worker_files import PROTOCOL, holders_for, register_protocol, remove
-from dask_train.runtime._worker_files import url as worker_files_url
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +69,6 @@ ALONE_S = 5.0
 #: How long a lost worker's loss waits for its leaving notice: Dask removes a retired worker
 #: from the scheduler a few milliseconds before the worker (closing) sends the notice.
 NOTICE_S = 0.5
-
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 #: The controller's manifest of a snapshot: ``manifest(ledger, rng)``.
 Manifest = Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]]
@@ -105,87 +100,6 @@ def _what(leaving: set[str], joined: set[str]) -> str:
     parts = ([f"{', '.join(sorted(leaving))} is leaving"] if leaving else []) + \
         ([f"{', '.join(sorted(joined))} joined"] if joined else [])
     return " and ".join(parts)
-
-
-def on_this_machine(addresses: Iterable[str]) -> bool:
-    """Whether every worker address is on this machine (a directory here is theirs too)."""
-    return on_one_machine(worker_hosts(addresses), _local_addresses())
-
-
-def memory_dir(prefix: str) -> str:
-    """A new directory in this machine's memory (``/dev/shm``, else the temporary directory),
-    for state every worker of this machine reads and writes, and no worker's death takes."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-
-
-def memory_place_of(memory_state: str, workers: Iterable[str]) -> MemoryPlace:
-    """Where state kept in memory for ``workers`` goes
-    (:func:`~dask_train.policy._copies.memory_place`, over their hosts and this machine's)."""
-    return memory_place(memory_state, hosts=worker_hosts(workers), here=_local_addresses())
-
-
-def memory_store(prefix: str, *, workers: Iterable[str], alive: Iterable[str], timeout: float,
-                 memory_state: str, **config: Any) -> Checkpoints | None:
-    """A store for state kept in memory, that no single worker's death takes (where:
-    :func:`memory_place_of`, ``memory_state`` being
-    :data:`~dask_train.policy._copies.MEMORY_STATE`'s). In the workers' memory, each file is
-    kept by two live workers (:func:`~dask_train.runtime._worker_files.holders_for`: workers
-    without a role first). None: in the workers' memory, with no live worker."""
-    workers = list(workers)
-    if memory_place_of(memory_state, workers) is MemoryPlace.MACHINE:
-        return Checkpoints(CheckpointConfig(path=memory_dir(prefix), **config), timeout=timeout)
-    register_protocol()
-    holders = holders_for(alive, roles=workers)
-    if not holders:
-        return None
-    path = worker_files_url(prefix + uuid.uuid4().hex[:8])
-    return Checkpoints(CheckpointConfig(path=path, storage_options={"holders": holders},
-                                        **config), timeout=timeout)
-
-
-def in_workers(store: Checkpoints | None) -> bool:
-    """Whether ``store`` keeps its files in the workers' memory."""
-    return store is not None and os.fspath(store.config.path).startswith(PROTOCOL + "://")
-
-
-def rehold(store: Checkpoints, *, alive: Iterable[str], workers: Iterable[str]) -> Checkpoints:
-    """``store`` with live holders: those of its holders still ``alive`` first (they keep the
-    files written so far), topped up from the others. A directory store as it is."""
-    if not in_workers(store):
-        return store
-    options = dict(store.config.storage_options or {})
-    holders = holders_for(alive, roles=workers, keep=options.get("holders", ()))
-    if not holders or holders == list(options.get("holders", ())):
-        return store
-    options["holders"] = holders
-    return Checkpoints(replace(store.config, storage_options=options), timeout=store.timeout)
-
-
-def drop_store(store: Checkpoints) -> None:
-    """Remove a store of :func:`memory_store` with every file in it (holders gone are
-    skipped)."""
-    if in_workers(store):
-        with contextlib.suppress(Exception):
-            remove(os.fspath(store.config.path), (store.config.storage_options or {})["holders"])
-    else:
-        shutil.rmtree(store.config.path, ignore_errors=True)
-
-
-def _local_addresses() -> set[str]:
-    """Every address of this machine: the host name's, and each network interface's (workers
-    often listen on the interface that reaches the scheduler, say eth0's, which is not the
-    address the host name resolves to)."""
-    import psutil  # a dependency of distributed
-
-    here = set(_LOOPBACK)
-    try:
-        here.add(socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        pass
-    for entries in psutil.net_if_addrs().values():
-        here |= {e.address.split("%", 1)[0] for e in entries
-                 if e.family in (socket.AF_INET, socket.AF_INET6)}
-    return here
 
 
 class HandOvers:

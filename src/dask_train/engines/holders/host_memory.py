@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from dask_train.runtime._hosts import address_scheme, worker_host
-from dask_train.runtime._processes import pid_alive
+from dask_train.runtime._processes import remove_orphans
 
 logger = logging.getLogger(__name__)
 
@@ -134,19 +134,8 @@ def _maker(name: str) -> int | None:
 def sweep() -> int:
     """Remove segments whose owner process is gone (a server killed before it unlinked its
     file), and those whose maker was killed while it made them; the number removed."""
-    removed = 0
-    try:
-        names = [n for n in os.listdir(SEGMENT_DIR) if n.startswith(PREFIX)]
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(SEGMENT_DIR, name)
-        pid = _maker(name) or owner(path)
-        if pid is not None and not pid_alive(pid):
-            with contextlib.suppress(OSError):  # another process removed it first
-                os.unlink(path)
-                removed += 1
-    return removed
+    return remove_orphans(SEGMENT_DIR, PREFIX, remove=os.unlink,
+                          owner=lambda name: _maker(name) or owner(os.path.join(SEGMENT_DIR, name)))
 
 
 def _forgotten(path: str, fd: int) -> None:
