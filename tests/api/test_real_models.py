@@ -169,4 +169,6 @@ def test_a_dask_validation_set_is_scored_where_its_blocks_live(client: Client, d
     assert last["accuracy"] == pytest.approx(float((out.argmax(1).numpy() == yv).mean()))
     assert last["top2"] == pytest.approx(top2(out, torch.from_numpy(yv)))
     assert last["loss"] == pytest.approx(loss, rel=1e-5)
-    assert last["accuracy"] > 0.9
+    # Failed once in 3 loaded runs (0.95-0.96 in 8 others): say what the job went through.
+    assert last["accuracy"] > 0.9, (result.history.to_dict("records"), result.failures,
+                                     result.trainers, result.stopped_by)
