@@ -11,6 +11,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+#: Seconds a ``dask worker`` process may take to exit on SIGTERM. A fresh-clone run saw one
+#: without a nanny still running 30 s after it: its main thread in ``asyncio.run``'s cancelling
+#: of the remaining tasks, its one other thread idle, its log at "Removing Worker plugin
+#: dask-train" of ``Worker.close`` (no job or role left on it). The wait after that point that
+#: Dask bounds by its 30 s close timeout is the batched stream's close, which waits for its
+#: sender to say it stopped; a sender whose write was cancelled with every other task ends
+#: without saying so (``batched.py``; the close timeouts of dask/distributed#7318). Eight
+#: SIGTERMs of a worker flooding its stream exited within 0.2 s here, so that reading is not
+#: confirmed. A worker still running after Dask's own bound and some room is stuck for another
+#: reason, and fails with its stacks.
+EXIT_S = 60.0
+
 
 def scheduler_address(info: Path, *, timeout: float = 30.0) -> str:
     """The address ``dask scheduler --scheduler-file info`` writes, once the file is whole: it
@@ -40,7 +52,7 @@ def _end(processes: Sequence[subprocess.Popen[bytes]]) -> None:
     for process in processes:
         if process.poll() is None:
             process.terminate()
-        process.wait(30)
+        process.wait(EXIT_S)
 
 
 @contextmanager

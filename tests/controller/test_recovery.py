@@ -28,6 +28,8 @@ import dask_train as dt
 from dask_train.data._cluster import live_workers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engines"))
+sys.path.insert(0, str(Path(__file__).parent))
+from _dask_cli import EXIT_S  # noqa: E402
 from _models import DiesAt, Slow, mlp  # noqa: E402
 
 
@@ -141,19 +143,19 @@ def _dask_worker(address: str, log: Any) -> subprocess.Popen[bytes]:
 
 
 def _terminate(workers: list[subprocess.Popen[bytes]], log: Path) -> None:
-    """SIGTERM each worker and wait for it; one still running after 30 s fails the test with
-    its threads' stacks (a fresh-clone run once saw such a worker, cause not found)."""
+    """SIGTERM each worker and wait for it; one still running after ``EXIT_S`` fails the test
+    with its threads' stacks (``EXIT_S`` says why 30 s was too short)."""
     for process in workers:
         process.terminate()
     stuck = []
     for process in workers:
         try:
-            process.wait(30)
+            process.wait(EXIT_S)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)
             process.wait(10)
             stuck.append(process.pid)
-    assert not stuck, f"workers {stuck} did not exit 30 s after SIGTERM:\n" + \
+    assert not stuck, f"workers {stuck} did not exit {EXIT_S:g} s after SIGTERM:\n" + \
         log.read_text()[-20_000:]
 
 

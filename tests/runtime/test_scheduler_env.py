@@ -30,7 +30,7 @@ from distributed import Client
 import dask_train as dt
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
-from _dask_cli import scheduler_address  # noqa: E402
+from _dask_cli import EXIT_S, scheduler_address  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def _cluster(python: Path, tmp_path: Path, **env: str) -> Iterator[str]:
         for process in (worker, scheduler):
             if process is not None:
                 process.terminate()
-                process.wait(30)
+                process.wait(EXIT_S)
 
 
 def test_connect_names_a_scheduler_that_cannot_import_dask_train(
