@@ -23,6 +23,7 @@ from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._generations import GenerationPlacement
 from dask_train.controller._state import CheckpointTimes, JobLog, JobState, Phase
 from dask_train.controller.cluster._memory import (
+    COPIES,
     drop_store,
     in_workers,
     memory_store,
@@ -111,7 +112,7 @@ class StateKeeper:
             return
         if self.copies is None:
             self.copies = memory_store(
-                f"dask-train-copies-{self.spec.job_id}-", workers=workers,
+                COPIES, self.spec.job_id, workers=workers,
                 alive=await alive_workers(self.client), timeout=self.spec.timeout,
                 memory_state=self.spec.memory_state, every_seconds=every, keep=1)
         elif in_workers(self.copies):

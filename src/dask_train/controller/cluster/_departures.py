@@ -39,6 +39,7 @@ from dask_train.controller._checkpointing import Checkpoints, Restore
 from dask_train.controller._publish import JobEvents
 from dask_train.controller._state import JobLog, JobState, Phase
 from dask_train.controller.cluster._memory import (
+    HAND_OVER,
     drop_store,
     memory_place_of,
     memory_store,
@@ -162,8 +163,8 @@ class HandOvers:
         if not alive and not on_this_machine(workers):
             return None
         if self._scratch is None:
-            self._scratch = memory_store(f"dask-train-hand-over-{self.spec.job_id}-",
-                                         workers=workers, alive=alive, timeout=self.spec.timeout,
+            self._scratch = memory_store(HAND_OVER, self.spec.job_id, workers=workers,
+                                         alive=alive, timeout=self.spec.timeout,
                                          memory_state=self.spec.memory_state, keep=1)
         else:
             self._scratch = rehold(self._scratch, alive=alive, workers=engine.roles.addresses)

@@ -38,9 +38,11 @@ def on_this_machine(addresses: Iterable[str]) -> bool:
     return on_one_machine(worker_hosts(addresses), _local_addresses())
 
 
-#: The state a job keeps in this machine's memory (:func:`memory_dir`): its in-memory copies
-#: and its hand-over scratch directory.
-MEMORY_DIRS = ("dask-train-copies-", "dask-train-hand-over-")
+#: What a job keeps in memory (:func:`memory_store`'s ``kind``): its in-memory copies, and its
+#: hand-over scratch store.
+COPIES, HAND_OVER = "dask-train-copies-", "dask-train-hand-over-"
+#: The prefixes of the directories :func:`memory_dir` makes, which :func:`sweep_memory_dirs` sweeps.
+MEMORY_DIRS = (COPIES, HAND_OVER)
 
 
 def memory_dir(prefix: str) -> str:
@@ -76,14 +78,15 @@ def memory_place_of(memory_state: str, workers: Iterable[str]) -> MemoryPlace:
     return memory_place(memory_state, hosts=worker_hosts(workers), here=_local_addresses())
 
 
-def memory_store(prefix: str, *, workers: Iterable[str], alive: Iterable[str], timeout: float,
-                 memory_state: str, **config: Any) -> Checkpoints | None:
-    """A store for state kept in memory, that no single worker's death takes (where:
+def memory_store(kind: str, job_id: str, *, workers: Iterable[str], alive: Iterable[str],
+                 timeout: float, memory_state: str, **config: Any) -> Checkpoints | None:
+    """A store for a job's state of ``kind`` (:data:`COPIES` or :data:`HAND_OVER`) kept in
+    memory, that no single worker's death takes (where:
     :func:`memory_place_of`, ``memory_state`` being
     :data:`~dask_train.policy._copies.MEMORY_STATE`'s). In the workers' memory, each file is
     kept by two live workers (:func:`~dask_train.runtime._worker_files.holders_for`: workers
     without a role first). None: in the workers' memory, with no live worker."""
-    workers = list(workers)
+    workers, prefix = list(workers), f"{kind}{job_id}-"
     if memory_place_of(memory_state, workers) is MemoryPlace.MACHINE:
         return Checkpoints(CheckpointConfig(path=memory_dir(prefix), **config), timeout=timeout)
     register_protocol()
