@@ -428,20 +428,40 @@ def _own_data_loop(ctx: Any) -> dict[str, Any]:
     return {"restored": None if state is None else state["epoch"]}
 
 
+class _EndLifetimesAtReport(dt.Callback):
+    """At the job's ``at``-th report, ends the lifetime of each of ``workers`` at once, as
+    ``dask worker --lifetime`` ends it when it runs out (``Worker.close_gracefully(reason=
+    "worker-lifetime-reached")`` called on the worker's loop)."""
+
+    def __init__(self, client: Client, workers: Callable[[], list[str]], at: int = 2) -> None:
+        self.client, self.workers, self.left = client, workers, at
+
+    def on_score(self, record: Any) -> bool:
+        async def end_lifetime(dask_worker: Any) -> None:  # nested: sent by value
+            dask_worker.io_loop.add_callback(dask_worker.close_gracefully,
+                                             reason="worker-lifetime-reached")
+
+        self.left -= 1
+        if self.left == 0:
+            self.client.run(end_lifetime, workers=self.workers(), wait=False)
+        return False
+
+
 def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # Both workers of one `dask worker --nworkers 2 --lifetime 24s` leave: no other worker is
-    # left to hold the state. (12 s ended, on a doubly loaded machine, two suites at once,
-    # before the ranks ran on one of them, its event loop 8 s unresponsive as a rank imported
-    # torch: it held nothing, left as a loss, and the job started again from the beginning.)
-    # On one machine the state goes to /dev/shm and the job waits for workers to join (it
-    # once gave the hand-over up: a loss, from the last report's copy, or from the start when
-    # every rank held the state); two join once it says it waits (a `dask worker` without a
-    # lifetime: `--lifetime-restart`'s workers end their own lifetimes again, and on a loaded
-    # machine a generation started on them met the next end, again and again). Their
-    # lifetimes may end a moment apart: the first's ranks then go to the second, which leaves
-    # next with no other worker left; the job waits in either case.
-    with dask_cli_cluster(tmp_path, first=["--lifetime", "24s"]) as (address, _), \
+    # Both workers of one `dask worker --nworkers 2` end their lifetimes at once: no other
+    # worker is left to hold the state. The lifetimes end at the job's second report, as
+    # Dask's `--lifetime` ends them when it runs out: a fixed `--lifetime 24s` ended, on a slow
+    # loaded machine, before the ranks' first report (their start took 30 s): they held
+    # nothing, and the job started again from the beginning, with no hand-over to test (12 s
+    # had ended so on a doubly loaded one). On one machine the state goes to /dev/shm and the
+    # job waits for workers to join (it once gave the hand-over up: a loss, from the last
+    # report's copy, or from the start when every rank held the state); two join once it says
+    # it waits (a `dask worker` without a lifetime: `--lifetime-restart`'s workers end their
+    # own lifetimes again, and on a loaded machine a generation started on them met the next
+    # end, again and again). The single worker's test and the Slurm test run `--lifetime`
+    # itself.
+    with dask_cli_cluster(tmp_path) as (address, _), \
             Client(address) as client, contextlib.ExitStack() as joined:
         client.wait_for_workers(2, timeout=30)
         waits = _WhenLogged("for workers to join",  # either wait says so
@@ -450,8 +470,9 @@ def test_dt_run_whose_every_worker_ends_its_lifetime_at_once_hands_over(
         with waits.watching(), caplog.at_level(logging.INFO, logger="dask_train"):
             first = set(live_workers(client))  # stop once none of them is alive
             result = dt.run(_own_data_loop, workers=(1, 2), epochs=1000, client=client,
-                            callbacks=[_StopTwoScoresAfter(
-                                lambda: not first & set(live_workers(client)))])
+                            callbacks=[_EndLifetimesAtReport(client, lambda: sorted(first)),
+                                       _StopTwoScoresAfter(
+                                           lambda: not first & set(live_workers(client)))])
         output = (tmp_path / "cluster.log").read_text()
     assert not _errors(caplog), (_errors(caplog), output)
     assert result.stopped_by == "callback" and waits.seen.is_set(), (_summary(result), output)
