@@ -163,7 +163,15 @@ def _watch_writes(root: str, marker: str, after: int) -> None:
         except OSError:  # a directory pruned while we looked
             continue
         if len(complete) >= after and writing:
-            _kill_self(marker, str(writing[0]))
+            # Dead while the file is still half written: the marker's write gives the writer
+            # time to finish (a fresh-clone run's kill came after the shard was renamed and
+            # the checkpoint completed, and the job rightly went on from it), so the file is
+            # looked at again after it, just before the kill; a file finished by then is the
+            # next checkpoint's chance.
+            Path(marker).write_text(str(writing[0]))
+            if writing[0].exists():
+                os.kill(os.getpid(), signal.SIGKILL)
+            Path(marker).unlink()
         time.sleep(0.0002)
 
 
