@@ -144,10 +144,14 @@ class JobWatch:
 _ARMED_S = 90.0
 
 
-def _kill_self(marker: str, note: str) -> None:
+def _kill_self(marker: str, note: str, still: Callable[[], bool] = lambda: True) -> None:
     # The marker tells the test what the process saw when it died: written, then the kill.
+    # ``still`` looks at the moment again after the marker's write, which lets other threads
+    # run: a moment gone by then is no kill (the marker is taken back).
     Path(marker).write_text(note)
-    os.kill(os.getpid(), signal.SIGKILL)
+    if still():
+        os.kill(os.getpid(), signal.SIGKILL)
+    Path(marker).unlink()
 
 
 def _watch_writes(root: str, marker: str, after: int) -> None:
@@ -163,15 +167,11 @@ def _watch_writes(root: str, marker: str, after: int) -> None:
         except OSError:  # a directory pruned while we looked
             continue
         if len(complete) >= after and writing:
-            # Dead while the file is still half written: the marker's write gives the writer
-            # time to finish (a fresh-clone run's kill came after the shard was renamed and
-            # the checkpoint completed, and the job rightly went on from it), so the file is
-            # looked at again after it, just before the kill; a file finished by then is the
-            # next checkpoint's chance.
-            Path(marker).write_text(str(writing[0]))
-            if writing[0].exists():
-                os.kill(os.getpid(), signal.SIGKILL)
-            Path(marker).unlink()
+            # Dead while the file is still half written: a fresh-clone run's kill came after
+            # the marker's write let the holder finish the shard and the checkpoint completed
+            # (the job rightly went on from it). A file finished by then is the next
+            # checkpoint's chance.
+            _kill_self(marker, str(writing[0]), still=writing[0].exists)
         time.sleep(0.0002)
 
 
